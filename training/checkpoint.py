@@ -1,0 +1,185 @@
+"""Checkpoints: in-memory snapshot, asynchronous save and publish, verified load.
+
+The training loop blocks only for :func:`snapshot` (a copy of every tensor);
+writing, hashing and publishing run on one background thread, in order, so a
+manifest is published strictly after its file and after every earlier one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from training.manifest import CHECKPOINT_FILE, CheckpointManifest, CheckpointRef, file_sha256
+
+log = logging.getLogger(__name__)
+
+
+class CorruptCheckpointError(Exception):
+    """A checkpoint file does not match the sha256 its manifest promises."""
+
+
+class CheckpointSink(Protocol):
+    """Where finished checkpoints go (MLflow in production, a folder in tests)."""
+
+    run_id: str
+
+    def publish(self, checkpoint: Path, manifest: CheckpointManifest) -> None:
+        """Store ``checkpoint``, then its manifest; raise if either fails."""
+
+
+def _clone(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_clone(v) for v in obj)
+    return obj
+
+
+def snapshot(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """Copy everything needed to resume at ``step`` into fresh memory."""
+    return {
+        "step": step,
+        "model": _clone(model.state_dict()),
+        "optimizer": _clone(optimizer.state_dict()),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        **_clone(extra),
+    }
+
+
+def load_verified(path: Path, expected_sha256: str) -> dict[str, Any]:
+    """Load a checkpoint after checking its sha256; never unpickle arbitrary objects."""
+    actual = file_sha256(path)
+    if actual != expected_sha256:
+        raise CorruptCheckpointError(
+            f"checkpoint {path}: expected sha256 {expected_sha256}, found {actual}. "
+            "The file was damaged after it was logged; resume from the previous checkpoint."
+        )
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back the RNG states saved by :func:`snapshot`."""
+    torch.set_rng_state(state["rng"]["torch"])
+    py = state["rng"]["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+
+
+@dataclass
+class SaveStats:
+    """What saving one checkpoint cost the training loop."""
+
+    step: int
+    stall_seconds: float
+
+
+class Checkpointer:
+    """Save checkpoints of one rank, publishing them in order, sync or async."""
+
+    def __init__(
+        self,
+        sink: CheckpointSink,
+        staging_dir: Path,
+        *,
+        job: str,
+        world_size: int,
+        parent: CheckpointRef | None,
+        asynchronous: bool = True,
+        on_published: Callable[[CheckpointManifest], None] | None = None,
+    ) -> None:
+        self._sink = sink
+        self._staging = staging_dir
+        self._staging.mkdir(parents=True, exist_ok=True)
+        self._job = job
+        self._world_size = world_size
+        self._parent = parent
+        self._async = asynchronous
+        self._on_published = on_published
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self.published: list[CheckpointManifest] = []
+        self._thread: threading.Thread | None = None
+        if asynchronous:
+            self._thread = threading.Thread(target=self._drain, name="checkpointer", daemon=True)
+            self._thread.start()
+
+    def save(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        step: int,
+        extra: dict[str, Any],
+    ) -> SaveStats:
+        """Checkpoint the state after ``step`` steps; return how long the loop was blocked."""
+        self._raise_if_failed()
+        started = time.perf_counter()
+        state = snapshot(model, optimizer, step, extra)
+        self.submit(functools.partial(self._write_and_publish, state))
+        return SaveStats(step=step, stall_seconds=time.perf_counter() - started)
+
+    def submit(self, work: Callable[[], None]) -> None:
+        """Run ``work`` in order with the checkpoints (beside the loop when async)."""
+        if self._async:
+            self._queue.put(work)
+        else:
+            work()
+
+    def close(self, timeout_seconds: float = 300.0) -> None:
+        """Wait until every queued checkpoint is published; re-raise a failure."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout_seconds)
+            if self._thread.is_alive():
+                raise TimeoutError(f"checkpoints still publishing after {timeout_seconds}s")
+            self._thread = None
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("an earlier checkpoint failed to publish") from self._error
+
+    def _drain(self) -> None:
+        while (work := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # after a failure nothing later may be published out of order
+            try:
+                work()
+            except BaseException as exc:  # noqa: BLE001 - surfaced by close()/save()
+                log.exception("Background checkpoint work failed")
+                self._error = exc
+
+    def _write_and_publish(self, state: dict[str, Any]) -> None:
+        step = int(state["step"])
+        path = self._staging / f"step-{step:08d}" / CHECKPOINT_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+        manifest = CheckpointManifest(
+            step=step,
+            sha256=file_sha256(path),
+            size_bytes=path.stat().st_size,
+            world_size=self._world_size,
+            job=self._job,
+            run_id=self._sink.run_id,
+            parent=self._parent,
+            created_at=time.time(),
+        )
+        self._sink.publish(path, manifest)
+        self._parent = manifest.ref
+        self.published.append(manifest)
+        log.info("Checkpoint at step %d published (%d bytes)", step, manifest.size_bytes)
+        if self._on_published is not None:
+            self._on_published(manifest)

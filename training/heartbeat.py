@@ -1,0 +1,163 @@
+"""The heartbeat record: the one contract between the worker side and Relay.
+
+Imports neither torch nor Airflow. A rank keeps a :class:`HeartbeatWriter`;
+its training loop only updates fields in memory (``beat``/``enter``), and a
+background thread writes the record atomically (temp file + ``os.replace``)
+every ``interval_seconds``. Watchers read records with :func:`read_heartbeats`.
+
+Environment variables shared by both sides are named here too, so that the
+launcher and the worker never disagree on a spelling.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Environment variables set by a launcher for every rank.
+ENV_HEARTBEAT_DIR = "RELAY_HEARTBEAT_DIR"
+ENV_HEARTBEAT_INTERVAL = "RELAY_HEARTBEAT_INTERVAL_SECONDS"
+ENV_NODE = "RELAY_NODE"
+
+HEARTBEAT_GLOB = "rank-*.json"
+
+
+class Phase(StrEnum):
+    """Where a rank is inside its step."""
+
+    STARTING = "starting"
+    COMPUTE = "compute"
+    COLLECTIVE = "collective"
+    CHECKPOINT = "checkpoint"
+    DONE = "done"
+
+
+@dataclass
+class Heartbeat:
+    """One rank's state as last written."""
+
+    rank: int
+    node: str
+    pid: int
+    step: int = 0
+    phase: str = Phase.STARTING.value
+    phase_started_at: float = field(default_factory=time.time)
+    compute_seconds: float | None = None
+    samples_per_second: float | None = None
+    loss: float | None = None
+    wall_clock: float = field(default_factory=time.time)
+    seq: int = 0
+
+    @classmethod
+    def from_json(cls, text: str) -> Heartbeat:
+        """Parse a record written by :meth:`to_json`, ignoring unknown keys."""
+        raw = json.loads(text)
+        known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        return cls(**known)
+
+    def to_json(self) -> str:
+        """Serialise the record."""
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+
+def heartbeat_path(directory: Path, rank: int) -> Path:
+    """Return where rank ``rank`` writes its heartbeat."""
+    return directory / f"rank-{rank}.json"
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers never see a partial file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_heartbeats(directory: Path) -> dict[int, Heartbeat]:
+    """Read every rank's latest record in ``directory``; skip unreadable files."""
+    beats: dict[int, Heartbeat] = {}
+    if not directory.is_dir():
+        return beats
+    for path in directory.glob(HEARTBEAT_GLOB):
+        try:
+            beat = Heartbeat.from_json(path.read_text())
+        except (OSError, ValueError, TypeError) as exc:
+            # A record being replaced or half-written by a dying process is
+            # not evidence of anything; the next poll will see it again.
+            log.debug("Skipping unreadable heartbeat %s: %s", path, exc)
+            continue
+        beats[beat.rank] = beat
+    return beats
+
+
+class HeartbeatWriter:
+    """Keep one rank's record in memory and write it from a daemon thread."""
+
+    def __init__(self, directory: Path, rank: int, node: str, interval_seconds: float) -> None:
+        self._path = heartbeat_path(directory, rank)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._beat = Heartbeat(rank=rank, node=node, pid=os.getpid())
+        self._lock = threading.Lock()
+        self._interval = interval_seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{rank}", daemon=True)
+
+    def start(self) -> HeartbeatWriter:
+        """Write the first record now and start the background thread."""
+        self._flush()
+        self._thread.start()
+        return self
+
+    def enter(self, phase: Phase) -> None:
+        """Mark the start of ``phase`` (cheap: memory only)."""
+        with self._lock:
+            self._beat.phase = phase.value
+            self._beat.phase_started_at = time.time()
+
+    def beat(
+        self,
+        *,
+        step: int,
+        compute_seconds: float | None = None,
+        samples_per_second: float | None = None,
+        loss: float | None = None,
+    ) -> None:
+        """Record a finished step (cheap: memory only)."""
+        with self._lock:
+            self._beat.step = step
+            if compute_seconds is not None:
+                self._beat.compute_seconds = compute_seconds
+            if samples_per_second is not None:
+                self._beat.samples_per_second = samples_per_second
+            if loss is not None:
+                self._beat.loss = loss
+
+    def close(self) -> None:
+        """Mark the rank done, write a last record and stop the thread."""
+        self.enter(Phase.DONE)
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self._interval + 1)
+        self._flush()
+
+    def _flush(self) -> None:
+        with self._lock:
+            self._beat.wall_clock = time.time()
+            self._beat.seq += 1
+            text = self._beat.to_json()
+        try:
+            write_atomically(self._path, text)
+        except OSError as exc:
+            # Losing one beat is harmless; crashing the rank over it is not.
+            log.warning("Could not write heartbeat %s: %s", self._path, exc)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._flush()

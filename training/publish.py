@@ -1,0 +1,56 @@
+"""Publish checkpoints and metrics to an MLflow run, retrying at the I/O edge."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
+from tenacity import (
+    Retrying,
+    before_sleep_log,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+from training.manifest import MANIFEST_FILE, CheckpointManifest, step_dir
+
+log = logging.getLogger(__name__)
+
+
+def mlflow_retrying(attempts: int = 5, max_wait_seconds: float = 8.0) -> Retrying:
+    """Return the retry policy for MLflow calls made from a worker."""
+    return Retrying(
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=0.25, max=max_wait_seconds),
+        retry=retry_if_exception_type(Exception),
+        before_sleep=before_sleep_log(log, logging.WARNING),
+        reraise=True,
+    )
+
+
+class MlflowCheckpointSink:
+    """Log checkpoint files, then manifests, as artifacts of one MLflow run."""
+
+    def __init__(self, tracking_uri: str, run_id: str, retrying: Retrying | None = None) -> None:
+        self.run_id = run_id
+        self._client = MlflowClient(tracking_uri=tracking_uri)
+        self._retrying = retrying or mlflow_retrying()
+
+    def publish(self, checkpoint: Path, manifest: CheckpointManifest) -> None:
+        """Log the checkpoint file, then (only then) the manifest that makes it count."""
+        folder = step_dir(manifest.step)
+        self._retrying(self._client.log_artifact, self.run_id, str(checkpoint), folder)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / MANIFEST_FILE
+            path.write_text(manifest.to_json())
+            self._retrying(self._client.log_artifact, self.run_id, str(path), folder)
+
+    def log_metrics(self, step: int, values: Mapping[str, float], timestamp_ms: int) -> None:
+        """Log a set of metrics at ``step``."""
+        metrics = [Metric(k, float(v), timestamp_ms, step) for k, v in values.items()]
+        self._retrying(self._client.log_batch, self.run_id, metrics=metrics)

@@ -1,0 +1,183 @@
+"""One rank's training loop over the segment's steps ``[start_step, end_step)``.
+
+Started by a node agent with ``RANK``, ``LOCAL_RANK`` and ``RELAY_NODE`` set;
+everything else comes from the launch file. Every RNG draw is a function of
+(seed, step, rank) and the gradient all-reduce sums ranks in a fixed order, so
+resuming from a checkpoint reproduces an uninterrupted run bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from training.chaos import ChaosMonkey
+from training.checkpoint import Checkpointer, load_verified, restore_rng
+from training.data import CharStream, load_corpus, mix_seed
+from training.heartbeat import ENV_NODE, HeartbeatWriter, Phase
+from training.launch import LaunchConfig
+from training.manifest import CheckpointRef
+from training.model import ModelConfig, build_model
+
+log = logging.getLogger("training.worker")
+
+
+def ordered_allreduce_hook(
+    heartbeat: HeartbeatWriter, clock: dict[str, float]
+) -> Any:  # noqa: ANN401 - DDP's hook type is private
+    """Return a DDP comm hook that averages gradients summing ranks in rank order.
+
+    gloo's ring all-reduce adds ranks in an order that depends on where an
+    element sits in the bucket, and DDP rebuilds buckets after the first step,
+    so a resumed run could differ in the last bit. All-gather, then a sum in
+    rank order, is the same for every layout. The hook is also the moment the
+    rank finished computing: it stamps the heartbeat's compute time.
+    """
+
+    # DDP inspects the hook's annotations at runtime, and with postponed
+    # evaluation they are strings it rejects; so this one stays unannotated.
+    def hook(_state, bucket):  # noqa: ANN001, ANN202
+        if "compute_done" not in clock:
+            clock["compute_done"] = time.perf_counter()
+            heartbeat.enter(Phase.COLLECTIVE)
+        buf = bucket.buffer()
+        world = dist.get_world_size()
+        parts = [torch.empty_like(buf) for _ in range(world)]
+        fut = dist.all_gather(parts, buf, async_op=True).get_future()
+
+        def reduce(_: torch.futures.Future[Any]) -> torch.Tensor:
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total += part
+            return total.div_(world)
+
+        return fut.then(reduce)
+
+    return hook
+
+
+def _publisher(cfg: LaunchConfig, parent: CheckpointRef | None) -> tuple[Checkpointer, Any]:
+    from training.publish import MlflowCheckpointSink  # rank 0 only: keeps other ranks light
+
+    sink = MlflowCheckpointSink(cfg.tracking_uri, cfg.run_id)
+    checkpointer = Checkpointer(
+        sink, cfg.root / "staging", job=cfg.job, world_size=cfg.world_size, parent=parent
+    )
+    return checkpointer, sink
+
+
+def train(cfg: LaunchConfig, rank: int, node: str) -> None:
+    """Run this rank's part of the segment."""
+    torch.set_num_threads(1)
+    heartbeat = HeartbeatWriter(cfg.heartbeat_dir, rank, node, cfg.heartbeat_interval_seconds)
+    heartbeat.start()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}",
+        rank=rank,
+        world_size=cfg.world_size,
+        timeout=timedelta(seconds=cfg.collective_timeout_seconds),
+    )
+    model_cfg = ModelConfig(**cfg.model)
+    model = build_model(model_cfg, cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), **cfg.optimizer)
+    parent: CheckpointRef | None = None
+    if cfg.resume is not None:
+        state = load_verified(Path(cfg.resume.path), cfg.resume.sha256)
+        if int(state["step"]) != cfg.start_step:
+            raise RuntimeError(
+                f"checkpoint {cfg.resume.path}: expected step {cfg.start_step}, "
+                f"found {state['step']}; the launcher and the checkpoint disagree"
+            )
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        restore_rng(state)
+        parent = CheckpointRef(cfg.resume.run_id, cfg.resume.step, cfg.resume.sha256)
+        log.info("rank %d resumed from step %d (%s)", rank, cfg.start_step, cfg.resume.path)
+
+    clock: dict[str, float] = {}
+    # One bucket for all gradients, so the hook fires once, when backward is done.
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1024)
+    ddp.register_comm_hook(None, ordered_allreduce_hook(heartbeat, clock))
+    stream = CharStream(
+        load_corpus(cfg.data["corpus"]), model_cfg.context, cfg.data["batch_size"], cfg.seed
+    )
+    chaos = ChaosMonkey(cfg.chaos, segment=cfg.segment, attempt=cfg.attempt, rank=rank, node=node)
+    checkpointer, sink = _publisher(cfg, parent) if rank == 0 else (None, None)
+    pending_metrics: list[tuple[int, dict[str, float], int]] = []
+    heartbeat.beat(step=cfg.start_step)
+
+    for step in range(cfg.start_step, cfg.end_step):
+        chaos.before_step(step)
+        torch.manual_seed(mix_seed(cfg.seed, step, rank))
+        inputs, targets = stream.batch(step, rank)
+        heartbeat.enter(Phase.COMPUTE)
+        clock.clear()
+        started = time.perf_counter()
+        logits = ddp(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        done = time.perf_counter()
+        loss_value = float(loss.item())
+        rate = stream.batch_size * cfg.world_size / max(done - started, 1e-9)
+        heartbeat.beat(
+            step=step + 1,
+            compute_seconds=clock.get("compute_done", done) - started,
+            samples_per_second=rate,
+            loss=loss_value,
+        )
+        if checkpointer is None:
+            continue
+        pending_metrics.append(
+            (step + 1, {"loss": loss_value, "samples_per_second": rate}, int(time.time() * 1000))
+        )
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.end_step:
+            heartbeat.enter(Phase.CHECKPOINT)
+            extra = {"data": {"position": step + 1, "seed": cfg.seed}, "world_size": cfg.world_size}
+            stats = checkpointer.save(model, optimizer, step + 1, extra)
+            log.info("step %d loss %.4f checkpoint stall %.4fs", step + 1, loss_value,
+                     stats.stall_seconds)
+            batch, pending_metrics = pending_metrics, []
+            checkpointer.submit(lambda batch=batch: _log_metrics(sink, batch))
+
+    if checkpointer is not None:
+        checkpointer.close()
+    heartbeat.close()
+    dist.destroy_process_group()
+
+
+def _log_metrics(sink: Any, batch: list[tuple[int, dict[str, float], int]]) -> None:  # noqa: ANN401
+    for step, values, ts in batch:
+        sink.log_metrics(step, values, ts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m training.worker --launch FILE``."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--launch", type=Path, required=True)
+    args = parser.parse_args(argv)
+    rank = int(os.environ["RANK"])
+    node = os.environ[ENV_NODE]
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {node} rank{rank} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    train(LaunchConfig.read(args.launch), rank, node)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

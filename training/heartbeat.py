@@ -100,10 +100,12 @@ def read_heartbeats(directory: Path) -> dict[int, Heartbeat]:
 class HeartbeatWriter:
     """Keep one rank's record in memory and write it from a daemon thread."""
 
-    def __init__(self, directory: Path, rank: int, node: str, interval_seconds: float) -> None:
+    def __init__(
+        self, directory: Path, rank: int, node: str, interval_seconds: float, step: int = 0
+    ) -> None:
         self._path = heartbeat_path(directory, rank)
         directory.mkdir(parents=True, exist_ok=True)
-        self._beat = Heartbeat(rank=rank, node=node, pid=os.getpid())
+        self._beat = Heartbeat(rank=rank, node=node, pid=os.getpid(), step=step)
         self._lock = threading.Lock()
         self._interval = interval_seconds
         self._stop = threading.Event()

@@ -79,7 +79,9 @@ def _publisher(cfg: LaunchConfig, parent: CheckpointRef | None) -> tuple[Checkpo
 def train(cfg: LaunchConfig, rank: int, node: str) -> None:
     """Run this rank's part of the segment."""
     torch.set_num_threads(1)
-    heartbeat = HeartbeatWriter(cfg.heartbeat_dir, rank, node, cfg.heartbeat_interval_seconds)
+    heartbeat = HeartbeatWriter(
+        cfg.heartbeat_dir, rank, node, cfg.heartbeat_interval_seconds, step=cfg.start_step
+    )
     heartbeat.start()
     dist.init_process_group(
         "gloo",

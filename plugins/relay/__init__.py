@@ -1,0 +1,1 @@
+"""Relay: keep segmented distributed PyTorch training running through faults."""

@@ -1,0 +1,170 @@
+"""`relay demo`: run one job end to end through Airflow, show progress, say where to look."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from relay import settings
+from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
+from relay.spec import load_job_spec
+from training.heartbeat import read_heartbeats
+
+DEFAULT_FAULT = {"kind": "crash", "segment": 1, "step": 75, "rank": 1, "attempt": 1}
+
+
+def run_dag_test(
+    dag_id: str, conf: dict[str, Any], env: dict[str, str], log_file: Path
+) -> subprocess.Popen[bytes]:
+    """Start ``airflow dags test`` for one DAG run, its output going to ``log_file``."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    out = log_file.open("ab")
+    return subprocess.Popen(
+        [airflow_bin(), "dags", "test", dag_id, "-c", json.dumps(conf)],
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+class ProgressPrinter:
+    """Print what the segments of the newest DAG run are doing, from their attempt folders."""
+
+    def __init__(self, dag_dir: Path, total_steps: int, since: float) -> None:
+        self.dag_dir = dag_dir
+        self.total_steps = total_steps
+        self.since = since
+        self.seen_tries: set[Path] = set()
+        self.reported_end: set[Path] = set()
+        self.last_step = -1
+
+    def _tries(self) -> list[Path]:
+        if not self.dag_dir.is_dir():
+            return []
+        runs = [p for p in self.dag_dir.iterdir() if p.stat().st_mtime >= self.since - 1]
+        return sorted(
+            (t for r in runs for t in r.glob("segment-*/try-*") if (t / "launch.json").exists()),
+            key=lambda p: p.stat().st_mtime,
+        )
+
+    def poll(self) -> None:
+        """Print new attempts, progress every few steps, and attempt outcomes."""
+        for attempt in self._tries():
+            launch = json.loads((attempt / "launch.json").read_text())
+            name = f"{attempt.parent.name.replace('-', '_')} {attempt.name.replace('-', ' ')}"
+            if attempt not in self.seen_tries:
+                self.seen_tries.add(attempt)
+                print(
+                    f"  {name}: steps [{launch['start_step']}, {launch['end_step']}) on "
+                    f"{', '.join(launch['nodes'])} x {launch['ranks_per_node']} ranks"
+                    + (f", resuming from step {launch['resume']['step']}" if launch["resume"]
+                       else ", from scratch"),
+                    flush=True,
+                )
+            states = self._states(attempt)
+            if attempt not in self.reported_end and states and "running" not in states:
+                self.reported_end.add(attempt)
+                if "failed" in states:
+                    print(f"  {name}: FAILED ({self._failure(attempt)}); Airflow will retry",
+                          flush=True)
+            beats = read_heartbeats(attempt / "heartbeats")
+            if beats and attempt not in self.reported_end:
+                step = min(b.step for b in beats.values())
+                loss = beats[min(beats)].loss
+                if step >= self.last_step + 10 or step < self.last_step:
+                    self.last_step = step
+                    loss_text = f"loss {loss:.3f}" if loss is not None else "starting"
+                    print(f"    step {step:4d}/{self.total_steps}  {loss_text}", flush=True)
+
+    @staticmethod
+    def _states(attempt: Path) -> set[str]:
+        states = set()
+        for f in (attempt / "status").glob("*.json"):
+            try:
+                states.add(json.loads(f.read_text())["state"])
+            except (OSError, ValueError, KeyError):
+                states.add("running")
+        return states
+
+    @staticmethod
+    def _failure(attempt: Path) -> str:
+        codes: dict[str, int] = {}
+        for f in (attempt / "status").glob("*.json"):
+            try:
+                record = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            codes.update({r: c for r, c in record.get("exit_codes", {}).items() if c})
+        return ", ".join(f"rank {r} exit {c}" for r, c in sorted(codes.items())) or "agent lost"
+
+
+def summarize(job: str, dag_id: str, since: float) -> int:
+    """Print the MLflow run, the checkpoint chain and the loss; return an exit code."""
+    from relay.lineage import TAG_DAG_ID, Lineage
+
+    lineage = Lineage.from_settings()
+    exp = lineage.experiment_id(job)
+    runs = lineage.client.search_runs(
+        [exp], filter_string=f"tags.`{TAG_DAG_ID}` = '{dag_id}'",
+        order_by=["attributes.start_time DESC"], max_results=1,
+    )
+    if not runs or runs[0].info.start_time / 1000 < since - 5:
+        print("No MLflow run was recorded for this demo; see the Airflow log above.")
+        return 1
+    parent = runs[0].info.run_id
+    chain = lineage.chain(parent)
+    children = lineage.child_runs(parent)
+    losses = []
+    for child in children:
+        losses += [(m.step, m.value) for m in lineage.client.get_metric_history(
+            child.info.run_id, "loss")]
+    losses.sort()
+    print("\nWhere to look")
+    print(f"  MLflow store:    {lineage.tracking_uri}")
+    print(f"  MLflow run:      {parent} (experiment relay/{job}), "
+          f"{len(children)} segment attempt run(s)")
+    print(f"  MLflow UI:       mlflow ui --backend-store-uri {lineage.tracking_uri}")
+    print("  Checkpoint chain (newest first):")
+    for m in chain:
+        origin = f"<- step {m.parent.step}" if m.parent else "<- initial weights (seed)"
+        print(f"    step {m.step:4d}  sha256 {m.sha256[:12]}  run {m.run_id[:8]}  {origin}")
+    if losses:
+        print(f"  Loss:            {losses[0][1]:.3f} at step {losses[0][0]} -> "
+              f"{losses[-1][1]:.3f} at step {losses[-1][0]}")
+    return 0
+
+
+def main(spec_file: Path, inject_fault: bool) -> int:
+    """Run the demo job; return the process exit code."""
+    spec = load_job_spec(spec_file)
+    home = settings.relay_home()
+    env = airflow_env(home)
+    logs = home / "logs"
+    print(f"Relay demo: job {spec.job!r} ({spec_file}), state in {home}", flush=True)
+    print("  preparing the embedded Airflow database...", flush=True)
+    ensure_airflow_db(env, logs / "airflow-db.log")
+    conf = {"chaos": [DEFAULT_FAULT] if inject_fault else []}
+    if inject_fault:
+        print(f"  injecting a fault: {DEFAULT_FAULT}", flush=True)
+    log_file = logs / f"airflow-dags-test-{int(time.time())}.log"
+    print(f"  running `airflow dags test {spec.dag_id}` (log: {log_file})", flush=True)
+    started = time.time()
+    proc = run_dag_test(spec.dag_id, conf, env, log_file)
+    progress = ProgressPrinter(settings.runs_dir() / spec.dag_id, spec.total_steps, started)
+    while proc.poll() is None:
+        progress.poll()
+        time.sleep(1.0)
+    progress.poll()
+    took = time.time() - started
+    if proc.returncode != 0:
+        print(f"\nThe DAG run FAILED after {took:.0f}s (exit {proc.returncode}). "
+              f"Read {log_file} for the task logs.", file=sys.stderr)
+        summarize(spec.job, spec.dag_id, started)
+        return 1
+    print(f"\nThe DAG run succeeded in {took:.0f}s.")
+    return summarize(spec.job, spec.dag_id, started)

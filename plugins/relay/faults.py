@@ -1,0 +1,90 @@
+"""The fault taxonomy, and classification of what the watcher observes.
+
+Pure functions over observations (launcher status now; heartbeats next), so
+that the trigger only gathers facts and this module decides what they mean.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from relay.launchers.local import LaunchState, LaunchStatus
+
+
+class FaultKind(StrEnum):
+    """Every kind of fault Relay tells apart."""
+
+    HANG = "hang"
+    RANK_UNRESPONSIVE = "rank_unresponsive"
+    NODE_UNRESPONSIVE = "node_unresponsive"
+    STRAGGLER = "straggler"
+    THROUGHPUT_DEGRADED = "throughput_degraded"
+    CRASH = "crash"
+    LAUNCH_FAILURE = "launch_failure"
+    NAN_LOSS = "nan_loss"
+    CORRUPT_CHECKPOINT = "corrupt_checkpoint"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A classified fault: what, who, why we think so, and when we knew."""
+
+    kind: FaultKind
+    culprit_rank: int | None
+    culprit_node: str | None
+    evidence: dict[str, Any] = field(default_factory=dict)
+    detected_at: float = field(default_factory=time.time)
+
+    def describe(self) -> str:
+        """Return one line for the task log and the failure message."""
+        who = []
+        if self.culprit_node is not None:
+            who.append(f"node {self.culprit_node}")
+        if self.culprit_rank is not None:
+            who.append(f"rank {self.culprit_rank}")
+        culprit = ", ".join(who) or "job-wide"
+        return f"{self.kind.value} ({culprit}): {self.evidence.get('summary', '')}".rstrip(": ")
+
+    def to_event(self) -> dict[str, Any]:
+        """Return the trigger-event payload."""
+        payload = asdict(self)
+        payload["kind"] = self.kind.value
+        return {"status": "fault", "fault": payload}
+
+    @classmethod
+    def from_event(cls, payload: dict[str, Any]) -> Fault:
+        """Rebuild a fault from :meth:`to_event`'s ``fault`` payload."""
+        return cls(**{**payload, "kind": FaultKind(payload["kind"])})
+
+
+def classify_exit(status: LaunchStatus, node_ranks: dict[str, list[int]]) -> Fault | None:
+    """Turn a failed launch status into a crash fault naming the first culprit."""
+    if status.state is not LaunchState.FAILED:
+        return None
+    failed = status.failed_ranks()
+    # A SIGKILLed or crashed rank takes its peers down with "connection reset"
+    # (exit 1) or its agent's SIGTERM (-15); the culprit is the rank that died
+    # of something else.
+    secondary = {1, -15}
+    primary = {r: c for r, c in failed.items() if c not in secondary}
+    culprit_rank = min(primary or failed) if failed else None
+    culprit_node = next(
+        (n for n, ranks in node_ranks.items() if culprit_rank in ranks), None
+    )
+    if culprit_node is None:
+        culprit_node = next((n.node for n in status.nodes.values() if n.state == "failed"), None)
+    details = {n.node: n.detail for n in status.nodes.values() if n.detail}
+    summary = (
+        f"rank {culprit_rank} exited with code {failed[culprit_rank]}"
+        if culprit_rank is not None
+        else f"node agent failed: {details}"
+    )
+    return Fault(
+        kind=FaultKind.CRASH,
+        culprit_rank=culprit_rank,
+        culprit_node=culprit_node,
+        evidence={"summary": summary, "exit_codes": failed, "agents": details},
+    )

@@ -1,0 +1,1 @@
+"""Where a segment runs: local processes or Kubernetes."""

@@ -1,0 +1,209 @@
+"""Run a segment attempt as local processes: one node agent per simulated node.
+
+Each agent starts in its own session, so its process group (agent + ranks)
+outlives the Airflow task that launched it while the task defers, and can be
+stopped as a whole by PGID. Everything needed to find the workload again is in
+the attempt folder: ``handle.json`` (PIDs and PGIDs) and ``status/<node>.json``
+(written by the agents).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from training.launch import LAUNCH_FILE, LaunchConfig
+
+log = logging.getLogger(__name__)
+
+HANDLE_FILE = "handle.json"
+STOP_GRACE_SECONDS = 5.0
+
+
+class LaunchState(StrEnum):
+    """What the launcher knows of a workload."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+@dataclass
+class NodeStatus:
+    """One node agent's state as the launcher sees it."""
+
+    node: str
+    state: str
+    exit_codes: dict[int, int | None] = field(default_factory=dict)
+    detail: str = ""
+    last_seen: float | None = None
+
+
+@dataclass
+class LaunchStatus:
+    """The whole workload's state, with per-node detail."""
+
+    state: LaunchState
+    nodes: dict[str, NodeStatus]
+
+    def failed_ranks(self) -> dict[int, int]:
+        """Return exit codes of ranks that ended badly."""
+        return {
+            r: c for n in self.nodes.values() for r, c in n.exit_codes.items() if c not in (None, 0)
+        }
+
+
+def free_port() -> int:
+    """Return a free TCP port on loopback for a fresh rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _pid_alive(pid: int) -> bool:
+    """Return whether ``pid`` runs and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def group_members(pgid: int) -> list[int]:
+    """Return the live (non-zombie) PIDs in process group ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+class LocalLauncher:
+    """Start, watch and stop segment attempts as local process groups."""
+
+    name = "local"
+
+    def launch(self, cfg: LaunchConfig) -> Path:
+        """Write the launch file and start one agent per node; return the attempt folder."""
+        root = cfg.root
+        for sub in (root, cfg.log_dir, cfg.status_dir, cfg.heartbeat_dir):
+            sub.mkdir(parents=True, exist_ok=True)
+        launch_file = root / LAUNCH_FILE
+        cfg.write(launch_file)
+        handle: dict[str, dict[str, int]] = {}
+        for node in cfg.nodes:
+            with (cfg.log_dir / f"agent-{node}.log").open("ab") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "training.agent", "--launch", str(launch_file),
+                     "--node", node],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    cwd=root,
+                    start_new_session=True,
+                )
+            handle[node] = {"pid": proc.pid, "pgid": proc.pid}
+            log.info("Started agent for %s as pid %d", node, proc.pid)
+        (root / HANDLE_FILE).write_text(json.dumps({"nodes": handle, "started_at": time.time()}))
+        return root
+
+    @staticmethod
+    def _handle(root: Path) -> dict[str, dict[str, int]]:
+        try:
+            return dict(json.loads((root / HANDLE_FILE).read_text())["nodes"])
+        except (OSError, ValueError, KeyError):
+            return {}
+
+    @staticmethod
+    def started_at(root: Path) -> float:
+        """Return when the attempt was launched (epoch seconds)."""
+        return float(json.loads((root / HANDLE_FILE).read_text())["started_at"])
+
+    def status(self, root: Path) -> LaunchStatus:
+        """Read agents' status files and check their PIDs; never blocks."""
+        nodes: dict[str, NodeStatus] = {}
+        for node, ids in self._handle(root).items():
+            try:
+                record = json.loads((root / "status" / f"{node}.json").read_text())
+            except (OSError, ValueError):
+                record = None
+            alive = _pid_alive(ids["pid"])
+            if record is None:
+                state = "starting" if alive else "failed"
+                detail = "" if alive else "agent exited before reporting any status"
+                nodes[node] = NodeStatus(node, state, detail=detail)
+                continue
+            codes = {int(r): c for r, c in record.get("exit_codes", {}).items()}
+            state = record.get("state", "running")
+            detail = ""
+            if state == "running" and not alive:
+                state, detail = "failed", "agent died without a final status (killed?)"
+            nodes[node] = NodeStatus(node, state, codes, detail, record.get("wall_clock"))
+        if not nodes:
+            return LaunchStatus(LaunchState.FAILED, {})
+        states = {n.state for n in nodes.values()}
+        if "failed" in states:
+            overall = LaunchState.FAILED
+        elif states == {"succeeded"}:
+            overall = LaunchState.SUCCEEDED
+        else:
+            overall = LaunchState.RUNNING
+        return LaunchStatus(overall, nodes)
+
+    def stop(self, root: Path, grace_seconds: float = STOP_GRACE_SECONDS) -> list[int]:
+        """Stop every process of the attempt; return PIDs that survived (should be none)."""
+        pgids = [ids["pgid"] for ids in self._handle(root).values()]
+        live = [g for g in pgids if group_members(g)]
+        if not live:
+            return []
+        log.info("Stopping process groups %s of %s", live, root)
+        for sig in (signal.SIGTERM, signal.SIGCONT):  # SIGCONT: a stopped rank must see SIGTERM
+            for pgid in live:
+                try:
+                    os.killpg(pgid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_seconds
+        while time.monotonic() < deadline and any(group_members(g) for g in live):
+            time.sleep(0.1)
+        for pgid in live:
+            if group_members(pgid):
+                log.warning("Process group %d ignored SIGTERM; sending SIGKILL", pgid)
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_seconds
+        survivors: list[int] = []
+        while time.monotonic() < deadline:
+            survivors = [p for g in live for p in group_members(g)]
+            if not survivors:
+                break
+            time.sleep(0.05)
+        if survivors:
+            log.error("Processes %s survived SIGKILL in %s", survivors, root)
+        return survivors
+
+    def stop_all(self, segment_dir: Path) -> list[int]:
+        """Stop every earlier attempt of a segment (e.g. left behind by a killed task)."""
+        survivors: list[int] = []
+        if segment_dir.is_dir():
+            for attempt in sorted(segment_dir.iterdir()):
+                if (attempt / HANDLE_FILE).exists():
+                    survivors += self.stop(attempt)
+        return survivors

@@ -1,0 +1,238 @@
+"""MLflow lineage: a run per DAG run, a child run per segment attempt, checkpoints.
+
+Everything goes through an explicit :class:`MlflowClient` with explicit run
+ids; get-or-create lookups (by tags) make a retried or re-entered task reuse
+the runs it already made instead of forking the lineage.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import RunStatus
+from mlflow.tracking import MlflowClient
+from tenacity import Retrying
+
+from relay import settings
+from training.manifest import (
+    CHECKPOINT_FILE,
+    CHECKPOINT_ROOT,
+    MANIFEST_FILE,
+    CheckpointManifest,
+    file_sha256,
+)
+from training.publish import mlflow_retrying
+
+log = logging.getLogger(__name__)
+
+TAG_JOB = "relay.job"
+TAG_DAG_ID = "relay.dag_id"
+TAG_DAG_RUN = "relay.dag_run_id"
+TAG_SEGMENT = "relay.segment"
+TAG_TRY = "relay.try_number"
+TAG_OUTCOME = "relay.outcome"
+TAG_PARENT = "mlflow.parentRunId"
+
+
+@dataclass(frozen=True)
+class VerifiedCheckpoint:
+    """A checkpoint whose file matched its manifest's sha256, on local disk."""
+
+    manifest: CheckpointManifest
+    path: Path
+
+
+class Lineage:
+    """Read and write Relay's lineage in one MLflow tracking store."""
+
+    def __init__(
+        self, tracking_uri: str, artifact_root: Path, retrying: Retrying | None = None
+    ) -> None:
+        self.tracking_uri = tracking_uri
+        self.artifact_root = artifact_root
+        self._retrying = retrying or mlflow_retrying()
+        self._client: MlflowClient | None = None
+
+    @classmethod
+    def from_settings(cls) -> Lineage:
+        """Build from ``RELAY_*`` settings."""
+        return cls(settings.mlflow_tracking_uri(), settings.mlflow_artifact_root())
+
+    @property
+    def client(self) -> MlflowClient:
+        """Return the client, creating the SQLite schema once (racing creators crash)."""
+        if self._client is None:
+            if self.tracking_uri.startswith("sqlite:///"):
+                db = Path(self.tracking_uri.removeprefix("sqlite:///"))
+                db.parent.mkdir(parents=True, exist_ok=True)
+                with open(db.with_suffix(".lock"), "w") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    client = MlflowClient(tracking_uri=self.tracking_uri)
+                    client.search_experiments(max_results=1)  # creates/upgrades the schema
+            else:
+                client = MlflowClient(tracking_uri=self.tracking_uri)
+            self._client = client
+        return self._client
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        return self._retrying(fn, *args, **kwargs)
+
+    def experiment_id(self, job: str) -> str:
+        """Get or create the experiment of ``job`` (with an explicit artifact location)."""
+        name = f"relay/{job}"
+        found = self._call(self.client.get_experiment_by_name, name)
+        if found is not None:
+            return str(found.experiment_id)
+        location = self.artifact_root / job
+        location.mkdir(parents=True, exist_ok=True)
+        try:
+            return str(self._call(self.client.create_experiment, name, location.as_uri()))
+        except Exception:  # another task created it first
+            found = self._call(self.client.get_experiment_by_name, name)
+            if found is None:
+                raise
+            return str(found.experiment_id)
+
+    def _find_run(self, experiment_id: str, tags: Mapping[str, str]) -> str | None:
+        query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
+        runs = self._call(
+            self.client.search_runs, [experiment_id], filter_string=query, max_results=2
+        )
+        return runs[0].info.run_id if runs else None
+
+    def parent_run(
+        self, job: str, dag_id: str, dag_run_id: str, params: Mapping[str, Any] | None = None
+    ) -> str:
+        """Get or create the run of one DAG run (``params`` are logged when creating it)."""
+        exp = self.experiment_id(job)
+        tags = {TAG_JOB: job, TAG_DAG_ID: dag_id, TAG_DAG_RUN: dag_run_id}
+        found = self._find_run(exp, {TAG_DAG_RUN: dag_run_id})
+        if found:
+            return found
+        run = self._call(self.client.create_run, exp, tags=tags, run_name=dag_run_id)
+        run_id = str(run.info.run_id)
+        self._log_params(run_id, params or {})
+        log.info("Created MLflow run %s for DAG run %s", run_id, dag_run_id)
+        return run_id
+
+    def _log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
+        for k, v in params.items():
+            self._call(self.client.log_param, run_id, k, v)
+
+    def attempt_run(
+        self, parent_run_id: str, segment: int, try_number: int, params: Mapping[str, Any]
+    ) -> str:
+        """Get or create the child run of one segment attempt (one Airflow try)."""
+        parent = self._call(self.client.get_run, parent_run_id)
+        exp = parent.info.experiment_id
+        key = {TAG_PARENT: parent_run_id, TAG_SEGMENT: str(segment), TAG_TRY: str(try_number)}
+        found = self._find_run(exp, key)
+        if found:
+            return found
+        tags = {**key, TAG_JOB: parent.data.tags.get(TAG_JOB, ""), TAG_OUTCOME: "running"}
+        name = f"segment-{segment:03d}-try-{try_number}"
+        run = self._call(self.client.create_run, exp, tags=tags, run_name=name)
+        run_id = str(run.info.run_id)
+        self._log_params(run_id, params)
+        return run_id
+
+    def finish_run(
+        self, run_id: str, outcome: str, tags: Mapping[str, str] | None = None
+    ) -> None:
+        """Tag a run's outcome and close it (FINISHED on success, FAILED otherwise)."""
+        for k, v in {TAG_OUTCOME: outcome, **(tags or {})}.items():
+            self._call(self.client.set_tag, run_id, k, v)
+        ok = outcome in ("completed", "skipped")
+        status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
+        self._call(self.client.set_terminated, run_id, status)
+
+    def log_json(self, run_id: str, artifact_file: str, payload: Any) -> None:  # noqa: ANN401
+        """Log ``payload`` as a JSON artifact."""
+        self._call(self.client.log_text, run_id, json.dumps(payload, indent=2), artifact_file)
+
+    def child_runs(self, parent_run_id: str) -> list[Any]:
+        """Return the segment-attempt runs of a DAG run, oldest first."""
+        parent = self._call(self.client.get_run, parent_run_id)
+        runs = self._call(
+            self.client.search_runs,
+            [parent.info.experiment_id],
+            filter_string=f"tags.`{TAG_PARENT}` = '{parent_run_id}'",
+            max_results=10_000,
+            order_by=["attributes.start_time ASC"],
+        )
+        return list(runs)
+
+    def manifests(self, parent_run_id: str) -> list[CheckpointManifest]:
+        """Return every logged checkpoint manifest of a DAG run, newest step first."""
+        found: list[CheckpointManifest] = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for run in self.child_runs(parent_run_id):
+                run_id = run.info.run_id
+                entries = self._call(self.client.list_artifacts, run_id, CHECKPOINT_ROOT)
+                for entry in entries:
+                    if not entry.is_dir:
+                        continue
+                    names = {
+                        a.path.rsplit("/", 1)[-1]
+                        for a in self._call(self.client.list_artifacts, run_id, entry.path)
+                    }
+                    if MANIFEST_FILE not in names:
+                        continue  # file logged, manifest not: it does not count
+                    local = self._call(
+                        self.client.download_artifacts, run_id, f"{entry.path}/{MANIFEST_FILE}", tmp
+                    )
+                    try:
+                        manifest = CheckpointManifest.from_json(Path(local).read_text())
+                    except ValueError as exc:
+                        log.warning(
+                            "Ignoring bad manifest %s in run %s: %s", entry.path, run_id, exc
+                        )
+                        continue
+                    found.append(manifest)
+        found.sort(key=lambda m: (m.step, m.created_at), reverse=True)
+        return found
+
+    def latest_valid_checkpoint(
+        self, parent_run_id: str, download_dir: Path
+    ) -> VerifiedCheckpoint | None:
+        """Download the newest checkpoint whose sha256 matches; skip corrupt ones."""
+        for manifest in self.manifests(parent_run_id):
+            target = download_dir / f"step-{manifest.step:08d}"
+            target.mkdir(parents=True, exist_ok=True)
+            local = Path(
+                self._call(
+                    self.client.download_artifacts,
+                    manifest.run_id,
+                    f"{manifest.ref.artifact_dir}/{CHECKPOINT_FILE}",
+                    str(target),
+                )
+            )
+            actual = file_sha256(local)
+            if actual == manifest.sha256:
+                return VerifiedCheckpoint(manifest=manifest, path=local)
+            log.error(
+                "Corrupt checkpoint %s: expected sha256 %s, found %s; trying the previous one",
+                manifest.ref, manifest.sha256, actual,
+            )
+        return None
+
+    def chain(self, parent_run_id: str) -> list[CheckpointManifest]:
+        """Return the checkpoint chain from the newest checkpoint back to the first."""
+        manifests = self.manifests(parent_run_id)
+        if not manifests:
+            return []
+        by_ref = {(m.run_id, m.step): m for m in manifests}
+        chain = [manifests[0]]
+        while (parent := chain[-1].parent) is not None:
+            nxt = by_ref.get((parent.run_id, parent.step))
+            if nxt is None:
+                break
+            chain.append(nxt)
+        return chain

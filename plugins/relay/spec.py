@@ -1,0 +1,303 @@
+"""The training job spec: one YAML file per job, validated with file:line problems.
+
+Imports neither Airflow nor torch, so the DAG file, the operators and the CLI
+can all load specs cheaply. Every problem in a spec is reported at once, each
+with the line of the offending key and a concrete fix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from relay.yamlsource import (
+    ConfigError,
+    FieldValueError,
+    KeyPath,
+    Problem,
+    line_for,
+    load_yaml_with_lines,
+    model_problems,
+    parse_duration,
+)
+
+JOB_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+POLICY_SUFFIXES = (".yaml", ".yml")
+DEFAULT_POLICY = "default"
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSpec(BaseModel):
+    """Shape of the character transformer."""
+
+    model_config = _FROZEN
+
+    context: int = Field(64, strict=True, ge=2)
+    n_layers: int = Field(2, strict=True, ge=1)
+    n_heads: int = Field(4, strict=True, ge=1)
+    d_model: int = Field(64, strict=True, gt=0, validate_default=True)
+    dropout: float = Field(0.1, strict=True, ge=0, lt=1)
+
+    @field_validator("d_model")
+    @classmethod
+    def _divisible_by_heads(cls, value: int, info: ValidationInfo) -> int:
+        """Require d_model to split evenly across the attention heads."""
+        heads = info.data.get("n_heads")
+        if isinstance(heads, int) and value % heads:
+            up = (value // heads + 1) * heads
+            divisor = max(h for h in range(1, heads + 1) if value % h == 0)
+            raise FieldValueError(
+                f"a multiple of model.n_heads ({heads})",
+                value,
+                f"set model.d_model to a multiple of {heads} (e.g. d_model: {up}), "
+                f"or set model.n_heads to a divisor of {value} (e.g. n_heads: {divisor})",
+            )
+        return value
+
+
+class DataSpec(BaseModel):
+    """Where the training text comes from and how much of it one rank sees per step."""
+
+    model_config = _FROZEN
+
+    corpus: str = Field("builtin:python_docs", strict=True, min_length=1)
+    batch_size: int = Field(16, strict=True, ge=1)
+
+
+class OptimizerSpec(BaseModel):
+    """AdamW settings."""
+
+    model_config = _FROZEN
+
+    lr: float = Field(0.003, strict=True, gt=0)
+    weight_decay: float = Field(0.01, strict=True, ge=0)
+
+
+class JobSpec(BaseModel):
+    """One training job: what to train, how to cut it into segments, how to recover."""
+
+    model_config = _FROZEN
+
+    job: str = Field(strict=True, pattern=JOB_NAME_PATTERN)
+    description: str = Field("", strict=True)
+    seed: int = Field(0, strict=True, ge=0)
+    total_steps: int = Field(strict=True, gt=0)
+    steps_per_segment: int = Field(strict=True, gt=0)
+    checkpoint_every: int = Field(strict=True, gt=0)
+    nodes: int = Field(2, strict=True, ge=1)
+    ranks_per_node: int = Field(2, strict=True, ge=1)
+    model: ModelSpec = ModelSpec()
+    data: DataSpec = DataSpec()
+    optimizer: OptimizerSpec = OptimizerSpec()
+    policy: str = Field(DEFAULT_POLICY, strict=True)
+    retries: int = Field(2, strict=True, ge=0)
+    retry_delay: float = Field(2.0, ge=0)
+    collective_timeout: float = Field(1800.0, gt=0)
+    heartbeat_interval: float = Field(0.5, gt=0)
+
+    @field_validator("retry_delay", "collective_timeout", "heartbeat_interval", mode="before")
+    @classmethod
+    def _duration(cls, value: object) -> float:
+        """Parse "500ms", "30s", "5m", "1h30m" or a number of seconds."""
+        return parse_duration(value)
+
+    @field_validator("checkpoint_every")
+    @classmethod
+    def _within_segment(cls, value: int, info: ValidationInfo) -> int:
+        """Require at least one checkpoint inside every full segment."""
+        per_segment = info.data.get("steps_per_segment")
+        if isinstance(per_segment, int) and value > per_segment:
+            raise FieldValueError(
+                f"a number of steps <= steps_per_segment ({per_segment})",
+                value,
+                f"lower checkpoint_every to at most {per_segment} (e.g. checkpoint_every: "
+                f"{per_segment}), or raise steps_per_segment "
+                f"to at least {value}",
+            )
+        return value
+
+    @field_validator("policy")
+    @classmethod
+    def _policy_reference(cls, value: str) -> str:
+        """Accept a policy name or a path ending in .yaml/.yml."""
+        if value.endswith(POLICY_SUFFIXES) or POLICY_NAME.fullmatch(value):
+            return value
+        raise FieldValueError("a policy name such as default, or a path ending in .yaml", value)
+
+    @property
+    def dag_id(self) -> str:
+        """Return the Airflow DAG id of this job."""
+        return f"relay_{self.job}"
+
+    @property
+    def world_size(self) -> int:
+        """Return the number of ranks in every segment."""
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def segments(self) -> list[tuple[int, int, int]]:
+        """Return ``(index, start_step, end_step)`` for each segment; the last may be short."""
+        starts = range(0, self.total_steps, self.steps_per_segment)
+        return [
+            (index, start, min(start + self.steps_per_segment, self.total_steps))
+            for index, start in enumerate(starts)
+        ]
+
+    def policy_path(self, spec_file: Path) -> Path:
+        """Return the policy file this job uses, relative paths taken from the spec's folder."""
+        return resolve_policy(self.policy, spec_file)
+
+
+FIXES: dict[str, str] = {
+    "job": (
+        "set job to a lowercase name of letters, digits, '-' or '_' that starts with a "
+        "letter or digit, at most 63 characters, e.g. job: demo"
+    ),
+    "description": 'set description to text in quotes, e.g. description: "Nightly char model"',
+    "seed": "set seed to a whole number >= 0, e.g. seed: 1234",
+    "total_steps": "set total_steps to a whole number of steps > 0, e.g. total_steps: 240",
+    "steps_per_segment": (
+        "set steps_per_segment to a whole number of steps > 0, e.g. steps_per_segment: 60"
+    ),
+    "checkpoint_every": (
+        "set checkpoint_every to a whole number of steps > 0 and no more than "
+        "steps_per_segment, e.g. checkpoint_every: 20"
+    ),
+    "nodes": "set nodes to a whole number of simulated nodes >= 1, e.g. nodes: 2",
+    "ranks_per_node": "set ranks_per_node to a whole number >= 1, e.g. ranks_per_node: 2",
+    "model": "write model as a mapping, e.g. model: {d_model: 64, n_heads: 4}",
+    "model.context": "set model.context to a whole number of characters >= 2, e.g. context: 64",
+    "model.d_model": "set model.d_model to a multiple of model.n_heads, e.g. d_model: 64",
+    "model.n_layers": "set model.n_layers to a whole number >= 1, e.g. n_layers: 2",
+    "model.n_heads": "set model.n_heads to a whole number >= 1 dividing d_model, e.g. n_heads: 4",
+    "model.dropout": "set model.dropout to a number from 0 up to (not including) 1, e.g. 0.1",
+    "data": "write data as a mapping, e.g. data: {corpus: builtin:python_docs, batch_size: 16}",
+    "data.corpus": (
+        "set data.corpus to builtin:<name> (e.g. builtin:python_docs) or a path to a text file"
+    ),
+    "data.batch_size": "set data.batch_size to a whole number >= 1, e.g. batch_size: 16",
+    "optimizer": "write optimizer as a mapping, e.g. optimizer: {lr: 0.003, weight_decay: 0.01}",
+    "optimizer.lr": "set optimizer.lr to a number > 0, e.g. lr: 0.003",
+    "optimizer.weight_decay": "set optimizer.weight_decay to a number >= 0, e.g. 0.01",
+    "policy": (
+        "set policy to the name of a file in the policies folder (e.g. policy: default) "
+        "or to a path ending in .yaml relative to this spec's folder"
+    ),
+    "retries": "set retries to a whole number >= 0, e.g. retries: 2",
+    "retry_delay": "set retry_delay to a duration such as 2s, 500ms or 1m, e.g. retry_delay: 2s",
+    "collective_timeout": (
+        "set collective_timeout to a duration > 0 such as 30m or 1h, e.g. collective_timeout: 30m"
+    ),
+    "heartbeat_interval": (
+        "set heartbeat_interval to a duration > 0 such as 0.5s or 500ms, "
+        "e.g. heartbeat_interval: 0.5s"
+    ),
+}
+
+EMPTY_FIX = (
+    "add at least job, total_steps, steps_per_segment and checkpoint_every, e.g. "
+    "job: demo / total_steps: 240 / steps_per_segment: 60 / checkpoint_every: 20 "
+    "(one per line)"
+)
+
+
+def policies_dir() -> Path:
+    """Return ``$RELAY_POLICIES_DIR`` (default: ``policies`` in the repository)."""
+    configured = os.environ.get("RELAY_POLICIES_DIR")
+    if configured:
+        return Path(configured)
+    return Path(__file__).resolve().parents[2] / "policies"
+
+
+def policy_names() -> list[str]:
+    """Return the names of the policies in :func:`policies_dir`, sorted."""
+    folder = policies_dir()
+    if not folder.is_dir():
+        return []
+    return sorted(p.stem for p in folder.glob("*.yaml") if p.is_file())
+
+
+def resolve_policy(policy: str, spec_file: Path) -> Path:
+    """Return the file a spec's ``policy`` value refers to."""
+    if policy.endswith(POLICY_SUFFIXES):
+        path = Path(policy).expanduser()
+        return path if path.is_absolute() else Path(spec_file).parent / path
+    return policies_dir() / f"{policy}.yaml"
+
+
+def _policy_problem(raw: dict, lines: dict[KeyPath, int], path: Path) -> Problem | None:
+    """Return a Problem if the spec's policy file does not exist."""
+    policy = raw.get("policy", DEFAULT_POLICY)
+    if not isinstance(policy, str):
+        return None
+    target = resolve_policy(policy, path)
+    if target.is_file():
+        return None
+    names = policy_names()
+    if names:
+        fix = (
+            f"set policy to one of: {', '.join(names)} (from {policies_dir()}), or to a "
+            "path ending in .yaml relative to this spec's folder"
+        )
+    else:
+        fix = (
+            f"no policies found in {policies_dir()}: add {policies_dir() / 'default.yaml'} "
+            "or point RELAY_POLICIES_DIR at a folder of policies"
+        )
+    found = f"{policy!r} ({target} does not exist)"
+    return Problem(str(path), line_for(lines, ("policy",)), "policy", "an existing policy file",
+                   found, fix)
+
+
+def _load(path: Path) -> tuple[JobSpec, dict[KeyPath, int]]:
+    """Load and check one spec; return it with its line map or raise ConfigError."""
+    raw, lines = load_yaml_with_lines(path, empty_fix=EMPTY_FIX)
+    spec, problems = model_problems(JobSpec, raw, lines, path, FIXES)
+    if not any(p.field == "policy" for p in problems):
+        missing = _policy_problem(raw, lines, path)
+        if missing is not None:
+            problems.append(missing)
+    if spec is None or problems:
+        problems.sort(key=lambda p: p.line if p.line is not None else 0)
+        raise ConfigError(problems, path)
+    return spec, lines
+
+
+def load_job_spec(path: Path) -> JobSpec:
+    """Load one job spec; raise ConfigError listing every problem in it."""
+    return _load(Path(path))[0]
+
+
+def load_job_specs(folder: Path) -> tuple[dict[Path, JobSpec], dict[Path, ConfigError]]:
+    """Load every ``*.yaml``/``*.yml`` spec in ``folder``; return good specs and errors."""
+    files = sorted(
+        p for p in Path(folder).iterdir() if p.suffix in POLICY_SUFFIXES and p.is_file()
+    )
+    specs: dict[Path, JobSpec] = {}
+    errors: dict[Path, ConfigError] = {}
+    owners: dict[str, Path] = {}
+    for path in files:
+        try:
+            spec, lines = _load(path)
+        except ConfigError as exc:
+            errors[path] = exc
+            continue
+        first = owners.get(spec.job)
+        if first is not None:
+            fix = (
+                f"rename the job in this file (e.g. job: {spec.job[:60]}-2); "
+                f"{spec.job!r} is already defined in {first}"
+            )
+            problem = Problem(str(path), line_for(lines, ("job",)), "job",
+                              f"a job name not used by another spec (already used in {first.name})",
+                              repr(spec.job), fix)
+            errors[path] = ConfigError([problem], path)
+            continue
+        owners[spec.job] = path
+        specs[path] = spec
+    return specs, errors

@@ -1,0 +1,336 @@
+"""Load YAML configs with line numbers and turn validation errors into fixable problems.
+
+Generic: knows nothing about jobs or policies. A loader reads a file with
+:func:`load_yaml_with_lines`, validates it with :func:`validate_model` (or
+:func:`model_problems` when it has checks of its own to add) and raises
+:class:`ConfigError`, whose text names file, line, field, what was expected,
+what was found and how to fix it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar, get_args
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+KeyPath = tuple[str | int, ...]
+LineMap = dict[KeyPath, int]
+
+TOP_LEVEL = "(top level)"
+SYNTAX = "(yaml syntax)"
+MAPPING = "a mapping of `key: value` settings"
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|s|m|h))+")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_DURATION_WORDING = "a duration such as 30s, 5m or 1h"
+
+
+class FieldValueError(ValueError):
+    """Report a bad value with what was expected and, optionally, a concrete fix."""
+
+    def __init__(self, expected: str, found: object, fix: str | None = None) -> None:
+        self.expected = expected
+        self.found = repr(found)
+        self.fix = fix
+        super().__init__(f"expected {expected}, found {self.found}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong in a config file, with where it is and how to fix it."""
+
+    file: str
+    line: int | None
+    field: str
+    expected: str
+    found: str
+    fix: str
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}"
+        return (
+            f"{where}: {self.field}: expected {self.expected}, found {self.found}. Fix: {self.fix}"
+        )
+
+
+class ConfigError(Exception):
+    """Carry every problem found in one config file."""
+
+    def __init__(self, problems: Iterable[Problem], file: str | Path | None = None) -> None:
+        self.problems: list[Problem] = list(problems)
+        if file is None:
+            file = self.problems[0].file if self.problems else "<config>"
+        self.file = str(file)
+        super().__init__(self.problems, self.file)
+
+    def __str__(self) -> str:
+        n = len(self.problems)
+        head = f"{self.file}: {n} problem{'' if n == 1 else 's'}"
+        return "\n".join([head, *(str(p) for p in self.problems)])
+
+
+def parse_duration(value: object) -> float:
+    """Return seconds from "500ms", "30s", "5m", "1h", "1h30m" or a plain number of seconds."""
+    if isinstance(value, bool):
+        raise FieldValueError(_DURATION_WORDING, value)
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        text = text.removeprefix("-")
+        try:
+            seconds = sign * float(text)
+        except ValueError:
+            if not _DURATION.fullmatch(text):
+                raise FieldValueError(_DURATION_WORDING, value) from None
+            seconds = sign * sum(float(n) * _UNITS[u] for n, u in _DURATION_PART.findall(text))
+    else:
+        raise FieldValueError(_DURATION_WORDING, value)
+    if not math.isfinite(seconds):
+        raise FieldValueError(_DURATION_WORDING, value)
+    if seconds < 0:
+        raise FieldValueError(f"{_DURATION_WORDING} (not negative)", value)
+    return seconds or 0.0  # no -0.0
+
+
+def load_yaml_with_lines(path: Path, *, empty_fix: str | None = None) -> tuple[dict, LineMap]:
+    """Safe-load a YAML mapping and map every key path to its 1-based line number."""
+    file = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        fix = "check the path and that the file is readable UTF-8 text"
+        problem = Problem(file, None, TOP_LEVEL, "a readable file", str(exc), fix)
+        raise ConfigError([problem]) from exc
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+        lines: LineMap = {(): 1}
+        if isinstance(node, yaml.MappingNode):
+            _walk(loader, node, (), lines, set())
+    except yaml.YAMLError as exc:
+        raise ConfigError([_syntax_problem(file, exc)]) from exc
+    finally:
+        loader.dispose()
+    if data is None:  # no document, or only "---" / "~"
+        fix = empty_fix or "write the settings as `key: value` lines"
+        raise ConfigError([Problem(file, 1, TOP_LEVEL, MAPPING, "an empty file", fix)])
+    if not isinstance(data, dict):
+        found = f"{type(data).__name__} {data!r}"
+        fix = "write the settings as `key: value` lines, starting at the left margin"
+        line = node.start_mark.line + 1
+        raise ConfigError([Problem(file, line, TOP_LEVEL, MAPPING, found, fix)])
+    return data, lines
+
+
+def _walk(loader: yaml.SafeLoader, node: yaml.Node, path: KeyPath, lines: LineMap,
+          active: set[int]) -> None:
+    """Record the line of every key and list item under ``node``."""
+    if id(node) in active:  # a recursive alias
+        return
+    active.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                continue
+            try:
+                key = loader.construct_object(key_node)
+            except yaml.YAMLError:
+                key = key_node.value
+            if not isinstance(key, str | int):
+                key = key_node.value
+            lines.setdefault((*path, key), key_node.start_mark.line + 1)
+            _walk(loader, value_node, (*path, key), lines, active)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            lines.setdefault((*path, index), item.start_mark.line + 1)
+            _walk(loader, item, (*path, index), lines, active)
+    active.discard(id(node))
+
+
+def _syntax_problem(file: str, exc: yaml.YAMLError) -> Problem:
+    """Describe a YAML parse error as a Problem at its line."""
+    line = None
+    found = str(exc)
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark is not None else None
+        found = " ".join(part for part in (exc.problem, exc.context) if part) or found
+    found = found.removeprefix("found ")
+    fix = (
+        "fix the YAML on or just before this line: indent with spaces (not tabs), put "
+        "`: ` after each key, and close every quote and bracket"
+    )
+    return Problem(file, line, SYNTAX, "valid YAML", found, fix)
+
+
+def line_for(lines: Mapping[KeyPath, int], loc: Iterable[object]) -> int | None:
+    """Return the line of ``loc`` or of its nearest ancestor that is in ``lines``."""
+    parts = tuple(loc)
+    for end in range(len(parts), -1, -1):
+        line = lines.get(parts[:end])  # type: ignore[arg-type]
+        if line is not None:
+            return line
+    return None
+
+
+def dotted(loc: Iterable[object]) -> str:
+    """Join a key path as ``model.d_model`` (``(top level)`` when empty)."""
+    text = ".".join(str(part) for part in loc)
+    return text or TOP_LEVEL
+
+
+def model_problems(model_cls: type[M], raw: dict, lines: Mapping[KeyPath, int], file: Path,
+                   fixes: Mapping[str, str]) -> tuple[M | None, list[Problem]]:
+    """Validate ``raw`` and return the instance (or None) and one Problem per error."""
+    try:
+        return model_cls.model_validate(raw), []
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+    return None, [_problem(model_cls, raw, lines, str(file), fixes, err) for err in errors]
+
+
+def validate_model(model_cls: type[M], raw: dict, lines: Mapping[KeyPath, int], file: Path,
+                   fixes: Mapping[str, str]) -> M:
+    """Validate ``raw`` against ``model_cls``; raise ConfigError listing every error."""
+    instance, problems = model_problems(model_cls, raw, lines, file, fixes)
+    if instance is None:
+        raise ConfigError(problems, file)
+    return instance
+
+
+def _problem(model_cls: type[BaseModel], raw: dict, lines: Mapping[KeyPath, int], file: str,
+             fixes: Mapping[str, str], err: Any) -> Problem:  # noqa: ANN401 - pydantic ErrorDetails
+    """Turn one pydantic error into a Problem."""
+    loc: KeyPath = tuple(err["loc"])
+    field = dotted(loc)
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    exc = ctx.get("error")
+    present, value = _lookup(raw, loc)
+    if kind == "missing":
+        found = "nothing"
+    else:
+        found = repr(value if present else err.get("input"))
+    known = _known_fields(model_cls, loc[:-1])
+    expected = _expected(kind, ctx, err["msg"], known)
+    if isinstance(exc, FieldValueError) and exc.fix:
+        fix = exc.fix
+    elif kind != "extra_forbidden" and field in fixes:
+        fix = fixes[field]
+    else:
+        fix = _generic_fix(kind, loc, expected, known)
+    return Problem(file, line_for(lines, loc), field, expected, found, fix)
+
+
+_WORDING = {
+    "missing": "this field to be set",
+    **dict.fromkeys(("int_parsing", "int_type", "int_from_float"), "a whole number"),
+    **dict.fromkeys(("float_parsing", "float_type"), "a number"),
+    **dict.fromkeys(("bool_parsing", "bool_type"), "true or false"),
+    **dict.fromkeys(("dict_type", "model_type", "model_attributes_type"), MAPPING),
+    "finite_number": "a finite number",
+    "string_type": "text",
+    "list_type": "a list",
+}
+_CTX_WORDING = {
+    "greater_than": "a number > {gt}",
+    "greater_than_equal": "a number >= {ge}",
+    "less_than": "a number < {lt}",
+    "less_than_equal": "a number <= {le}",
+    "multiple_of": "a multiple of {multiple_of}",
+    "string_pattern_mismatch": "text matching {pattern}",
+    "string_too_short": "text of at least {min_length} character(s)",
+    "string_too_long": "text of at most {max_length} character(s)",
+    "too_short": "at least {min_length} item(s)",
+    "too_long": "at most {max_length} item(s)",
+    "literal_error": "one of {expected}",
+    "enum": "one of {expected}",
+}
+
+
+def _expected(kind: str, ctx: Mapping[str, Any], msg: str, known: list[str] | None) -> str:
+    """Word what a pydantic error type expected, for a human."""
+    if kind == "extra_forbidden":
+        return f"no such field (known fields: {', '.join(known or [])})"
+    if kind in _WORDING:
+        return _WORDING[kind]
+    if kind in _CTX_WORDING:
+        try:
+            return _CTX_WORDING[kind].format(**ctx)
+        except (KeyError, IndexError):
+            return msg
+    exc = ctx.get("error")
+    if isinstance(exc, FieldValueError):
+        return exc.expected
+    if exc is not None:
+        text = str(exc)
+        if text.startswith("expected ") and ", found " in text:
+            return text[len("expected "):text.rindex(", found ")]
+        return text
+    return msg
+
+
+def _generic_fix(kind: str, loc: KeyPath, expected: str, known: list[str] | None) -> str:
+    """Suggest a fix when the caller gave none for this field."""
+    leaf = str(loc[-1]) if loc else TOP_LEVEL
+    where = f"under `{dotted(loc[:-1])}`" if len(loc) > 1 else "at the top level"
+    if kind == "missing":
+        return f"add a `{leaf}: <value>` line {where}"
+    if kind == "extra_forbidden":
+        close = difflib.get_close_matches(leaf, known or [], n=1)
+        if close:
+            return f"rename `{leaf}` to `{close[0]}`, or remove it"
+        return f"remove `{leaf}`; the fields allowed {where} are: {', '.join(known or [])}"
+    return f"set {dotted(loc)} to {expected}"
+
+
+def _lookup(raw: object, loc: KeyPath) -> tuple[bool, object]:
+    """Return (True, value) for the value at ``loc`` in ``raw``, else (False, None)."""
+    current = raw
+    for part in loc:
+        if not isinstance(current, dict | list):
+            return False, None
+        try:
+            current = current[part]  # type: ignore[index]
+        except (KeyError, IndexError, TypeError):
+            return False, None
+    return True, current
+
+
+def _known_fields(model_cls: type[BaseModel], loc: KeyPath) -> list[str] | None:
+    """Return the YAML keys of the model found at ``loc`` (None if it is not a model)."""
+    current: object = model_cls
+    for part in loc:
+        model = _as_model(current)
+        fields = {(f.alias or n): f for n, f in model.model_fields.items()} if model else {}
+        if isinstance(part, str) and part in fields:
+            current = fields[part].annotation
+        else:
+            args = get_args(current)
+            if not args:
+                return None
+            current = args[-1]
+    model = _as_model(current)
+    if model is None:
+        return None
+    return [info.alias or name for name, info in model.model_fields.items()]
+
+
+def _as_model(tp: object) -> type[BaseModel] | None:
+    """Return ``tp`` or the first of its type arguments that is a pydantic model."""
+    for candidate in (tp, *get_args(tp)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+

@@ -1,0 +1,137 @@
+"""End to end through Airflow's own machinery (`airflow dags test`), real MLflow, real DDP.
+
+The core promise: a run that lost a rank mid-segment and was retried by
+Airflow ends with the same weights, bit for bit, as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
+from relay.demo import run_dag_test
+from relay.lineage import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, Lineage
+
+pytestmark = pytest.mark.integration
+
+JOB = """\
+job: e2e
+seed: 7
+total_steps: 60
+steps_per_segment: 30
+checkpoint_every: 10
+nodes: 2
+ranks_per_node: 2
+model: {context: 32, d_model: 32, n_layers: 1, n_heads: 4, dropout: 0.1}
+data: {corpus: "builtin:python_docs", batch_size: 8}
+retries: 2
+retry_delay: 1s
+"""
+DAG_ID = "relay_e2e"
+CRASH = {"kind": "crash", "segment": 1, "step": 45, "rank": 1, "attempt": 1}
+
+
+def _workload_processes(home: Path) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "training." in cmd and str(home) in cmd:
+            found.append(f"{entry.name}: {cmd}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def airflow_job(relay_home: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Write the test job spec and prepare the Airflow database; return the environment."""
+    jobs = tmp_path_factory.mktemp("jobs")
+    (jobs / "e2e.yaml").write_text(JOB)
+    os.environ["RELAY_JOBS_DIR"] = str(jobs)
+    env = airflow_env(relay_home)
+    ensure_airflow_db(env, relay_home / "logs" / "airflow-db.log")
+    return env
+
+
+def _run(env: dict[str, str], relay_home: Path, conf: dict[str, Any], name: str) -> str:
+    """Run one DAG run to the end; return its parent MLflow run id."""
+    log_file = relay_home / "logs" / f"{name}.log"
+    proc = run_dag_test(DAG_ID, conf, env, log_file)
+    try:
+        code = proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, f"airflow dags test failed; see {log_file}:\n" + log_file.read_text()[-4000:]
+    lineage = Lineage.from_settings()
+    runs = lineage.client.search_runs(
+        [lineage.experiment_id("e2e")], filter_string=f"tags.`{TAG_DAG_ID}` = '{DAG_ID}'",
+        order_by=["attributes.start_time DESC"], max_results=1,
+    )
+    return str(runs[0].info.run_id)
+
+
+def _final_state(lineage: Lineage, parent: str, where: Path) -> dict[str, Any]:
+    chain = lineage.chain(parent)
+    assert [m.step for m in chain] == [60, 50, 40, 30, 20, 10], "chain must reach step 0"
+    assert chain[-1].parent is None
+    verified = lineage.latest_valid_checkpoint(parent, where)
+    assert verified is not None and verified.manifest.step == 60
+    return torch.load(verified.path, weights_only=True)
+
+
+def test_crashed_and_retried_run_equals_uninterrupted_run_bit_for_bit(
+    airflow_job: dict[str, str], relay_home: Path, tmp_path: Path
+) -> None:
+    lineage = Lineage.from_settings()
+
+    clean = _run(airflow_job, relay_home, {"chaos": []}, "clean")
+    clean_children = lineage.child_runs(clean)
+    # No fault: exactly one attempt per segment, each completed.
+    assert sorted(c.data.tags[TAG_SEGMENT] for c in clean_children) == ["0", "1"]
+    assert {c.data.tags[TAG_OUTCOME] for c in clean_children} == {"completed"}
+
+    faulty = _run(airflow_job, relay_home, {"chaos": [CRASH]}, "faulty")
+    children = lineage.child_runs(faulty)
+    seg1 = [c for c in children if c.data.tags[TAG_SEGMENT] == "1"]
+    assert [c.data.tags[TAG_OUTCOME] for c in seg1] == ["fault", "completed"]
+    # The retry resumed from the last checkpoint before the crash, not from the segment start.
+    assert seg1[1].data.params["resume_step"] == "40"
+    fault_file = lineage.client.download_artifacts(seg1[0].info.run_id, "fault.json", str(tmp_path))
+    fault = json.loads(Path(fault_file).read_text())
+    assert fault["kind"] == "crash"
+    assert fault["culprit_rank"] == 1
+    assert fault["culprit_node"] == "node-a"
+
+    a = _final_state(lineage, clean, tmp_path / "clean")
+    b = _final_state(lineage, faulty, tmp_path / "faulty")
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), f"weights differ at {key}"
+    for pa, pb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(),
+                      strict=True):
+        assert all(torch.equal(pa[k], pb[k]) for k in pa), "optimizer state differs"
+
+    assert _workload_processes(relay_home) == [], "no workload process may outlive its DAG run"
+
+    # Re-running a finished segment in the same DAG run is a no-op: the latest
+    # checkpoint (step 60) is already past its end.
+    dag_run_id = lineage.client.get_run(faulty).data.tags["relay.dag_run_id"]
+    before = len(lineage.child_runs(faulty))
+    out = subprocess.run(
+        [airflow_bin(), "tasks", "test", DAG_ID, "segment_000", dag_run_id],
+        env=airflow_job, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "already done" in out.stdout + out.stderr
+    assert len(lineage.child_runs(faulty)) == before

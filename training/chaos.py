@@ -40,6 +40,11 @@ class Fault:
         unknown = set(raw) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"chaos fault: unknown fields {sorted(unknown)}")
+        for name in ("step", "segment", "rank", "attempt"):
+            value = raw.get(name)
+            required = name == "step"
+            if (required or value is not None) and not isinstance(value, int):
+                raise ValueError(f"chaos fault {name}: expected a whole number, found {value!r}")
         return cls(**raw)
 
     def strikes(self, *, segment: int, attempt: int, step: int, rank: int, node: str) -> bool:

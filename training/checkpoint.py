@@ -113,6 +113,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self.published: list[CheckpointManifest] = []
         self._thread: threading.Thread | None = None
+        self._closed = False
         if asynchronous:
             self._thread = threading.Thread(target=self._drain, name="checkpointer", daemon=True)
             self._thread.start()
@@ -133,13 +134,20 @@ class Checkpointer:
 
     def submit(self, work: Callable[[], None]) -> None:
         """Run ``work`` in order with the checkpoints (beside the loop when async)."""
+        if self._closed:
+            raise RuntimeError("checkpointer is closed; nothing more can be published")
         if self._async:
             self._queue.put(work)
-        else:
+            return
+        try:
             work()
+        except BaseException as exc:
+            self._error = exc
+            raise
 
     def close(self, timeout_seconds: float = 300.0) -> None:
         """Wait until every queued checkpoint is published; re-raise a failure."""
+        self._closed = True
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout_seconds)

@@ -50,9 +50,12 @@ class CharStream:
 
     def batch(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (inputs, targets), each ``[batch_size, context]`` int64."""
-        gen = torch.Generator().manual_seed(mix_seed(self.seed, 0xDA7A, step, rank))
+        # torch.Generator keeps only 32 bits of a seed, so distinct (step, rank)
+        # pairs could collide; hashing each window's start keeps all 63 bits.
         high = self.corpus.numel() - self.context - 1
-        starts = torch.randint(0, high, (self.batch_size,), generator=gen)
+        starts = torch.tensor(
+            [mix_seed(self.seed, 0xDA7A, step, rank, i) % high for i in range(self.batch_size)]
+        )
         offsets = torch.arange(self.context + 1)
         windows = self.corpus[starts[:, None] + offsets[None, :]].long()
         return windows[:, :-1], windows[:, 1:]

@@ -60,6 +60,8 @@ class Heartbeat:
     def from_json(cls, text: str) -> Heartbeat:
         """Parse a record written by :meth:`to_json`, ignoring unknown keys."""
         raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("a heartbeat record is a JSON object")
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
         return cls(**known)
 
@@ -88,7 +90,9 @@ def read_heartbeats(directory: Path) -> dict[int, Heartbeat]:
     for path in directory.glob(HEARTBEAT_GLOB):
         try:
             beat = Heartbeat.from_json(path.read_text())
-        except (OSError, ValueError, TypeError) as exc:
+            if not isinstance(beat.rank, int) or not isinstance(beat.step, int):
+                raise TypeError("rank and step must be whole numbers")
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
             # A record being replaced or half-written by a dying process is
             # not evidence of anything; the next poll will see it again.
             log.debug("Skipping unreadable heartbeat %s: %s", path, exc)

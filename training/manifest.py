@@ -77,6 +77,8 @@ class CheckpointManifest:
         """Parse a manifest; raise ``ValueError`` when it is not one."""
         try:
             raw = json.loads(text)
+            if not isinstance(raw, dict):
+                raise TypeError(f"expected a JSON object, found {type(raw).__name__}")
             parent = raw.get("parent")
             return cls(
                 step=int(raw["step"]),
@@ -89,5 +91,5 @@ class CheckpointManifest:
                 created_at=float(raw["created_at"]),
                 version=int(raw.get("version", MANIFEST_VERSION)),
             )
-        except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a Relay checkpoint manifest: {exc}") from exc

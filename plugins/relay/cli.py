@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     ckpt = bench.add_parser("checkpoint", help="loop stall per checkpoint, async vs sync")
     ckpt.add_argument("--checkpoints", type=int, default=8)
-    ckpt.add_argument("--d-model", type=int, default=512)
-    ckpt.add_argument("--n-layers", type=int, default=8)
+    ckpt.add_argument("--d-model", type=int, default=384)
+    ckpt.add_argument("--n-layers", type=int, default=6)
     ckpt.set_defaults(func=_cmd_bench_checkpoint)
     return parser
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+
 from training.checkpoint import (
     Checkpointer,
     CorruptCheckpointError,
@@ -402,12 +403,6 @@ def test_manifest_from_json_raises_value_error_on_junk(text: str) -> None:
         CheckpointManifest.from_json(text)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="CheckpointManifest.from_json calls raw.get() before checking that the JSON is "
-    "an object, so valid JSON that is not an object raises AttributeError, not ValueError "
-    "(Lineage.manifests only catches ValueError)",
-)
 @pytest.mark.parametrize("text", ["[]", "null", "42", '"manifest"'])
 def test_manifest_from_json_raises_value_error_on_non_object_json(text: str) -> None:
     with pytest.raises(ValueError):

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from training.heartbeat import (
     Heartbeat,
     HeartbeatWriter,
@@ -163,12 +164,6 @@ def test_read_heartbeats_skips_unreadable_files(tmp_path: Path) -> None:
     assert beats[0] == good
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="read_heartbeats indexes by beat.rank outside its try block and never checks "
-    "field types: a parseable record whose rank is unhashable raises TypeError instead "
-    "of being skipped as unreadable",
-)
 def test_read_heartbeats_skips_record_with_wrong_field_types(tmp_path: Path) -> None:
     good = Heartbeat(rank=0, node="n0", pid=1234)
     write_atomically(heartbeat_path(tmp_path, 0), good.to_json())

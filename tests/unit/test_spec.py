@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from relay.spec import JobSpec, load_job_spec, load_job_specs, policies_dir
 from relay.yamlsource import ConfigError, Problem, load_yaml_with_lines, parse_duration
 

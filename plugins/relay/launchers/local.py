@@ -125,8 +125,12 @@ class LocalLauncher:
     @staticmethod
     def _handle(root: Path) -> dict[str, dict[str, int]]:
         try:
-            return dict(json.loads((root / HANDLE_FILE).read_text())["nodes"])
-        except (OSError, ValueError, KeyError):
+            nodes = json.loads((root / HANDLE_FILE).read_text())["nodes"]
+            return {
+                str(n): {"pid": int(ids["pid"]), "pgid": int(ids["pgid"])}
+                for n, ids in nodes.items()
+            }
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return {}
 
     @staticmethod

@@ -1,0 +1,237 @@
+"""Unit tests for crash classification and the segment watcher trigger."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from airflow.triggers.base import TriggerEvent
+
+from relay.faults import Fault, FaultKind, classify_exit
+from relay.launchers.local import HANDLE_FILE, LaunchState, LaunchStatus, LocalLauncher, NodeStatus
+from relay.triggers import SegmentWatchTrigger
+
+NODE_RANKS = {"node-a": [0, 1], "node-b": [2, 3]}
+Record = tuple[str, dict[int, int | None]]  # (state, exit codes by rank)
+
+
+def failed_status() -> LaunchStatus:
+    # node-b's rank 3 was SIGKILLed; everyone else went down with it.
+    return LaunchStatus(
+        LaunchState.FAILED,
+        {
+            "node-a": NodeStatus("node-a", "failed", {0: 1, 1: -15}),
+            "node-b": NodeStatus("node-b", "failed", {2: 1, 3: -9}),
+        },
+    )
+
+
+def test_classify_exit_names_the_sigkilled_rank_and_its_node() -> None:
+    fault = classify_exit(failed_status(), NODE_RANKS)
+
+    assert fault is not None
+    assert fault.kind is FaultKind.CRASH
+    assert fault.culprit_rank == 3
+    assert fault.culprit_node == "node-b"
+    assert fault.evidence["exit_codes"] == {0: 1, 1: -15, 2: 1, 3: -9}
+    assert "rank 3 exited with code -9" in fault.evidence["summary"]
+    assert fault.describe().startswith("crash (node node-b, rank 3)")
+
+
+def test_classify_exit_with_only_secondary_exits_picks_the_lowest_rank() -> None:
+    status = LaunchStatus(
+        LaunchState.FAILED,
+        {
+            "node-a": NodeStatus("node-a", "failed", {0: -15, 1: -15}),
+            "node-b": NodeStatus("node-b", "failed", {2: 1, 3: -15}),
+        },
+    )
+
+    fault = classify_exit(status, NODE_RANKS)
+
+    assert fault is not None
+    assert (fault.culprit_rank, fault.culprit_node) == (0, "node-a")
+
+
+def test_classify_exit_of_a_dead_agent_names_its_node() -> None:
+    status = LaunchStatus(
+        LaunchState.FAILED,
+        {
+            "node-a": NodeStatus("node-a", "running", {0: None, 1: None}),
+            "node-b": NodeStatus(
+                "node-b", "failed", detail="agent died without a final status (killed?)"
+            ),
+        },
+    )
+
+    fault = classify_exit(status, NODE_RANKS)
+
+    assert fault is not None
+    assert fault.kind is FaultKind.CRASH
+    assert fault.culprit_rank is None
+    assert fault.culprit_node == "node-b"
+    assert "agent died" in fault.evidence["summary"]
+
+
+@pytest.mark.parametrize("state", [LaunchState.SUCCEEDED, LaunchState.RUNNING])
+def test_classify_exit_is_none_unless_failed(state: LaunchState) -> None:
+    status = LaunchStatus(state, failed_status().nodes)  # even with bad codes on record
+
+    assert classify_exit(status, NODE_RANKS) is None
+
+
+def test_fault_event_round_trip() -> None:
+    fault = classify_exit(failed_status(), NODE_RANKS)
+    assert fault is not None
+
+    payload = fault.to_event()
+
+    assert payload["status"] == "fault"
+    assert payload["fault"]["kind"] == "crash"
+    assert Fault.from_event(payload["fault"]) == fault
+
+
+# --- the trigger ---------------------------------------------------------------------
+
+
+def test_serialize_round_trip(tmp_path: Path) -> None:
+    original = SegmentWatchTrigger(str(tmp_path), NODE_RANKS, poll_interval_seconds=0.25)
+
+    classpath, kwargs = original.serialize()
+    module, _, name = classpath.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+
+    assert cls is SegmentWatchTrigger
+    json.dumps(kwargs)  # the triggerer stores these: they must be plain data
+    rebuilt = cls(**kwargs)
+    assert rebuilt.serialize() == original.serialize()
+    assert (rebuilt.attempt_dir, rebuilt.node_ranks, rebuilt.poll_interval_seconds) == (
+        str(tmp_path),
+        NODE_RANKS,
+        0.25,
+    )
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait(timeout=10)
+    return proc.pid
+
+
+def fabricate(root: Path, records: dict[str, Record]) -> Path:
+    """An attempt folder whose agents are 'this process' (alive), with status records."""
+    root.mkdir(parents=True, exist_ok=True)
+    # pid: this test process, so agents count as alive. pgid: a reaped process, so
+    # nothing could ever signal this test's own group through this handle.
+    ids = {"pid": os.getpid(), "pgid": dead_pid()}
+    handle = {"nodes": {node: ids for node in NODE_RANKS}, "started_at": time.time()}
+    (root / HANDLE_FILE).write_text(json.dumps(handle))
+    write_records(root, records)
+    return root
+
+
+def write_records(root: Path, records: dict[str, Record]) -> None:
+    (root / "status").mkdir(exist_ok=True)
+    for node, (state, codes) in records.items():
+        record = {"node": node, "state": state, "exit_codes": {str(r): c for r, c in codes.items()}}
+        (root / "status" / f"{node}.json").write_text(json.dumps(record))
+
+
+async def first_event(trigger: SegmentWatchTrigger, timeout: float = 10.0) -> TriggerEvent:
+    events = trigger.run()
+    try:
+        return await asyncio.wait_for(events.__anext__(), timeout)
+    finally:
+        await events.aclose()
+
+
+def watch(root: Path) -> SegmentWatchTrigger:
+    return SegmentWatchTrigger(str(root), NODE_RANKS, poll_interval_seconds=0.02)
+
+
+def test_run_fires_completed_when_every_node_succeeded(tmp_path: Path) -> None:
+    root = fabricate(
+        tmp_path / "try-1",
+        {"node-a": ("succeeded", {0: 0, 1: 0}), "node-b": ("succeeded", {2: 0, 3: 0})},
+    )
+
+    event = asyncio.run(first_event(watch(root)))
+
+    assert isinstance(event, TriggerEvent)
+    assert event.payload == {"status": "completed", "attempt_dir": str(root)}
+
+
+def test_run_fires_a_crash_fault_naming_the_culprit(tmp_path: Path) -> None:
+    root = fabricate(
+        tmp_path / "try-1",
+        {"node-a": ("failed", {0: 1, 1: -15}), "node-b": ("failed", {2: 1, 3: -9})},
+    )
+    before = time.time()
+
+    event = asyncio.run(first_event(watch(root)))
+
+    payload = event.payload
+    assert payload["status"] == "fault"
+    assert payload["attempt_dir"] == str(root)
+    fault = payload["fault"]
+    assert fault["kind"] == "crash"
+    assert (fault["culprit_rank"], fault["culprit_node"]) == (3, "node-b")
+    assert fault["detected_at"] >= before
+    assert Fault.from_event(fault).kind is FaultKind.CRASH
+
+
+def test_run_keeps_watching_while_running_then_reports(tmp_path: Path) -> None:
+    root = fabricate(
+        tmp_path / "try-1",
+        {"node-a": ("running", {0: None, 1: None}), "node-b": ("running", {2: None, 3: None})},
+    )
+
+    async def scenario() -> tuple[bool, TriggerEvent]:
+        task = asyncio.create_task(first_event(watch(root)))
+        await asyncio.sleep(0.2)  # ten polls of a running workload
+        fired_early = task.done()
+        write_records(root, {"node-a": ("failed", {0: -9, 1: -15})})
+        return fired_early, await task
+
+    fired_early, event = asyncio.run(scenario())
+
+    assert not fired_early
+    assert event.payload["status"] == "fault"
+    assert event.payload["fault"]["culprit_rank"] == 0
+    assert event.payload["fault"]["culprit_node"] == "node-a"
+
+
+def test_run_fires_an_error_event_when_status_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "try-1"
+    root.mkdir()
+
+    def broken_status(self: LocalLauncher, _root: Path) -> None:
+        raise TypeError("status file from the future")
+
+    monkeypatch.setattr(LocalLauncher, "status", broken_status)
+
+    event = asyncio.run(first_event(watch(root)))
+
+    payload = event.payload
+    assert payload["status"] == "error"
+    assert payload["attempt_dir"] == str(root)
+    assert payload["message"].startswith("TypeError:")
+    assert "Traceback" in payload["traceback"]
+    assert "broken_status" in payload["traceback"]
+
+
+def test_status_of_a_malformed_handle_is_failed_not_an_exception(tmp_path: Path) -> None:
+    root = tmp_path / "try-1"
+    root.mkdir()
+    (root / HANDLE_FILE).write_text(json.dumps({"nodes": 5, "started_at": time.time()}))
+
+    assert LocalLauncher().status(root).state is LaunchState.FAILED
+    assert LocalLauncher().stop(root) == []

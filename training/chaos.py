@@ -1,23 +1,40 @@
 """Fault injection from inside a rank, for tests, demos and benchmarks.
 
 A fault is a dict from the DAG run's conf, e.g.
-``{"kind": "crash", "segment": 1, "step": 30, "rank": 1, "attempt": 1}``:
-strike at global ``step`` on ``rank`` (or every rank of ``node``), only on
-that segment attempt (``attempt`` defaults to 1, so Airflow's retry runs
-clean).
+``{"kind": "hang", "segment": 1, "step": 30, "rank": 1, "attempt": 1}``:
+strike at global ``step`` on ``rank`` (or on every rank of ``node``, or every
+rank when neither is given), only on that segment attempt (``attempt``
+defaults to 1 so Airflow's retry runs clean; ``null`` means every attempt).
+
+One-shot kinds strike once at ``step``: ``crash`` (SIGKILL the rank),
+``hang`` (the rank stops stepping but stays alive), ``stop_rank`` (SIGSTOP the
+rank: it goes silent), ``stop_node`` (SIGSTOP the rank's whole process group:
+the node's agent and every rank on it), ``nan`` (the loss becomes NaN) and
+``launch_failure`` (the rank never starts; ``step`` is ignored). Lasting kinds
+hold from ``step`` on: ``straggler`` (compute takes ``factor`` x as long) and
+``jitter`` (up to ``seconds`` of random extra time per step). Every strike is
+appended to ``chaos.jsonl`` in the attempt folder with its wall-clock time.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
+import random
 import signal
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-KINDS = ("crash",)
+ONE_SHOT = ("crash", "hang", "stop_rank", "stop_node", "nan", "launch_failure")
+LASTING = ("straggler", "jitter")
+KINDS = ONE_SHOT + LASTING
+CHAOS_LOG = "chaos.jsonl"
 
 
 @dataclass(frozen=True)
@@ -25,15 +42,17 @@ class Fault:
     """One planned fault."""
 
     kind: str
-    step: int
+    step: int = 0
     segment: int | None = None
     rank: int | None = None
     node: str | None = None
-    attempt: int = 1
+    attempt: int | None = 1
+    factor: float = 2.0
+    seconds: float = 0.05
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Fault:
-        """Build a fault from run conf; reject unknown kinds and fields."""
+        """Build a fault from run conf; reject unknown kinds, fields and wrong types."""
         kind = raw.get("kind")
         if kind not in KINDS:
             raise ValueError(f"chaos fault kind: expected one of {KINDS}, found {kind!r}")
@@ -42,35 +61,109 @@ class Fault:
             raise ValueError(f"chaos fault: unknown fields {sorted(unknown)}")
         for name in ("step", "segment", "rank", "attempt"):
             value = raw.get(name)
-            required = name == "step"
-            if (required or value is not None) and not isinstance(value, int):
+            required = name == "step" and kind != "launch_failure"
+            if (required or value is not None) and (
+                not isinstance(value, int) or isinstance(value, bool)
+            ):
                 raise ValueError(f"chaos fault {name}: expected a whole number, found {value!r}")
+        for name in ("factor", "seconds"):
+            if name in raw and not isinstance(raw[name], int | float):
+                raise ValueError(f"chaos fault {name}: expected a number, found {raw[name]!r}")
         return cls(**raw)
 
-    def strikes(self, *, segment: int, attempt: int, step: int, rank: int, node: str) -> bool:
-        """Return whether this fault hits this rank now."""
+    def targets(self, *, segment: int, attempt: int, rank: int, node: str) -> bool:
+        """Return whether this fault is meant for this rank on this attempt."""
         if self.segment is not None and self.segment != segment:
             return False
-        if self.attempt != attempt or self.step != step:
+        if self.attempt is not None and self.attempt != attempt:
             return False
         if self.rank is not None and self.rank != rank:
             return False
         return self.node is None or self.node == node
+
+    def strikes(self, *, segment: int, attempt: int, step: int, rank: int, node: str) -> bool:
+        """Return whether this fault hits this rank at ``step``."""
+        if not self.targets(segment=segment, attempt=attempt, rank=rank, node=node):
+            return False
+        return step >= self.step if self.kind in LASTING else step == self.step
 
 
 class ChaosMonkey:
     """Apply the faults planned for this rank as its steps go by."""
 
     def __init__(
-        self, faults: list[dict[str, Any]], *, segment: int, attempt: int, rank: int, node: str
+        self,
+        faults: list[dict[str, Any]],
+        *,
+        segment: int,
+        attempt: int,
+        rank: int,
+        node: str,
+        record_dir: Path | None = None,
     ) -> None:
-        self._faults = [Fault.from_dict(f) for f in faults]
-        self._where = {"segment": segment, "attempt": attempt, "rank": rank, "node": node}
+        where = {"segment": segment, "attempt": attempt, "rank": rank, "node": node}
+        self._faults = [
+            f for f in (Fault.from_dict(raw) for raw in faults) if f.targets(**where)
+        ]
+        self._where = where
+        self._record_dir = record_dir
+        self._struck: set[int] = set()
+        self._rng = random.Random(f"{segment}-{attempt}-{rank}")  # never the training RNG
+
+    def _due(self, step: int, kinds: tuple[str, ...]) -> list[tuple[int, Fault]]:
+        return [
+            (i, f) for i, f in enumerate(self._faults)
+            if f.kind in kinds and f.strikes(step=step, **self._where)
+        ]
+
+    def _record(self, index: int, fault: Fault, step: int) -> None:
+        if index in self._struck:
+            return
+        self._struck.add(index)
+        log.warning("CHAOS: injecting %s at step %d (%s)", fault.kind, step, self._where)
+        if self._record_dir is not None:
+            entry = {**asdict(fault), **self._where, "step": step, "at": time.time(),
+                     "pid": os.getpid()}
+            with (self._record_dir / CHAOS_LOG).open("a") as fh:
+                fh.write(json.dumps(entry) + "\n")
+
+    def at_startup(self) -> None:
+        """Never start, if a launch failure is planned (the process stays alive, silent)."""
+        for index, fault in enumerate(self._faults):
+            if fault.kind == "launch_failure":
+                self._record(index, fault, -1)
+                while True:
+                    time.sleep(3600)
 
     def before_step(self, step: int) -> None:
-        """Strike any fault planned for ``step``."""
-        for fault in self._faults:
-            if fault.strikes(step=step, **self._where):
-                log.warning("CHAOS: injecting %s at step %d (%s)", fault.kind, step, self._where)
-                if fault.kind == "crash":
-                    os.kill(os.getpid(), signal.SIGKILL)
+        """Strike the one-shot process faults planned for ``step``."""
+        for index, fault in self._due(step, ("crash", "stop_rank", "stop_node")):
+            self._record(index, fault, step)
+            if fault.kind == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.kind == "stop_rank":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                os.killpg(os.getpgid(0), signal.SIGSTOP)
+
+    def delay(self, step: int, compute_estimate: float) -> None:
+        """Spend the extra compute time planned for ``step`` (forever, for a hang)."""
+        extra = 0.0
+        for index, fault in self._due(step, ("hang", "straggler", "jitter")):
+            self._record(index, fault, step)
+            if fault.kind == "hang":
+                while True:  # alive (heartbeats keep coming) but never finishing the step
+                    time.sleep(3600)
+            elif fault.kind == "straggler":
+                extra += max(fault.factor - 1.0, 0.0) * compute_estimate
+            else:
+                extra += self._rng.uniform(0.0, fault.seconds)
+        if extra > 0:
+            time.sleep(extra)
+
+    def corrupt_loss(self, step: int, loss: Any) -> Any:  # noqa: ANN401 - a torch scalar
+        """Return the loss, made NaN if planned for ``step``."""
+        for index, fault in self._due(step, ("nan",)):
+            self._record(index, fault, step)
+            return loss * math.nan
+        return loss

@@ -115,8 +115,15 @@ class HeartbeatWriter:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{rank}", daemon=True)
 
+    @property
+    def enabled(self) -> bool:
+        """Return whether records are written (an interval <= 0 turns them off)."""
+        return self._interval > 0
+
     def start(self) -> HeartbeatWriter:
         """Write the first record now and start the background thread."""
+        if not self.enabled:
+            return self
         self._flush()
         self._thread.start()
         return self
@@ -151,7 +158,8 @@ class HeartbeatWriter:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self._interval + 1)
-        self._flush()
+        if self.enabled:
+            self._flush()
 
     def _flush(self) -> None:
         with self._lock:

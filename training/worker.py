@@ -9,7 +9,9 @@ resuming from a checkpoint reproduces an uninterrupted run bit for bit.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import os
 import sys
 import time
@@ -55,7 +57,8 @@ def ordered_allreduce_hook(
         parts = [torch.empty_like(buf) for _ in range(world)]
         fut = dist.all_gather(parts, buf, async_op=True).get_future()
 
-        def reduce(_: torch.futures.Future[Any]) -> torch.Tensor:
+        def reduce(done: torch.futures.Future[Any]) -> torch.Tensor:
+            done.value()  # re-raise a failed all-gather; never sum uninitialised buffers
             total = parts[0].clone()
             for part in parts[1:]:
                 total += part
@@ -79,6 +82,11 @@ def _publisher(cfg: LaunchConfig, parent: CheckpointRef | None) -> tuple[Checkpo
 def train(cfg: LaunchConfig, rank: int, node: str) -> None:
     """Run this rank's part of the segment."""
     torch.set_num_threads(1)
+    chaos = ChaosMonkey(
+        cfg.chaos, segment=cfg.segment, attempt=cfg.attempt, rank=rank, node=node,
+        record_dir=cfg.root,
+    )
+    chaos.at_startup()
     heartbeat = HeartbeatWriter(
         cfg.heartbeat_dir, rank, node, cfg.heartbeat_interval_seconds, step=cfg.start_step
     )
@@ -108,16 +116,21 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
         log.info("rank %d resumed from step %d (%s)", rank, cfg.start_step, cfg.resume.path)
 
     clock: dict[str, float] = {}
-    # One bucket for all gradients, so the hook fires once, when backward is done.
-    ddp = DistributedDataParallel(model, bucket_cap_mb=1024)
+    # One bucket for all gradients, so the hook fires once, when backward is done;
+    # no buffer sync in forward (the only buffer is a constant mask), so the forward pass
+    # holds no collective and "compute" really is local work.
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1024, forward_sync_buffers=False)
     ddp.register_comm_hook(None, ordered_allreduce_hook(heartbeat, clock))
     stream = CharStream(
         load_corpus(cfg.data["corpus"]), model_cfg.context, cfg.data["batch_size"], cfg.seed
     )
-    chaos = ChaosMonkey(cfg.chaos, segment=cfg.segment, attempt=cfg.attempt, rank=rank, node=node)
     checkpointer, sink = _publisher(cfg, parent) if rank == 0 else (None, None)
     pending_metrics: list[tuple[int, dict[str, float], int]] = []
     heartbeat.beat(step=cfg.start_step)
+    compute_avg = Ewma()
+    rate_avg = Ewma()
+    finite = True  # False once a non-finite loss was seen: never checkpoint poisoned weights
+    loop_started = time.perf_counter()
 
     for step in range(cfg.start_step, cfg.end_step):
         chaos.before_step(step)
@@ -126,26 +139,35 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
         heartbeat.enter(Phase.COMPUTE)
         clock.clear()
         started = time.perf_counter()
+        chaos.delay(step, compute_avg.value or 0.0)
         logits = ddp(inputs)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss = chaos.corrupt_loss(step, loss)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         done = time.perf_counter()
         loss_value = float(loss.item())
-        rate = stream.batch_size * cfg.world_size / max(done - started, 1e-9)
+        finite = finite and math.isfinite(loss_value)
         heartbeat.beat(
             step=step + 1,
-            compute_seconds=clock.get("compute_done", done) - started,
-            samples_per_second=rate,
+            compute_seconds=compute_avg.add(clock.get("compute_done", done) - started),
+            samples_per_second=rate_avg.add(
+                stream.batch_size * cfg.world_size / max(done - started, 1e-9)
+            ),
             loss=loss_value,
         )
         if checkpointer is None:
             continue
+        rate = rate_avg.value or 0.0
         pending_metrics.append(
             (step + 1, {"loss": loss_value, "samples_per_second": rate}, int(time.time() * 1000))
         )
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.end_step:
+            if not finite:
+                log.error("step %d: loss is not finite; not checkpointing poisoned weights",
+                          step + 1)
+                continue
             heartbeat.enter(Phase.CHECKPOINT)
             extra = {"data": {"position": step + 1, "seed": cfg.seed}, "world_size": cfg.world_size}
             stats = checkpointer.save(model, optimizer, step + 1, extra)
@@ -154,10 +176,30 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
             batch, pending_metrics = pending_metrics, []
             checkpointer.submit(lambda batch=batch: _log_metrics(sink, batch))
 
+    loop_seconds = time.perf_counter() - loop_started
     if checkpointer is not None:
         checkpointer.close()
+        steps = cfg.end_step - cfg.start_step
+        result = {"steps": steps, "loop_seconds": loop_seconds,
+                  "steps_per_second": steps / loop_seconds if loop_seconds > 0 else 0.0}
+        (cfg.root / "result.json").write_text(json.dumps(result))
     heartbeat.close()
     dist.destroy_process_group()
+
+
+class Ewma:
+    """An exponentially weighted moving average (recent steps count most)."""
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self.value: float | None = None
+
+    def add(self, sample: float) -> float:
+        """Fold in one sample and return the average."""
+        self.value = sample if self.value is None else (
+            self.alpha * sample + (1 - self.alpha) * self.value
+        )
+        return self.value
 
 
 def _log_metrics(sink: Any, batch: list[tuple[int, dict[str, float], int]]) -> None:  # noqa: ANN401

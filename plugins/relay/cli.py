@@ -47,6 +47,47 @@ def _cmd_bench_checkpoint(args: argparse.Namespace) -> int:
     return bench_main(checkpoints=args.checkpoints, d_model=args.d_model, n_layers=args.n_layers)
 
 
+def _cmd_bench_detect(args: argparse.Namespace) -> int:
+    from relay.bench.detect import main as bench_main
+
+    return bench_main(repeats=args.repeats, only=args.only, startup_timeout=args.startup_timeout)
+
+
+def _cmd_bench_overhead(args: argparse.Namespace) -> int:
+    from relay.bench.overhead import main as bench_main
+
+    return bench_main(pairs=args.pairs, steps=args.steps)
+
+
+def _cmd_bench_watcher(args: argparse.Namespace) -> int:
+    from relay.bench.watcher import main as bench_main
+
+    return bench_main(ranks=args.ranks, seconds=args.seconds)
+
+
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    from relay import chaos
+
+    try:
+        attempt = Path(args.attempt_dir) if args.attempt_dir else chaos.running_attempt(args.dag)
+        if args.chaos_cmd == "stop-node":
+            pgid = chaos.stop_node(attempt, args.node)
+            print(f"stopped node {args.node} (process group {pgid}) in {attempt}")
+        elif args.chaos_cmd == "continue-node":
+            chaos.continue_node(attempt, args.node)
+            print(f"continued node {args.node} in {attempt}")
+        elif args.chaos_cmd == "kill-rank":
+            pid = chaos.kill_rank(attempt, args.rank)
+            print(f"killed rank {args.rank} (pid {pid}) in {attempt}")
+        else:
+            print(f"slowing rank {args.rank} {args.factor:g}x for {args.seconds:g}s in {attempt}")
+            chaos.slow_rank(attempt, args.rank, args.factor, args.seconds)
+    except (chaos.ChaosTargetError, OSError) as err:
+        print(f"relay chaos: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of `relay`."""
     parser = argparse.ArgumentParser(prog="relay", description=__doc__)
@@ -67,12 +108,47 @@ def build_parser() -> argparse.ArgumentParser:
     lineage.add_argument("job")
     lineage.set_defaults(func=_cmd_lineage)
 
+    chaos = sub.add_parser("chaos", help="break a running segment from outside")
+    chaos_sub = chaos.add_subparsers(dest="chaos_cmd", required=True)
+    for name, helptext in (
+        ("stop-node", "SIGSTOP every process of a node"),
+        ("continue-node", "SIGCONT a stopped node"),
+        ("kill-rank", "SIGKILL one rank"),
+        ("slow-rank", "slow one rank by freezing it part of the time"),
+    ):
+        cmd = chaos_sub.add_parser(name, help=helptext)
+        if name.endswith("node"):
+            cmd.add_argument("node")
+        else:
+            cmd.add_argument("rank", type=int)
+        if name == "slow-rank":
+            cmd.add_argument("--factor", type=float, default=2.0)
+            cmd.add_argument("--seconds", type=float, default=60.0)
+        target = cmd.add_mutually_exclusive_group()
+        target.add_argument("--dag", help="newest running attempt of this DAG (default: any)")
+        target.add_argument("--attempt-dir", help="the attempt folder to act on")
+        cmd.set_defaults(func=_cmd_chaos)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     ckpt = bench.add_parser("checkpoint", help="loop stall per checkpoint, async vs sync")
     ckpt.add_argument("--checkpoints", type=int, default=8)
     ckpt.add_argument("--d-model", type=int, default=384)
     ckpt.add_argument("--n-layers", type=int, default=6)
     ckpt.set_defaults(func=_cmd_bench_checkpoint)
+    detect = bench.add_parser("detect", help="latency from injected fault to watcher event")
+    detect.add_argument("--repeats", type=int, default=5)
+    detect.add_argument("--only", nargs="*", help="scenarios: hang rank node crash straggler "
+                        "throughput nan launch")
+    detect.add_argument("--startup-timeout", type=float, default=20.0)
+    detect.set_defaults(func=_cmd_bench_detect)
+    overhead = bench.add_parser("overhead", help="steps/s with heartbeats on vs off")
+    overhead.add_argument("--pairs", type=int, default=4)
+    overhead.add_argument("--steps", type=int, default=300)
+    overhead.set_defaults(func=_cmd_bench_overhead)
+    watcher = bench.add_parser("watcher", help="watcher CPU with many simulated ranks")
+    watcher.add_argument("--ranks", type=int, default=1024)
+    watcher.add_argument("--seconds", type=float, default=30.0)
+    watcher.set_defaults(func=_cmd_bench_watcher)
     return parser
 
 

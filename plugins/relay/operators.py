@@ -7,6 +7,7 @@ own retry runs it again from whatever the latest valid checkpoint then is.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -20,8 +21,10 @@ from relay import settings
 from relay.faults import Fault
 from relay.launchers.local import LocalLauncher, free_port
 from relay.nodes import select_nodes
+from relay.policy import LoadedPolicy, load_policy
 from relay.spec import JobSpec, load_job_spec
 from relay.triggers import SegmentWatchTrigger
+from training.chaos import Fault as ChaosFault
 from training.launch import LAUNCH_FILE, LaunchConfig, ResumeFrom
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,19 @@ class RelayOperator(BaseOperator):
         """Load the job spec as it is now on disk."""
         return load_job_spec(Path(self.spec_file))
 
+    def policy(self, spec: JobSpec) -> LoadedPolicy:
+        """Load the job's recovery policy; refuse one whose timeouts cannot work."""
+        loaded = load_policy(spec.policy_path(Path(self.spec_file)))
+        detection = loaded.policy.detection
+        if detection.heartbeat_timeout < 2 * spec.heartbeat_interval:
+            raise AirflowException(
+                f"{loaded.path}: detection.heartbeat_timeout is {detection.heartbeat_timeout:g}s, "
+                f"but {self.spec_file} writes heartbeats every {spec.heartbeat_interval:g}s; "
+                "expected at least two intervals. Raise heartbeat_timeout or lower "
+                "heartbeat_interval."
+            )
+        return loaded
+
 
 class PreflightOperator(RelayOperator):
     """Check the spec, the tracking store and the nodes; open the DAG run's MLflow run."""
@@ -62,6 +78,7 @@ class PreflightOperator(RelayOperator):
     def execute(self, context: Any) -> str:  # noqa: ANN401
         """Return the parent MLflow run id."""
         spec = self.spec()
+        policy = self.policy(spec)
         lineage = _lineage()
         nodes = select_nodes(spec.nodes)
         params = {
@@ -71,6 +88,8 @@ class PreflightOperator(RelayOperator):
             "steps_per_segment": spec.steps_per_segment,
             "checkpoint_every": spec.checkpoint_every,
             "world_size": spec.world_size,
+            "policy_file": str(policy.path),
+            "policy_sha256": policy.sha256,
         }
         parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id, params)
         log.info(
@@ -84,14 +103,14 @@ class PreflightOperator(RelayOperator):
 class TrainSegmentOperator(RelayOperator):
     """Train steps ``[latest checkpoint, segment end)`` on healthy nodes, watched by a trigger."""
 
-    def __init__(self, *, segment: int, poll_interval_seconds: float = 0.5, **kwargs: Any) -> None:
+    def __init__(self, *, segment: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.segment = segment
-        self.poll_interval_seconds = poll_interval_seconds
 
     def execute(self, context: Any) -> dict[str, Any] | None:  # noqa: ANN401
         """Launch the segment and defer to the watcher (or do nothing if already past it)."""
         spec = self.spec()
+        policy = self.policy(spec)
         index, start, end = spec.segments[self.segment]
         dag_run = context["dag_run"]
         try_number = int(context["ti"].try_number)
@@ -115,7 +134,14 @@ class TrainSegmentOperator(RelayOperator):
                 "resuming from there", index, start, resume_step,
             )
         nodes = select_nodes(spec.nodes)
-        conf = dag_run.conf or {}
+        chaos = list((dag_run.conf or {}).get("chaos", []))
+        for fault in chaos:
+            try:
+                ChaosFault.from_dict(fault)
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise AirflowException(
+                    f"DAG run conf `chaos`: {exc} in {fault!r}. Fix the conf and trigger again."
+                ) from exc
         run_id = lineage.attempt_run(
             parent,
             index,
@@ -160,7 +186,7 @@ class TrainSegmentOperator(RelayOperator):
                 if latest
                 else None
             ),
-            chaos=list(conf.get("chaos", [])),
+            chaos=chaos,
         )
         LocalLauncher().launch(cfg)
         log.info(
@@ -174,7 +200,9 @@ class TrainSegmentOperator(RelayOperator):
             trigger=SegmentWatchTrigger(
                 attempt_dir=str(attempt_dir),
                 node_ranks=node_ranks,
-                poll_interval_seconds=self.poll_interval_seconds,
+                detection=policy.policy.detection.model_dump(),
+                heartbeat_interval_seconds=spec.heartbeat_interval,
+                poll_interval_seconds=policy.policy.detection.poll_interval,
             ),
             method_name="execute_complete",
         )
@@ -200,7 +228,12 @@ class TrainSegmentOperator(RelayOperator):
             fault = Fault.from_event(event["fault"])
             lineage.log_json(run_id, "fault.json", event["fault"])
             lineage.finish_run(run_id, "fault", {"relay.fault_kind": fault.kind.value})
-            message = f"Segment {self.segment} fault: {fault.describe()}"
+            detected = fault.detected_at - LocalLauncher.started_at(attempt_dir)
+            message = (
+                f"Segment {self.segment} fault: {fault.describe()} "
+                f"(detected {detected:.1f}s after launch; evidence: "
+                f"{json.dumps(fault.evidence, default=str)})"
+            )
         elif survivors:
             lineage.finish_run(run_id, "orphans")
             message = f"Segment {self.segment}: processes {survivors} survived SIGKILL"

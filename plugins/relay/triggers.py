@@ -1,15 +1,16 @@
-"""The segment watcher: an async trigger that runs in Airflow's triggerer.
+"""The watchers: async triggers that run in Airflow's triggerer.
 
-It gathers observations without blocking (file reads off the event loop),
-asks :mod:`relay.faults` what they mean, and fires exactly one event:
-``completed``, ``fault`` (with kind, culprit, evidence and detection time), or
-``error`` (the watcher itself broke, with the traceback). It keeps no state
-that matters across restarts, so running it twice is harmless.
+They gather observations without blocking (file reads off the event loop),
+ask :class:`~relay.detection.Detector` what they mean, and fire exactly one
+event: ``completed``, ``fault`` (kind, culprit, evidence, detection time), or
+``error`` (the watcher itself broke, with the traceback). Nothing they keep
+matters across restarts, so running one twice is harmless.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import traceback
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,22 +18,60 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from relay.faults import classify_exit
+from relay.detection import Detector, Observation
+from relay.faults import FaultKind
 from relay.launchers.local import LaunchState, LocalLauncher
+from relay.policy import Detection
+from training.heartbeat import Phase, read_heartbeats
+
+
+def observe_attempt(
+    attempt_dir: Path, node_ranks: dict[str, list[int]], heartbeat_interval: float
+) -> Observation:
+    """Read one snapshot of a launched segment attempt (blocking file I/O)."""
+    launcher = LocalLauncher()
+    status = launcher.status(attempt_dir)
+    try:
+        launched_at = launcher.started_at(attempt_dir)
+    except (OSError, ValueError, KeyError):
+        launched_at = time.time()
+    return Observation(
+        now=time.time(),
+        launched_at=launched_at,
+        heartbeats=read_heartbeats(attempt_dir / "heartbeats"),
+        node_ranks=node_ranks,
+        heartbeat_interval=heartbeat_interval,
+        launch=status,
+    )
+
+
+def _error_event(where: str, exc: BaseException) -> TriggerEvent:
+    return TriggerEvent(
+        {
+            "status": "error",
+            "attempt_dir": where,
+            "message": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+        }
+    )
 
 
 class SegmentWatchTrigger(BaseTrigger):
-    """Watch one segment attempt until it completes or faults."""
+    """Watch one segment attempt launched by Relay until it completes or faults."""
 
     def __init__(
         self,
         attempt_dir: str,
         node_ranks: dict[str, list[int]],
+        detection: dict[str, Any] | None = None,
+        heartbeat_interval_seconds: float = 0.5,
         poll_interval_seconds: float = 0.5,
     ) -> None:
         super().__init__()
         self.attempt_dir = attempt_dir
         self.node_ranks = node_ranks
+        self.detection = detection or {}
+        self.heartbeat_interval_seconds = heartbeat_interval_seconds
         self.poll_interval_seconds = poll_interval_seconds
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -42,31 +81,113 @@ class SegmentWatchTrigger(BaseTrigger):
             {
                 "attempt_dir": self.attempt_dir,
                 "node_ranks": self.node_ranks,
+                "detection": self.detection,
+                "heartbeat_interval_seconds": self.heartbeat_interval_seconds,
                 "poll_interval_seconds": self.poll_interval_seconds,
             },
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Poll until there is one thing to report, then report it."""
-        launcher = LocalLauncher()
         root = Path(self.attempt_dir)
         try:
+            detector = Detector(Detection.model_validate(self.detection))
             while True:
-                status = await asyncio.to_thread(launcher.status, root)
-                if status.state is LaunchState.SUCCEEDED:
+                obs = await asyncio.to_thread(
+                    observe_attempt, root, self.node_ranks, self.heartbeat_interval_seconds
+                )
+                if obs.launch is not None and obs.launch.state is LaunchState.SUCCEEDED:
                     yield TriggerEvent({"status": "completed", "attempt_dir": self.attempt_dir})
                     return
-                fault = classify_exit(status, self.node_ranks)
+                fault = detector.check(obs)
                 if fault is not None:
                     yield TriggerEvent({**fault.to_event(), "attempt_dir": self.attempt_dir})
                     return
                 await asyncio.sleep(self.poll_interval_seconds)
         except Exception as exc:  # an error event, never a dead trigger
-            yield TriggerEvent(
-                {
-                    "status": "error",
-                    "attempt_dir": self.attempt_dir,
-                    "message": f"{type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc(),
-                }
+            yield _error_event(self.attempt_dir, exc)
+
+
+# What a sensor can see without a launcher: no exit codes, no agents.
+HEARTBEAT_KINDS = frozenset(
+    {FaultKind.HANG, FaultKind.RANK_UNRESPONSIVE, FaultKind.NODE_UNRESPONSIVE,
+     FaultKind.LAUNCH_FAILURE, FaultKind.NAN_LOSS, FaultKind.STRAGGLER}
+)
+THROUGHPUT_KINDS = frozenset({FaultKind.THROUGHPUT_DEGRADED})
+
+
+class HeartbeatWatchTrigger(BaseTrigger):
+    """Watch any job that writes Relay heartbeats, launched by Relay or not.
+
+    ``completed`` fires when every expected rank reports phase ``done``.
+    """
+
+    def __init__(
+        self,
+        heartbeat_dir: str,
+        world_size: int,
+        kinds: list[str],
+        detection: dict[str, Any] | None = None,
+        heartbeat_interval_seconds: float = 0.5,
+        poll_interval_seconds: float = 1.0,
+        started_at: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.heartbeat_dir = heartbeat_dir
+        self.world_size = world_size
+        self.kinds = kinds
+        self.detection = detection or {}
+        self.heartbeat_interval_seconds = heartbeat_interval_seconds
+        self.poll_interval_seconds = poll_interval_seconds
+        self.started_at = started_at if started_at is not None else time.time()
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        """Return the classpath and the exact ``__init__`` arguments."""
+        return (
+            "relay.triggers.HeartbeatWatchTrigger",
+            {
+                "heartbeat_dir": self.heartbeat_dir,
+                "world_size": self.world_size,
+                "kinds": self.kinds,
+                "detection": self.detection,
+                "heartbeat_interval_seconds": self.heartbeat_interval_seconds,
+                "poll_interval_seconds": self.poll_interval_seconds,
+                "started_at": self.started_at,
+            },
+        )
+
+    def observe(self) -> Observation:
+        beats = read_heartbeats(Path(self.heartbeat_dir))
+        node_ranks: dict[str, list[int]] = {}
+        for beat in beats.values():
+            node_ranks.setdefault(beat.node, []).append(beat.rank)
+        missing = [r for r in range(self.world_size) if r not in beats]
+        if missing:
+            node_ranks.setdefault("(not yet seen)", []).extend(missing)
+        return Observation(
+            now=time.time(), launched_at=self.started_at, heartbeats=beats,
+            node_ranks=node_ranks, heartbeat_interval=self.heartbeat_interval_seconds,
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        """Poll heartbeats until the job is done or a watched fault shows."""
+        try:
+            detector = Detector(
+                Detection.model_validate(self.detection),
+                frozenset(FaultKind(k) for k in self.kinds),
             )
+            while True:
+                obs = await asyncio.to_thread(self.observe)
+                beats = obs.heartbeats
+                if len(beats) >= self.world_size and all(
+                    b.phase == Phase.DONE.value for b in beats.values()
+                ):
+                    yield TriggerEvent({"status": "completed", "attempt_dir": self.heartbeat_dir})
+                    return
+                fault = detector.check(obs)
+                if fault is not None:
+                    yield TriggerEvent({**fault.to_event(), "attempt_dir": self.heartbeat_dir})
+                    return
+                await asyncio.sleep(self.poll_interval_seconds)
+        except Exception as exc:  # an error event, never a dead trigger
+            yield _error_event(self.heartbeat_dir, exc)

@@ -90,17 +90,33 @@ def _final_state(lineage: Lineage, parent: str, where: Path) -> dict[str, Any]:
     return torch.load(verified.path, weights_only=True)
 
 
+def _assert_same_bits(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), f"weights differ at {key}"
+    for pa, pb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(),
+                      strict=True):
+        assert all(torch.equal(pa[k], pb[k]) for k in pa), "optimizer state differs"
+
+
+@pytest.fixture(scope="module")
+def clean_run(
+    airflow_job: dict[str, str], relay_home: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """Run the job once without faults; return its final checkpoint state."""
+    lineage = Lineage.from_settings()
+    clean = _run(airflow_job, relay_home, {"chaos": []}, "clean")
+    children = lineage.child_runs(clean)
+    # No fault: exactly one attempt per segment, each completed.
+    assert sorted(c.data.tags[TAG_SEGMENT] for c in children) == ["0", "1"]
+    assert {c.data.tags[TAG_OUTCOME] for c in children} == {"completed"}
+    return _final_state(lineage, clean, tmp_path_factory.mktemp("clean"))
+
+
 def test_crashed_and_retried_run_equals_uninterrupted_run_bit_for_bit(
-    airflow_job: dict[str, str], relay_home: Path, tmp_path: Path
+    airflow_job: dict[str, str], relay_home: Path, tmp_path: Path, clean_run: dict[str, Any]
 ) -> None:
     lineage = Lineage.from_settings()
-
-    clean = _run(airflow_job, relay_home, {"chaos": []}, "clean")
-    clean_children = lineage.child_runs(clean)
-    # No fault: exactly one attempt per segment, each completed.
-    assert sorted(c.data.tags[TAG_SEGMENT] for c in clean_children) == ["0", "1"]
-    assert {c.data.tags[TAG_OUTCOME] for c in clean_children} == {"completed"}
-
     faulty = _run(airflow_job, relay_home, {"chaos": [CRASH]}, "faulty")
     children = lineage.child_runs(faulty)
     seg1 = [c for c in children if c.data.tags[TAG_SEGMENT] == "1"]
@@ -113,15 +129,7 @@ def test_crashed_and_retried_run_equals_uninterrupted_run_bit_for_bit(
     assert fault["culprit_rank"] == 1
     assert fault["culprit_node"] == "node-a"
 
-    a = _final_state(lineage, clean, tmp_path / "clean")
-    b = _final_state(lineage, faulty, tmp_path / "faulty")
-    assert a["model"].keys() == b["model"].keys()
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), f"weights differ at {key}"
-    for pa, pb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(),
-                      strict=True):
-        assert all(torch.equal(pa[k], pb[k]) for k in pa), "optimizer state differs"
-
+    _assert_same_bits(clean_run, _final_state(lineage, faulty, tmp_path / "faulty"))
     assert _workload_processes(relay_home) == [], "no workload process may outlive its DAG run"
 
     # Re-running a finished segment in the same DAG run is a no-op: the latest
@@ -135,3 +143,37 @@ def test_crashed_and_retried_run_equals_uninterrupted_run_bit_for_bit(
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "already done" in out.stdout + out.stderr
     assert len(lineage.child_runs(faulty)) == before
+
+
+STALL_AND_NODE = [
+    {"kind": "hang", "segment": 0, "step": 15, "rank": 2, "attempt": 1},
+    {"kind": "stop_node", "segment": 1, "step": 52, "node": "node-a", "rank": 0, "attempt": 1},
+]
+
+
+def test_stalled_rank_and_dead_node_are_caught_stopped_and_recovered_bit_for_bit(
+    airflow_job: dict[str, str], relay_home: Path, tmp_path: Path, clean_run: dict[str, Any]
+) -> None:
+    lineage = Lineage.from_settings()
+    faulty = _run(airflow_job, relay_home, {"chaos": STALL_AND_NODE}, "stall-and-node")
+    faults = {}
+    for child in lineage.child_runs(faulty):
+        if child.data.tags[TAG_OUTCOME] == "fault":
+            path = lineage.client.download_artifacts(child.info.run_id, "fault.json",
+                                                     str(tmp_path / child.info.run_id))
+            faults[child.data.tags[TAG_SEGMENT]] = json.loads(Path(path).read_text())
+    assert faults["0"]["kind"] == "hang"
+    assert (faults["0"]["culprit_rank"], faults["0"]["culprit_node"]) == (2, "node-b")
+    assert faults["1"]["kind"] == "node_unresponsive"
+    assert faults["1"]["culprit_node"] == "node-a"
+    # Caught long before gloo's collective timeout (30 min), from heartbeats alone.
+    for fault in faults.values():
+        assert "summary" in fault["evidence"]
+
+    log = (relay_home / "logs" / "stall-and-node.log").read_text()
+    assert "Segment 0 fault: hang (node node-b, rank 2)" in log
+    assert "Segment 1 fault: node_unresponsive (node node-a)" in log
+    assert "evidence:" in log
+
+    _assert_same_bits(clean_run, _final_state(lineage, faulty, tmp_path / "faulty"))
+    assert _workload_processes(relay_home) == [], "stopped (SIGSTOP) processes must not survive"

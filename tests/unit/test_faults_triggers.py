@@ -16,6 +16,7 @@ from airflow.triggers.base import TriggerEvent
 from relay.faults import Fault, FaultKind, classify_exit
 from relay.launchers.local import HANDLE_FILE, LaunchState, LaunchStatus, LocalLauncher, NodeStatus
 from relay.triggers import SegmentWatchTrigger
+from training.heartbeat import Heartbeat, heartbeat_path, write_atomically
 
 NODE_RANKS = {"node-a": [0, 1], "node-b": [2, 3]}
 Record = tuple[str, dict[int, int | None]]  # (state, exit codes by rank)
@@ -167,11 +168,22 @@ def test_run_fires_completed_when_every_node_succeeded(tmp_path: Path) -> None:
     assert event.payload == {"status": "completed", "attempt_dir": str(root)}
 
 
+def write_training_heartbeats(root: Path, step: int = 5) -> None:
+    """Every rank past start-up: a later death is a crash, not a failed launch."""
+    folder = root / "heartbeats"
+    folder.mkdir(parents=True, exist_ok=True)
+    for node, ranks in NODE_RANKS.items():
+        for rank in ranks:
+            beat = Heartbeat(rank=rank, node=node, pid=1, step=step, phase="compute")
+            write_atomically(heartbeat_path(folder, rank), beat.to_json())
+
+
 def test_run_fires_a_crash_fault_naming_the_culprit(tmp_path: Path) -> None:
     root = fabricate(
         tmp_path / "try-1",
         {"node-a": ("failed", {0: 1, 1: -15}), "node-b": ("failed", {2: 1, 3: -9})},
     )
+    write_training_heartbeats(root)
     before = time.time()
 
     event = asyncio.run(first_event(watch(root)))
@@ -191,6 +203,7 @@ def test_run_keeps_watching_while_running_then_reports(tmp_path: Path) -> None:
         tmp_path / "try-1",
         {"node-a": ("running", {0: None, 1: None}), "node-b": ("running", {2: None, 3: None})},
     )
+    write_training_heartbeats(root)
 
     async def scenario() -> tuple[bool, TriggerEvent]:
         task = asyncio.create_task(first_event(watch(root)))

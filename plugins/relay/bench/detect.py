@@ -1,0 +1,109 @@
+"""`relay bench detect`: latency from an injected fault to the watcher's event, per kind.
+
+Each trial launches 2 nodes x 2 ranks of the tiny model (real DDP over gloo,
+real heartbeats), injects one fault, and runs the real ``SegmentWatchTrigger``
+until it fires. Latency is the event's detection time minus the moment the
+rank recorded the strike (for a launch failure: minus the launch, since "no
+heartbeat within the start-up timeout" cannot be seen earlier).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relay.bench.common import Store, chaos_strikes, launch_config, launched, summary, watch
+from relay.launchers.local import LocalLauncher
+from relay.policy import Detection
+
+GLOO_DEFAULT_TIMEOUT_SECONDS = 1800.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One fault kind as injected, and what the watcher must call it."""
+
+    name: str
+    fault: dict[str, Any]
+    expected_kind: str
+    culprit_rank: int | None
+    culprit_node: str | None
+
+
+SCENARIOS = (
+    Scenario("hang", {"kind": "hang", "step": 30, "rank": 1}, "hang", 1, "node-a"),
+    Scenario("rank", {"kind": "stop_rank", "step": 30, "rank": 2}, "rank_unresponsive", 2,
+             "node-b"),
+    Scenario("node", {"kind": "stop_node", "step": 30, "node": "node-b", "rank": 3},
+             "node_unresponsive", None, "node-b"),
+    Scenario("crash", {"kind": "crash", "step": 30, "rank": 1}, "crash", 1, "node-a"),
+    Scenario("straggler", {"kind": "straggler", "step": 30, "rank": 3, "factor": 2.0},
+             "straggler", 3, "node-b"),
+    Scenario("throughput", {"kind": "straggler", "step": 120, "factor": 2.5},
+             "throughput_degraded", None, None),
+    Scenario("nan", {"kind": "nan", "step": 30, "rank": 2}, "nan_loss", 2, "node-b"),
+    Scenario("launch", {"kind": "launch_failure", "rank": 0}, "launch_failure", 0, "node-a"),
+)
+
+
+def run_trial(store: Store, root: Path, scenario: Scenario, detection: Detection) -> dict[str, Any]:
+    """Inject one fault and time the watcher; return the trial's record."""
+    cfg = launch_config(store, root, steps=100_000, chaos=[scenario.fault])
+    with launched(cfg) as attempt:
+        event = watch(cfg, detection, timeout=detection.startup_timeout + 90)
+        launched_at = LocalLauncher.started_at(attempt)
+        strikes = chaos_strikes(attempt)
+    record: dict[str, Any] = {"scenario": scenario.name, "status": event.get("status")}
+    if event.get("status") != "fault":
+        return {**record, "ok": False, "latency": None}
+    fault = event["fault"]
+    onset = launched_at if scenario.expected_kind == "launch_failure" else (
+        min(s["at"] for s in strikes) if strikes else None
+    )
+    latency = fault["detected_at"] - onset if onset is not None else None
+    ok = (
+        fault["kind"] == scenario.expected_kind
+        and fault["culprit_rank"] == scenario.culprit_rank
+        and fault["culprit_node"] == scenario.culprit_node
+    )
+    return {**record, "ok": ok, "latency": latency, "kind": fault["kind"],
+            "culprit": (fault["culprit_rank"], fault["culprit_node"]),
+            "summary": fault["evidence"].get("summary", "")}
+
+
+def main(repeats: int = 5, only: list[str] | None = None, startup_timeout: float = 20.0) -> int:
+    """Run every scenario ``repeats`` times and print latencies next to gloo's timeout."""
+    detection = Detection(startup_timeout=startup_timeout)
+    chosen = [s for s in SCENARIOS if not only or s.name in only]
+    print(f"Detection benchmark: {repeats} trial(s) per fault kind, 2 nodes x 2 ranks, "
+          f"default thresholds (startup_timeout {startup_timeout:g}s for the launch trials)",
+          flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="relay-bench-detect-") as tmp:
+        store = Store(Path(tmp))
+        for scenario in chosen:
+            records = []
+            for i in range(repeats):
+                started = time.time()
+                rec = run_trial(store, Path(tmp) / f"{scenario.name}-{i}", scenario, detection)
+                records.append(rec)
+                lat = f"{rec['latency']:.2f}s" if rec["latency"] is not None else "-"
+                print(f"  {scenario.name:10} #{i + 1}: {rec.get('kind', rec['status']):20} "
+                      f"culprit {rec.get('culprit')} latency {lat} "
+                      f"({'ok' if rec['ok'] else 'WRONG'}; trial {time.time() - started:.0f}s)",
+                      flush=True)
+            rows.append((scenario, records))
+    print(f"\n  {'fault':11} {'correct':>8} {'median':>8} {'max':>8}   vs gloo 30 min timeout")
+    all_ok = True
+    for scenario, records in rows:
+        lats = [r["latency"] for r in records if r["ok"] and r["latency"] is not None]
+        correct = sum(r["ok"] for r in records)
+        all_ok = all_ok and correct == len(records)
+        med, worst = summary(lats)
+        ratio = f"1/{GLOO_DEFAULT_TIMEOUT_SECONDS / med:,.0f}" if lats else "-"
+        print(f"  {scenario.expected_kind:11.11} {correct:>4}/{len(records):<3} {med:7.2f}s "
+              f"{worst:7.2f}s   {ratio}")
+    return 0 if all_ok else 1

@@ -1,0 +1,284 @@
+"""Turn what the watcher observes into at most one classified fault.
+
+:class:`Detector` is deterministic: feed it :class:`Observation` snapshots (the
+heartbeats, the launcher's status, the clock) and it answers with a
+:class:`~relay.faults.Fault` or ``None``. The only state it keeps is what
+"sustained" and "baseline" need; losing it (a triggerer restart) only delays
+those two rules. Rules are checked in a fixed order, most specific first, so
+one fault is reported once, under its most useful name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from relay.faults import Fault, FaultKind, classify_exit
+from relay.launchers.local import LaunchState, LaunchStatus
+from relay.policy import Detection
+from training.heartbeat import Heartbeat, Phase
+
+AGENT_STATUS_INTERVAL_SECONDS = 1.0  # training.agent rewrites its status this often
+_WAITING = {Phase.COLLECTIVE.value}
+_WORKING = {Phase.COMPUTE.value, Phase.COLLECTIVE.value}
+
+
+@dataclass
+class Observation:
+    """One snapshot of a segment attempt, as the watcher saw it."""
+
+    now: float
+    launched_at: float
+    heartbeats: dict[int, Heartbeat]
+    node_ranks: dict[str, list[int]]
+    heartbeat_interval: float
+    launch: LaunchStatus | None = None  # None when watching a job Relay did not launch
+
+    @property
+    def expected_ranks(self) -> list[int]:
+        """Return every rank the job should have."""
+        return sorted(r for ranks in self.node_ranks.values() for r in ranks)
+
+    def node_of(self, rank: int) -> str | None:
+        """Return the node a rank runs on."""
+        return next((n for n, ranks in self.node_ranks.items() if rank in ranks), None)
+
+
+@dataclass
+class _Sustained:
+    since: dict[object, float] = field(default_factory=dict)
+
+    def hold(self, key: object, condition: bool, now: float) -> float:
+        """Return for how long ``condition`` has held for ``key`` (0 when it does not)."""
+        if not condition:
+            self.since.pop(key, None)
+            return 0.0
+        return now - self.since.setdefault(key, now)
+
+
+class Detector:
+    """Classify faults from observations, per the policy's detection thresholds."""
+
+    def __init__(self, detection: Detection, enabled: frozenset[FaultKind] | None = None) -> None:
+        self.cfg = detection
+        self.enabled = enabled if enabled is not None else frozenset(FaultKind)
+        self._straggler = _Sustained()
+        self._slow = _Sustained()
+        self._baseline_samples: list[float] = []
+        self._baseline_started: float | None = None
+        self._first_step: int | None = None
+        self.baseline: float | None = None
+
+    def check(self, obs: Observation) -> Fault | None:
+        """Return the fault these observations show, if any."""
+        rules = (
+            ({FaultKind.CRASH, FaultKind.LAUNCH_FAILURE}, self._exits),
+            ({FaultKind.NAN_LOSS}, self._nan),
+            ({FaultKind.LAUNCH_FAILURE}, self._startup),
+            ({FaultKind.NODE_UNRESPONSIVE, FaultKind.RANK_UNRESPONSIVE}, self._stale),
+            ({FaultKind.HANG}, self._hang),
+            ({FaultKind.STRAGGLER}, self._stragglers),
+            ({FaultKind.THROUGHPUT_DEGRADED}, self._throughput),
+        )
+        for kinds, rule in rules:
+            if kinds & self.enabled:
+                fault = rule(obs)
+                if fault is not None and fault.kind in self.enabled:
+                    return fault
+        return None
+
+    # -- exits and start-up -------------------------------------------------
+
+    def _exits(self, obs: Observation) -> Fault | None:
+        if obs.launch is None or obs.launch.state is not LaunchState.FAILED:
+            return None
+        fault = classify_exit(obs.launch, obs.node_ranks)
+        if fault is None:
+            return None
+        fault = dataclasses.replace(fault, detected_at=obs.now)
+        if fault.culprit_rank is None:
+            return fault
+        beat = obs.heartbeats.get(fault.culprit_rank)
+        if beat is None or beat.phase == Phase.STARTING.value:
+            # It died before its first step: the launch failed, not the training.
+            return Fault(FaultKind.LAUNCH_FAILURE, fault.culprit_rank, fault.culprit_node,
+                         {**fault.evidence, "summary": "rank exited before its first step: "
+                          + fault.evidence["summary"]}, obs.now)
+        return fault
+
+    def _startup(self, obs: Observation) -> Fault | None:
+        waited = obs.now - obs.launched_at
+        if waited <= self.cfg.startup_timeout:
+            return None
+        for rank in obs.expected_ranks:
+            beat = obs.heartbeats.get(rank)
+            if beat is None or beat.phase == Phase.STARTING.value:
+                state = "no heartbeat" if beat is None else "still starting"
+                return Fault(
+                    FaultKind.LAUNCH_FAILURE, rank, obs.node_of(rank),
+                    {"summary": f"{state} {waited:.1f}s after launch "
+                     f"(startup_timeout {self.cfg.startup_timeout:g}s)",
+                     "missing_ranks": [r for r in obs.expected_ranks if r not in obs.heartbeats]},
+                    obs.now,
+                )
+        return None
+
+    def _nan(self, obs: Observation) -> Fault | None:
+        if not self.cfg.nan_loss:
+            return None
+        bad = [
+            b for b in obs.heartbeats.values() if b.loss is not None and not math.isfinite(b.loss)
+        ]
+        if not bad:
+            return None
+        first = min(bad, key=lambda b: (b.step, b.rank))
+        return Fault(FaultKind.NAN_LOSS, first.rank, first.node,
+                     {"summary": f"loss became {first.loss} at step {first.step}",
+                      "step": first.step, "ranks": sorted(b.rank for b in bad)}, obs.now)
+
+    # -- liveness -------------------------------------------------------------
+
+    def _age(self, beat: Heartbeat, now: float) -> float:
+        return now - beat.wall_clock
+
+    def _is_stale(self, beat: Heartbeat, now: float) -> bool:
+        return beat.phase != Phase.DONE.value and self._age(beat, now) > self.cfg.heartbeat_timeout
+
+    def _agent_age(self, obs: Observation, node: str) -> float | None:
+        """Return how long ago the node's agent last spoke (None: no agent to ask)."""
+        if obs.launch is None or node not in obs.launch.nodes:
+            return None
+        seen = obs.launch.nodes[node].last_seen
+        return float("inf") if seen is None else obs.now - seen
+
+    def _stale(self, obs: Observation) -> Fault | None:
+        stale = {r for r, b in obs.heartbeats.items() if self._is_stale(b, obs.now)}
+        if not stale:
+            return None
+        # A frozen node's ranks fall silent within one heartbeat interval of each
+        # other, and its agent a little later; wait for that before blaming a rank.
+        agent_limit = self.cfg.heartbeat_timeout + AGENT_STATUS_INTERVAL_SECONDS
+        grace = AGENT_STATUS_INTERVAL_SECONDS + 2 * obs.heartbeat_interval
+        for node, ranks in obs.node_ranks.items():
+            if FaultKind.NODE_UNRESPONSIVE not in self.enabled:
+                break
+            agent_age = self._agent_age(obs, node)
+            if ranks and set(ranks) <= stale and (agent_age is None or agent_age > agent_limit):
+                ages = {r: round(self._age(obs.heartbeats[r], obs.now), 2) for r in ranks}
+                return Fault(FaultKind.NODE_UNRESPONSIVE, None, node,
+                             {"summary": f"every rank of {node} and its agent went silent",
+                              "heartbeat_age_seconds": ages,
+                              "agent_age_seconds": None if agent_age is None
+                              else round(agent_age, 2)}, obs.now)
+        for rank in sorted(stale, key=lambda r: obs.heartbeats[r].wall_clock):
+            beat = obs.heartbeats[rank]
+            age = self._age(beat, obs.now)
+            agent_age = self._agent_age(obs, beat.node)
+            agent_alive = agent_age is not None and agent_age <= grace
+            if not agent_alive and age <= self.cfg.heartbeat_timeout + grace:
+                continue  # maybe the whole node is going silent: look again next poll
+            return Fault(FaultKind.RANK_UNRESPONSIVE, rank, beat.node,
+                         {"summary": f"no heartbeat for {age:.1f}s (heartbeat_timeout "
+                          f"{self.cfg.heartbeat_timeout:g}s), last at step {beat.step} in "
+                          f"{beat.phase}", "heartbeat_age_seconds": round(age, 2),
+                          "pid": beat.pid}, obs.now)
+        return None
+
+    def _hang(self, obs: Observation) -> Fault | None:
+        beats = [b for b in obs.heartbeats.values() if b.phase != Phase.DONE.value]
+        if not beats:
+            return None
+        in_phase = {b.rank: obs.now - b.phase_started_at for b in beats}
+        # Only a rank whose heartbeat thread still writes is "stalled"; a silent
+        # one is left to the unresponsive rules.
+        alive = {b.rank for b in beats if self._age(b, obs.now) <= 3 * obs.heartbeat_interval}
+        for b in beats:
+            if b.phase == Phase.CHECKPOINT.value and in_phase[b.rank] > self.cfg.checkpoint_timeout:
+                return self._hang_fault(obs, b, in_phase, "stuck saving a checkpoint",
+                                        ("checkpoint_timeout", self.cfg.checkpoint_timeout))
+        computing = [b for b in beats if b.phase == Phase.COMPUTE.value and b.rank in alive
+                     and in_phase[b.rank] > self.cfg.hang_timeout]
+        waiting = [b for b in beats if b.phase in _WAITING]
+        if computing and waiting:
+            culprit = max(computing, key=lambda b: in_phase[b.rank])
+            return self._hang_fault(obs, culprit, in_phase, "stalled in compute while "
+                                    f"{len(waiting)} rank(s) wait in the collective")
+        working = [b for b in beats if b.phase in _WORKING and b.rank in alive]
+        if working and len(working) == len(beats) and all(
+            in_phase[b.rank] > self.cfg.hang_timeout for b in working
+        ):
+            return Fault(FaultKind.HANG, None, None,
+                         {"summary": f"no rank made progress for {self.cfg.hang_timeout:g}s",
+                          "seconds_in_phase": {r: round(s, 2) for r, s in in_phase.items()},
+                          "steps": {b.rank: b.step for b in beats}}, obs.now)
+        return None
+
+    def _hang_fault(
+        self,
+        obs: Observation,
+        culprit: Heartbeat,
+        in_phase: dict[int, float],
+        what: str,
+        limit: tuple[str, float] | None = None,
+    ) -> Fault:
+        seconds = in_phase[culprit.rank]
+        name, value = limit or ("hang_timeout", self.cfg.hang_timeout)
+        return Fault(FaultKind.HANG, culprit.rank, culprit.node,
+                     {"summary": f"rank {culprit.rank} {what} for {seconds:.1f}s "
+                      f"at step {culprit.step} ({name} {value:g}s)",
+                      "phases": {b.rank: b.phase for b in obs.heartbeats.values()},
+                      "seconds_in_phase": {r: round(s, 2) for r, s in in_phase.items()},
+                      "step": culprit.step}, obs.now)
+
+    # -- performance ------------------------------------------------------------
+
+    def _active(self, obs: Observation) -> list[Heartbeat]:
+        return [b for b in obs.heartbeats.values() if b.phase in _WORKING]
+
+    def _stragglers(self, obs: Observation) -> Fault | None:
+        rule = self.cfg.straggler
+        active = [b for b in self._active(obs) if b.compute_seconds]
+        if rule is None or len(active) < 2:
+            return None
+        for beat in sorted(active, key=lambda b: -(b.compute_seconds or 0.0)):
+            others = statistics.median(b.compute_seconds or 0.0 for b in active if b is not beat)
+            ratio = (beat.compute_seconds or 0.0) / others if others > 0 else 0.0
+            held = self._straggler.hold(beat.rank, ratio > rule.ratio, obs.now)
+            if held >= rule.sustained:
+                return Fault(FaultKind.STRAGGLER, beat.rank, beat.node,
+                             {"summary": f"compute time {beat.compute_seconds:.3f}s per step is "
+                              f"{ratio:.1f}x the other ranks' median {others:.3f}s for "
+                              f"{held:.1f}s (ratio {rule.ratio:g}, sustained {rule.sustained:g}s)",
+                              "compute_seconds": {b.rank: round(b.compute_seconds or 0.0, 4)
+                                                  for b in active},
+                              "ratio": round(ratio, 2)}, obs.now)
+        return None
+
+    def _throughput(self, obs: Observation) -> Fault | None:
+        rule = self.cfg.throughput
+        active = [b for b in self._active(obs) if b.samples_per_second]
+        if rule is None or not active or len(active) < len(obs.heartbeats):
+            return None
+        steps = min(b.step for b in active)
+        if self._first_step is None:
+            self._first_step = steps
+        if steps < self._first_step + rule.warmup_steps:
+            return None
+        rate = min(b.samples_per_second or 0.0 for b in active)
+        if self.baseline is None:
+            self._baseline_started = self._baseline_started or obs.now
+            self._baseline_samples.append(rate)
+            if obs.now - self._baseline_started >= rule.baseline:
+                self.baseline = statistics.median(self._baseline_samples)
+            return None
+        held = self._slow.hold("job", rate < rule.floor * self.baseline, obs.now)
+        if held < rule.sustained:
+            return None
+        return Fault(FaultKind.THROUGHPUT_DEGRADED, None, None,
+                     {"summary": f"job throughput {rate:.0f} samples/s is "
+                      f"{rate / self.baseline:.0%} of its baseline {self.baseline:.0f} for "
+                      f"{held:.1f}s (floor {rule.floor:.0%}, sustained {rule.sustained:g}s)",
+                      "samples_per_second": round(rate, 1), "baseline": round(self.baseline, 1)},
+                     obs.now)

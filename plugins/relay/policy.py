@@ -1,0 +1,112 @@
+"""The recovery policy: YAML owned by governance, validated into a frozen model.
+
+This module holds the policy's detection section (the thresholds the watcher
+uses); recovery rules per fault kind build on it. Durations read ``500ms``,
+``30s``, ``5m``. Every problem comes back at once with file:line and a fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from relay.yamlsource import ConfigError, load_yaml_with_lines, parse_duration, validate_model
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+_DURATIONS = (
+    "poll_interval", "startup_timeout", "heartbeat_timeout", "hang_timeout", "checkpoint_timeout",
+)
+
+
+class StragglerDetection(BaseModel):
+    """A rank is a straggler when its compute time stays above ratio x the others' median."""
+
+    model_config = _FROZEN
+
+    ratio: float = Field(1.5, gt=1.0)
+    sustained: float = 3.0
+
+    @field_validator("sustained", mode="before")
+    @classmethod
+    def _duration(cls, value: object) -> float:
+        return parse_duration(value)
+
+
+class ThroughputDetection(BaseModel):
+    """Job throughput is degraded when it stays below floor x its own baseline."""
+
+    model_config = _FROZEN
+
+    floor: float = Field(0.6, gt=0.0, lt=1.0)
+    sustained: float = 5.0
+    warmup_steps: int = Field(10, ge=1)
+    baseline: float = 5.0
+
+    @field_validator("sustained", "baseline", mode="before")
+    @classmethod
+    def _duration(cls, value: object) -> float:
+        return parse_duration(value)
+
+
+class Detection(BaseModel):
+    """Thresholds of the watcher; a ``null`` rule section turns that rule off."""
+
+    model_config = _FROZEN
+
+    poll_interval: float = 0.5
+    startup_timeout: float = 120.0
+    heartbeat_timeout: float = 2.0
+    hang_timeout: float = 3.0
+    checkpoint_timeout: float = 120.0
+    straggler: StragglerDetection | None = StragglerDetection()
+    throughput: ThroughputDetection | None = ThroughputDetection()
+    nan_loss: bool = True
+
+    @field_validator(*_DURATIONS, mode="before")
+    @classmethod
+    def _duration(cls, value: object) -> float:
+        seconds = parse_duration(value)
+        if seconds <= 0:
+            raise ValueError(f"expected a duration > 0 such as 2s, found {value!r}")
+        return seconds
+
+
+class Policy(BaseModel):
+    """A recovery policy."""
+
+    model_config = _FROZEN
+
+    version: int = Field(1, ge=1)
+    detection: Detection = Detection()
+
+
+FIXES = {
+    "detection.heartbeat_timeout": "set a few heartbeat intervals, e.g. heartbeat_timeout: 2s",
+    "detection.hang_timeout": "set it above the slowest normal step, e.g. hang_timeout: 3s",
+    "detection.startup_timeout": "allow for importing torch, e.g. startup_timeout: 2m",
+    "detection.straggler.ratio": "use a ratio above 1, e.g. ratio: 1.5 (50% slower)",
+    "detection.throughput.floor": "use a fraction of the baseline, e.g. floor: 0.6",
+}
+
+
+@dataclass(frozen=True)
+class LoadedPolicy:
+    """A validated policy with where it came from and its sha256 (carried on every decision)."""
+
+    policy: Policy
+    path: Path
+    sha256: str
+
+
+def load_policy(path: Path) -> LoadedPolicy:
+    """Load and validate a policy file; raise ConfigError listing every problem."""
+    raw, lines = load_yaml_with_lines(path)
+    policy = validate_model(Policy, raw, lines, path, FIXES)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return LoadedPolicy(policy=policy, path=path, sha256=digest)
+
+
+__all__ = ["ConfigError", "Detection", "LoadedPolicy", "Policy", "load_policy"]

@@ -1,0 +1,115 @@
+"""Public deferrable sensors on the watcher's logic, for any job that writes Relay heartbeats.
+
+They need no Relay launcher: point them at a heartbeat folder (the job writes
+records with ``training.heartbeat.HeartbeatWriter``) and the number of ranks.
+They succeed when every rank reports ``done`` and fail, naming the fault, its
+culprit and the evidence, as soon as the watched signals show one.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import BaseSensorOperator
+from airflow.sdk.exceptions import AirflowException
+
+from relay.detection import Detector
+from relay.faults import Fault, FaultKind
+from relay.policy import Detection, load_policy
+from relay.triggers import HEARTBEAT_KINDS, THROUGHPUT_KINDS, HeartbeatWatchTrigger
+from training.heartbeat import Phase
+
+
+class _HeartbeatWatchSensor(BaseSensorOperator):
+    """Watch a heartbeat folder for the given fault kinds until the job is done."""
+
+    template_fields = ("heartbeat_dir", "world_size", "policy_file")
+    kinds: frozenset[FaultKind] = frozenset()
+
+    def __init__(
+        self,
+        *,
+        heartbeat_dir: str,
+        world_size: int | str,
+        policy_file: str | None = None,
+        heartbeat_interval_seconds: float = 0.5,
+        deferrable: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.heartbeat_dir = heartbeat_dir
+        self.world_size = world_size
+        self.policy_file = policy_file
+        self.heartbeat_interval_seconds = heartbeat_interval_seconds
+        self.deferrable = deferrable
+        self._detector: Detector | None = None
+        self._started_at = time.time()
+
+    def _detection(self) -> Detection:
+        if not self.policy_file:
+            return Detection()
+        return load_policy(Path(self.policy_file)).policy.detection
+
+    def _trigger(self) -> HeartbeatWatchTrigger:
+        detection = self._detection()
+        return HeartbeatWatchTrigger(
+            heartbeat_dir=str(self.heartbeat_dir),
+            world_size=int(self.world_size),
+            kinds=sorted(k.value for k in self.kinds),
+            detection=detection.model_dump(),
+            heartbeat_interval_seconds=self.heartbeat_interval_seconds,
+            poll_interval_seconds=min(detection.poll_interval, float(self.poke_interval)),
+            started_at=time.time(),
+        )
+
+    def execute(self, context: Any) -> Any:  # noqa: ANN401
+        """Defer to the watcher (or poke in-process when not deferrable)."""
+        if not self.deferrable:
+            return super().execute(context)
+        self.defer(trigger=self._trigger(), method_name="execute_complete")
+        return None
+
+    def poke(self, context: Any) -> bool:  # noqa: ANN401
+        """Look once: True when every rank is done; raise on a fault."""
+        trigger = self._trigger()
+        if self._detector is None:
+            self._detector = Detector(self._detection(), self.kinds)
+        trigger.started_at = self._started_at
+        obs = trigger.observe()
+        beats = obs.heartbeats
+        if len(beats) >= int(self.world_size) and all(
+            b.phase == Phase.DONE.value for b in beats.values()
+        ):
+            return True
+        fault = self._detector.check(obs)
+        if fault is not None:
+            raise AirflowException(
+                f"{self.task_id}: {fault.describe()} — evidence {fault.evidence}"
+            )
+        return False
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> None:  # noqa: ANN401
+        """Succeed on ``completed``; fail with the fault or watcher error otherwise."""
+        if event.get("status") == "completed":
+            self.log.info("Every rank in %s reported done", self.heartbeat_dir)
+            return
+        if event.get("status") == "fault":
+            fault = Fault.from_event(event["fault"])
+            raise AirflowException(
+                f"{self.task_id}: {fault.describe()} — evidence {fault.evidence}"
+            )
+        raise AirflowException(f"{self.task_id}: watcher error {event.get('message')}")
+
+
+class HeartbeatSensor(_HeartbeatWatchSensor):
+    """Wait for a job to finish; fail on a hang, a silent rank or node, a straggler, a NaN loss."""
+
+    kinds = HEARTBEAT_KINDS
+
+
+class ThroughputSensor(_HeartbeatWatchSensor):
+    """Wait for a job to finish; fail when its samples/s falls below the policy's floor."""
+
+    kinds = THROUGHPUT_KINDS

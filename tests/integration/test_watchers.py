@@ -1,0 +1,133 @@
+"""The watcher on real 4-rank DDP workloads: every fault kind, its culprit, and no false alarms."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from relay.airflow_env import airflow_env, ensure_airflow_db
+from relay.bench.common import Store, launch_config, launched, watch
+from relay.bench.detect import SCENARIOS, Scenario, run_trial
+from relay.demo import run_dag_test
+from relay.policy import Detection
+from training.heartbeat import HeartbeatWriter, Phase, read_heartbeats
+
+pytestmark = pytest.mark.integration
+
+# Generous bounds that only catch a broken detector; figures come from `relay bench detect`.
+DETECTION_BOUND_SECONDS = {
+    "hang": 30, "rank_unresponsive": 30, "node_unresponsive": 30, "crash": 30,
+    "straggler": 60, "throughput_degraded": 90, "nan_loss": 30, "launch_failure": 60,
+}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
+    return Store(tmp_path_factory.mktemp("mlflow"))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_fault_is_classified_with_its_culprit(
+    scenario: Scenario, store: Store, tmp_path: Path
+) -> None:
+    record = run_trial(store, tmp_path / "attempt", scenario, Detection(startup_timeout=10.0))
+    assert record["status"] == "fault", record
+    assert record["kind"] == scenario.expected_kind, record
+    assert record["culprit"] == (scenario.culprit_rank, scenario.culprit_node), record
+    assert record["latency"] is not None
+    assert 0 <= record["latency"] < DETECTION_BOUND_SECONDS[scenario.expected_kind], record
+
+
+def test_step_time_jitter_raises_no_false_alarm(store: Store, tmp_path: Path) -> None:
+    # Every rank loses up to 60 ms per ~100 ms step at random, for 250 steps.
+    jitter = {"kind": "jitter", "step": 0, "seconds": 0.06, "attempt": None}
+    cfg = launch_config(store, tmp_path / "attempt", steps=250, chaos=[jitter])
+    with launched(cfg):
+        event = watch(cfg, Detection(), timeout=240)
+    assert event["status"] == "completed", event
+
+
+def _simulate_job(folder: Path, ranks: int, silent_rank: int | None, seconds: float) -> None:
+    writers = [HeartbeatWriter(folder, r, f"host-{r // 2}", 0.2).start() for r in range(ranks)]
+    started = time.time()
+    step = 0
+    while time.time() - started < seconds:
+        step += 1
+        for r, w in enumerate(writers):
+            if r == silent_rank and step >= 10:
+                w._stop.set()  # the rank's process froze: no more records at all
+                continue
+            w.enter(Phase.COMPUTE)
+            w.beat(step=step, compute_seconds=0.05, samples_per_second=100.0, loss=2.0)
+        time.sleep(0.1)
+    for r, w in enumerate(writers):
+        if r != silent_rank:
+            w.close()
+
+
+@pytest.mark.parametrize("silent_rank", [None, 1], ids=["healthy", "silent-rank"])
+def test_sensors_watch_a_job_relay_did_not_launch(
+    silent_rank: int | None, relay_home: Path, tmp_path: Path
+) -> None:
+    env = airflow_env(relay_home)
+    ensure_airflow_db(env, relay_home / "logs" / "airflow-db.log")
+    folder = tmp_path / "heartbeats"
+    job = threading.Thread(target=_simulate_job, args=(folder, 4, silent_rank, 12.0))
+    job.start()
+    log_file = relay_home / "logs" / f"sensor-{silent_rank}.log"
+    conf = {"heartbeat_dir": str(folder), "world_size": 4}
+    proc = run_dag_test("relay_watch_external", conf, env, log_file)
+    try:
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        job.join()
+    log = log_file.read_text()
+    if silent_rank is None:
+        assert code == 0, log[-4000:]
+    else:
+        assert code != 0
+        assert "rank_unresponsive (node host-0, rank 1)" in log, log[-4000:]
+
+
+def _wait_for_step(attempt: Path, step: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        beats = read_heartbeats(attempt / "heartbeats")
+        if len(beats) == 4 and min(b.step for b in beats.values()) >= step:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"ranks did not reach step {step} in {timeout}s")
+
+
+@pytest.mark.parametrize(
+    ("command", "kind", "culprit"),
+    [
+        (["kill-rank", "1"], "crash", (1, "node-a")),
+        (["stop-node", "node-b"], "node_unresponsive", (None, "node-b")),
+        (["slow-rank", "2", "--factor", "3", "--seconds", "25"], "straggler", (2, "node-b")),
+    ],
+    ids=["kill-rank", "stop-node", "slow-rank"],
+)
+def test_relay_chaos_from_outside_is_detected(
+    command: list[str], kind: str, culprit: tuple[int | None, str], store: Store, tmp_path: Path
+) -> None:
+    cfg = launch_config(store, tmp_path / "attempt", steps=100_000)
+    with launched(cfg) as attempt:
+        _wait_for_step(attempt, 20)
+        relay = Path(sys.executable).with_name("relay")
+        chaos = subprocess.Popen([str(relay), "chaos", *command, "--attempt-dir", str(attempt)])
+        try:
+            event = watch(cfg, Detection(), timeout=60)
+        finally:
+            chaos.kill()
+            chaos.wait()
+    assert event["status"] == "fault", event
+    assert event["fault"]["kind"] == kind, event
+    assert (event["fault"]["culprit_rank"], event["fault"]["culprit_node"]) == culprit

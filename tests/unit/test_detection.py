@@ -1,0 +1,736 @@
+"""Table-driven unit tests for :class:`relay.detection.Detector` on synthetic observations.
+
+No processes and no sleeps: time is driven by setting ``now``, ``wall_clock`` and
+``phase_started_at`` explicitly, and the "sustained" rules are fed polls with an
+increasing ``now``. Two nodes with two ranks each (node-a: 0, 1; node-b: 2, 3).
+Thresholds are read from a default :class:`Detection`, never hard-coded.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+import pytest
+
+from relay.detection import AGENT_STATUS_INTERVAL_SECONDS, Detector, Observation
+from relay.faults import Fault, FaultKind
+from relay.launchers.local import LaunchState, LaunchStatus, NodeStatus
+from relay.policy import Detection
+from training.heartbeat import Heartbeat, Phase
+
+NODE_RANKS = {"node-a": [0, 1], "node-b": [2, 3]}
+NODE_OF = {r: n for n, ranks in NODE_RANKS.items() for r in ranks}
+RANKS = sorted(NODE_OF)
+INTERVAL = 0.5  # heartbeat interval and poll interval of these tests
+CFG = Detection()
+STRAGGLER = CFG.straggler
+THROUGHPUT = CFG.throughput
+assert STRAGGLER is not None and THROUGHPUT is not None, "default Detection has both rules on"
+
+LAUNCHED = 1_700_000_000.0
+# Well past start-up, so that the start-up rule is armed in every test.
+T0 = LAUNCHED + CFG.startup_timeout + 60.0
+
+COMPUTE = Phase.COMPUTE.value
+COLLECTIVE = Phase.COLLECTIVE.value
+CHECKPOINT = Phase.CHECKPOINT.value
+STARTING = Phase.STARTING.value
+DONE = Phase.DONE.value
+
+_RUNNING = object()  # sentinel: "a running launch whose agents are all fresh"
+
+
+def hb(
+    rank: int,
+    now: float,
+    *,
+    phase: str = COMPUTE,
+    step: int = 10,
+    in_phase: float = 0.2,
+    age: float = 0.1,
+    compute: float | None = 0.2,
+    sps: float | None = None,
+    loss: float | None = 1.0,
+) -> Heartbeat:
+    """Return rank ``rank``'s record: in ``phase`` for ``in_phase`` s, written ``age`` s ago."""
+    return Heartbeat(
+        rank=rank,
+        node=NODE_OF[rank],
+        pid=1000 + rank,
+        step=step,
+        phase=phase,
+        phase_started_at=now - in_phase,
+        compute_seconds=compute,
+        samples_per_second=sps,
+        loss=loss,
+        wall_clock=now - age,
+        seq=step,
+    )
+
+
+def running(now: float, *, agent_age: dict[str, float | None] | None = None) -> LaunchStatus:
+    """Return a RUNNING launch status; agents seen ``agent_age[node]`` s ago (default: now)."""
+    ages = agent_age or {}
+    nodes = {}
+    for node, ranks in NODE_RANKS.items():
+        age = ages.get(node, 0.0)
+        nodes[node] = NodeStatus(
+            node, "running", {r: None for r in ranks},
+            last_seen=None if age is None else now - age,
+        )
+    return LaunchStatus(LaunchState.RUNNING, nodes)
+
+
+def observe(
+    now: float,
+    beats: list[Heartbeat],
+    *,
+    launch: object = _RUNNING,
+    launched_at: float = LAUNCHED,
+) -> Observation:
+    """Return an observation of ``beats`` at ``now``."""
+    return Observation(
+        now=now,
+        launched_at=launched_at,
+        heartbeats={b.rank: b for b in beats},
+        node_ranks={n: list(r) for n, r in NODE_RANKS.items()},
+        heartbeat_interval=INTERVAL,
+        launch=running(now) if launch is _RUNNING else launch,  # type: ignore[arg-type]
+    )
+
+
+def check(obs: Observation, cfg: Detection = CFG) -> Fault | None:
+    """Run a fresh detector once."""
+    return Detector(cfg).check(obs)
+
+
+def assert_fault(
+    fault: Fault | None, kind: FaultKind, rank: int | None, node: str | None, *mentions: str
+) -> Fault:
+    assert fault is not None, f"expected {kind}, got no fault"
+    assert fault.kind is kind, fault.describe()
+    assert fault.culprit_rank == rank, fault.describe()
+    assert fault.culprit_node == node, fault.describe()
+    summary = fault.evidence["summary"]
+    for text in mentions:
+        assert text in summary, f"{text!r} not in {summary!r}"
+    return fault
+
+
+def polls(start: float, seconds: float) -> list[float]:
+    """Return poll times every INTERVAL from ``start`` for ``seconds`` (inclusive)."""
+    n = int(round(seconds / INTERVAL))
+    return [start + i * INTERVAL for i in range(n + 1)]
+
+
+def healthy(now: float, i: int, *, jitter: Callable[[], float] = lambda: 1.0) -> list[Heartbeat]:
+    """Return poll ``i`` of a healthy job: alternating phases, fresh records, steady speed."""
+    return [
+        hb(
+            r, now,
+            phase=COMPUTE if (i + r) % 2 == 0 else COLLECTIVE,
+            step=10 + i,
+            in_phase=0.05 + 0.1 * r + (i % 3) * 0.1,
+            age=((i * 0.13) + r * 0.1) % INTERVAL,
+            compute=0.2 * jitter(),
+            sps=1000.0 * (1.0 + (jitter() - 1.0) / 3),
+            loss=2.0 - 0.001 * i,
+        )
+        for r in RANKS
+    ]
+
+
+# -- healthy ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spread", [0.0, 0.3], ids=["steady", "jitter-30pct"])
+def test_healthy_job_never_faults_over_many_polls(spread: float) -> None:
+    rng = random.Random(20240601)
+    detector = Detector(CFG)
+    for i, now in enumerate(polls(T0, 120.0)):
+        beats = healthy(now, i, jitter=lambda: rng.uniform(1.0 - spread, 1.0 + spread))
+        fault = detector.check(observe(now, beats))
+        assert fault is None, f"poll {i}: {fault.describe()}"
+    assert detector.baseline is not None, "the throughput baseline was measured"
+
+
+# -- hang ------------------------------------------------------------------------
+
+
+def test_rank_stuck_in_compute_while_others_wait_is_a_hang() -> None:
+    stuck = CFG.hang_timeout + 0.5
+    beats = [hb(1, T0, phase=COMPUTE, in_phase=stuck, step=42)] + [
+        hb(r, T0, phase=COLLECTIVE, in_phase=stuck - 0.1, step=42) for r in (0, 2, 3)
+    ]
+    fault = assert_fault(
+        check(observe(T0, beats)), FaultKind.HANG, 1, "node-a",
+        f"{stuck:.1f}s", f"hang_timeout {CFG.hang_timeout:g}s", "step 42",
+    )
+    assert fault.evidence["step"] == 42
+    assert fault.evidence["seconds_in_phase"][1] == round(stuck, 2)
+    assert fault.detected_at == T0
+
+
+def test_rank_in_compute_just_under_hang_timeout_is_not_a_hang() -> None:
+    nearly = CFG.hang_timeout - 0.05
+    beats = [hb(1, T0, phase=COMPUTE, in_phase=nearly)] + [
+        hb(r, T0, phase=COLLECTIVE, in_phase=nearly - 0.1) for r in (0, 2, 3)
+    ]
+    assert check(observe(T0, beats)) is None
+
+
+@pytest.mark.parametrize("phase", [COLLECTIVE, COMPUTE])
+def test_every_rank_stuck_is_a_job_wide_hang(phase: str) -> None:
+    stuck = CFG.hang_timeout + 1.0
+    beats = [hb(r, T0, phase=phase, in_phase=stuck + 0.1 * r) for r in RANKS]
+    fault = assert_fault(
+        check(observe(T0, beats)), FaultKind.HANG, None, None, f"{CFG.hang_timeout:g}s"
+    )
+    assert set(fault.evidence["seconds_in_phase"]) == set(RANKS)
+
+
+def test_long_checkpoint_below_checkpoint_timeout_is_not_a_hang() -> None:
+    saving = (CFG.hang_timeout + CFG.checkpoint_timeout) / 2
+    assert CFG.hang_timeout < saving < CFG.checkpoint_timeout
+    beats = [hb(0, T0, phase=CHECKPOINT, in_phase=saving)] + [
+        hb(r, T0, phase=COLLECTIVE, in_phase=saving - 0.1) for r in (1, 2, 3)
+    ]
+    assert check(observe(T0, beats)) is None
+
+
+def test_checkpoint_longer_than_checkpoint_timeout_is_a_hang() -> None:
+    saving = CFG.checkpoint_timeout + 10.0
+    beats = [hb(0, T0, phase=CHECKPOINT, in_phase=saving, step=50)] + [
+        hb(r, T0, phase=COLLECTIVE, in_phase=saving - 0.1, step=50) for r in (1, 2, 3)
+    ]
+    assert_fault(
+        check(observe(T0, beats)), FaultKind.HANG, 0, "node-a",
+        "checkpoint", f"{saving:.1f}s",
+    )
+
+
+def test_checkpoint_hang_evidence_names_checkpoint_timeout() -> None:
+    saving = CFG.checkpoint_timeout + 10.0
+    beats = [hb(0, T0, phase=CHECKPOINT, in_phase=saving)] + [
+        hb(r, T0, phase=COLLECTIVE, in_phase=saving - 0.1) for r in (1, 2, 3)
+    ]
+    fault = assert_fault(check(observe(T0, beats)), FaultKind.HANG, 0, "node-a")
+    summary = fault.evidence["summary"]
+    assert f"checkpoint_timeout {CFG.checkpoint_timeout:g}s" in summary
+    assert "hang_timeout" not in summary
+
+
+# -- rank and node unresponsive ------------------------------------------------
+
+
+def test_stale_rank_with_fresh_agent_is_rank_unresponsive() -> None:
+    silent = CFG.heartbeat_timeout + 0.5
+    beats = [hb(r, T0, phase=COLLECTIVE) for r in (0, 1, 3)] + [
+        hb(2, T0, phase=COMPUTE, age=silent, in_phase=silent + 0.1, step=17)
+    ]
+    fault = assert_fault(
+        check(observe(T0, beats)), FaultKind.RANK_UNRESPONSIVE, 2, "node-b",
+        f"{silent:.1f}s", f"heartbeat_timeout {CFG.heartbeat_timeout:g}s", "step 17",
+    )
+    assert fault.evidence["heartbeat_age_seconds"] == round(silent, 2)
+    assert fault.evidence["pid"] == 1002
+
+
+def test_rank_silent_just_under_heartbeat_timeout_is_fine() -> None:
+    beats = [hb(r, T0, phase=COLLECTIVE) for r in (0, 1, 3)] + [
+        hb(2, T0, age=CFG.heartbeat_timeout - 0.05, in_phase=CFG.heartbeat_timeout)
+    ]
+    assert check(observe(T0, beats)) is None
+
+
+def test_done_rank_with_old_heartbeat_is_not_stale() -> None:
+    beats = [hb(r, T0, phase=COLLECTIVE) for r in (0, 1, 2)] + [
+        hb(3, T0, phase=DONE, age=CFG.heartbeat_timeout * 50, in_phase=CFG.heartbeat_timeout * 50)
+    ]
+    assert check(observe(T0, beats)) is None
+
+
+AGENT_SILENT = CFG.heartbeat_timeout + AGENT_STATUS_INTERVAL_SECONDS + 0.5
+# The agent still speaks (within one status interval plus two heartbeats): a lone rank froze.
+AGENT_ALIVE = AGENT_STATUS_INTERVAL_SECONDS + 2 * INTERVAL - 0.1
+# Between alive and silent: the node may be going dark as a whole, so wait.
+AGENT_FADING = CFG.heartbeat_timeout + AGENT_STATUS_INTERVAL_SECONDS - 0.1
+
+
+def node_b_silent(now: float) -> list[Heartbeat]:
+    silent = CFG.heartbeat_timeout + 1.0
+    return [hb(r, now, phase=COLLECTIVE) for r in (0, 1)] + [
+        hb(2, now, age=silent, in_phase=silent + 0.1),
+        hb(3, now, age=silent + 0.2, in_phase=silent + 0.3),  # the older of the two
+    ]
+
+
+@pytest.mark.parametrize(
+    ("launch", "kind", "rank"),
+    [
+        pytest.param(
+            lambda now: running(now, agent_age={"node-b": AGENT_SILENT}),
+            FaultKind.NODE_UNRESPONSIVE, None, id="agent-silent",
+        ),
+        pytest.param(
+            lambda now: running(now, agent_age={"node-b": None}),
+            FaultKind.NODE_UNRESPONSIVE, None, id="agent-never-seen",
+        ),
+        pytest.param(lambda now: None, FaultKind.NODE_UNRESPONSIVE, None, id="sensor-mode"),
+        pytest.param(
+            lambda now: running(now), FaultKind.RANK_UNRESPONSIVE, 3, id="agent-fresh",
+        ),
+        pytest.param(
+            lambda now: running(now, agent_age={"node-b": AGENT_ALIVE}),
+            FaultKind.RANK_UNRESPONSIVE, 3, id="agent-still-alive",
+        ),
+        pytest.param(
+            lambda now: running(now, agent_age={"node-b": AGENT_FADING}),
+            None, None, id="agent-fading-wait",
+        ),
+    ],
+)
+def test_whole_node_silent(
+    launch: Callable[[float], LaunchStatus | None], kind: FaultKind | None, rank: int | None
+) -> None:
+    fault = check(observe(T0, node_b_silent(T0), launch=launch(T0)))
+    silent = CFG.heartbeat_timeout + 1.0
+    if kind is None:
+        assert fault is None
+    elif kind is FaultKind.NODE_UNRESPONSIVE:
+        fault = assert_fault(fault, kind, None, "node-b", "node-b")
+        assert fault.evidence["heartbeat_age_seconds"] == {
+            2: round(silent, 2), 3: round(silent + 0.2, 2)
+        }
+    else:
+        assert_fault(fault, kind, rank, "node-b", f"{silent + 0.2:.1f}s")
+
+
+@pytest.mark.parametrize("silent_for", [0.5, 5.0])
+def test_sigstopped_rank_is_unresponsive_not_hung(silent_for: float) -> None:
+    # SIGSTOP freezes the heartbeat thread too: "compute, stale". Once the record
+    # is older than heartbeat_timeout the stale rule must win over the hang rule.
+    stuck = CFG.hang_timeout + silent_for
+    age = CFG.heartbeat_timeout + silent_for
+    beats = [hb(1, T0, phase=COMPUTE, in_phase=stuck, age=age)] + [
+        hb(r, T0, phase=COLLECTIVE, in_phase=stuck - 0.2) for r in (0, 2, 3)
+    ]
+    assert_fault(
+        check(observe(T0, beats)), FaultKind.RANK_UNRESPONSIVE, 1, "node-a", f"{age:.1f}s"
+    )
+
+
+def test_stuck_rank_whose_heartbeat_thread_still_writes_is_a_hang() -> None:
+    stuck = CFG.hang_timeout + 0.5
+    beats = [hb(1, T0, in_phase=stuck, age=3 * INTERVAL - 0.1)] + [
+        hb(r, T0, phase=COLLECTIVE, in_phase=stuck - 0.2) for r in (0, 2, 3)
+    ]
+    assert_fault(check(observe(T0, beats)), FaultKind.HANG, 1, "node-a")
+
+
+def test_stuck_rank_that_missed_beats_is_not_called_hung_yet() -> None:
+    # Three missed beats but not yet heartbeat_timeout: probably frozen (SIGSTOP),
+    # so neither rule may fire until the unresponsive rule can name it.
+    stuck = CFG.hang_timeout + 0.5
+    beats = [hb(1, T0, in_phase=stuck, age=CFG.heartbeat_timeout - 0.1)] + [
+        hb(r, T0, phase=COLLECTIVE, in_phase=stuck - 0.2) for r in (0, 2, 3)
+    ]
+    assert check(observe(T0, beats)) is None
+
+
+# -- straggler -------------------------------------------------------------------
+
+
+def straggling(now: float, i: int, slow: dict[int, float]) -> list[Heartbeat]:
+    """Return a healthy poll where rank r's compute time is multiplied by ``slow[r]``."""
+    return [
+        hb(
+            r, now,
+            phase=COMPUTE if (i + r) % 2 == 0 else COLLECTIVE,
+            step=10 + i,
+            in_phase=0.1,
+            compute=0.2 * slow.get(r, 1.0),
+        )
+        for r in RANKS
+    ]
+
+
+def first_fault(
+    detector: Detector, times: list[float], beats: Callable[[float, int], list[Heartbeat]]
+) -> tuple[float, Fault] | None:
+    """Poll until the first fault; return its time and the fault."""
+    for i, now in enumerate(times):
+        fault = detector.check(observe(now, beats(now, i)))
+        if fault is not None:
+            return now, fault
+    return None
+
+
+def test_straggler_fires_only_once_sustained() -> None:
+    detector = Detector(CFG)
+    found = first_fault(
+        detector, polls(T0, 3 * STRAGGLER.sustained), lambda now, i: straggling(now, i, {3: 2.0})
+    )
+    assert found is not None
+    when, fault = found
+    assert when - T0 == pytest.approx(STRAGGLER.sustained)
+    assert_fault(
+        fault, FaultKind.STRAGGLER, 3, "node-b", "2.0x", f"sustained {STRAGGLER.sustained:g}s"
+    )
+    assert fault.evidence["ratio"] == 2.0
+    assert fault.evidence["compute_seconds"][3] == pytest.approx(0.4)
+
+
+def test_straggler_that_recovers_resets_the_clock() -> None:
+    detector = Detector(CFG)
+    almost = STRAGGLER.sustained - INTERVAL
+    slow = polls(T0, almost)
+    for i, now in enumerate(slow):
+        assert detector.check(observe(now, straggling(now, i, {3: 2.0}))) is None
+    recovered = slow[-1] + INTERVAL
+    assert detector.check(observe(recovered, straggling(recovered, 0, {}))) is None
+    again = recovered + INTERVAL
+    found = first_fault(
+        detector, polls(again, 3 * STRAGGLER.sustained),
+        lambda now, i: straggling(now, i, {3: 2.0}),
+    )
+    assert found is not None
+    when, fault = found
+    assert when - again == pytest.approx(STRAGGLER.sustained)
+    assert_fault(fault, FaultKind.STRAGGLER, 3, "node-b")
+
+
+@pytest.mark.parametrize(
+    ("cfg", "factor"),
+    [
+        pytest.param(CFG, STRAGGLER.ratio * 0.99, id="just-below-ratio"),
+        pytest.param(CFG.model_copy(update={"straggler": None}), 3.0, id="rule-off"),
+    ],
+)
+def test_straggler_never_fires(cfg: Detection, factor: float) -> None:
+    detector = Detector(cfg)
+    found = first_fault(
+        detector, polls(T0, 4 * STRAGGLER.sustained),
+        lambda now, i: straggling(now, i, {3: factor}),
+    )
+    assert found is None, found[1].describe() if found else ""
+
+
+# -- throughput --------------------------------------------------------------------
+
+
+class Job:
+    """Drive one detector through a job's polls with a chosen samples/s."""
+
+    def __init__(self, cfg: Detection = CFG) -> None:
+        self.detector = Detector(cfg)
+        self.now = T0
+        self.step = 100
+
+    def poll(self, rate: float) -> Fault | None:
+        self.now += INTERVAL
+        self.step += 1
+        beats = [
+            hb(r, self.now, phase=COMPUTE if (self.step + r) % 2 else COLLECTIVE,
+               step=self.step, sps=rate * (1.0 + 0.001 * r))
+            for r in RANKS
+        ]
+        return self.detector.check(observe(self.now, beats))
+
+    def warm_up_and_measure(self, rates: tuple[float, ...] = (990.0, 1000.0, 1010.0)) -> None:
+        """Run warm-up (slow, must not count) and the baseline window."""
+        assert THROUGHPUT is not None
+        for _ in range(THROUGHPUT.warmup_steps):
+            assert self.poll(200.0) is None
+            assert self.detector.baseline is None
+        measured_from = self.now + INTERVAL
+        i = 0
+        while self.detector.baseline is None:
+            assert self.poll(rates[i % len(rates)]) is None
+            i += 1
+            assert self.now - measured_from <= THROUGHPUT.baseline + INTERVAL, "no baseline"
+        assert self.now - measured_from >= THROUGHPUT.baseline
+
+
+def test_throughput_degraded_only_once_sustained_below_the_floor() -> None:
+    job = Job()
+    job.warm_up_and_measure()
+    assert job.detector.baseline == pytest.approx(1000.0)
+    assert 500.0 < THROUGHPUT.floor * 1000.0 < 1000.0, "500 samples/s is below the floor"
+
+    started = job.now + INTERVAL
+    fault = None
+    while fault is None:
+        fault = job.poll(500.0)
+        assert job.now - started <= THROUGHPUT.sustained, "never reported"
+    assert job.now - started == pytest.approx(THROUGHPUT.sustained)
+    assert_fault(
+        fault, FaultKind.THROUGHPUT_DEGRADED, None, None,
+        "500 samples/s", "baseline 1000", f"sustained {THROUGHPUT.sustained:g}s",
+    )
+    assert fault.evidence["baseline"] == pytest.approx(1000.0)
+    assert fault.evidence["samples_per_second"] == pytest.approx(500.0)
+
+
+def test_throughput_dips_that_recover_before_sustained_are_ignored() -> None:
+    job = Job()
+    job.warm_up_and_measure()
+    short = int(THROUGHPUT.sustained / INTERVAL)  # held reaches sustained - INTERVAL at most
+    for _ in range(3):
+        for _ in range(short):
+            assert job.poll(500.0) is None
+        assert job.poll(1000.0) is None
+    for _ in range(3 * short):
+        assert job.poll(THROUGHPUT.floor * 1000.0 * 1.02) is None  # just above the floor
+
+
+def test_throughput_rule_off() -> None:
+    job = Job(CFG.model_copy(update={"throughput": None}))
+    for _ in range(THROUGHPUT.warmup_steps + 4 * int(THROUGHPUT.baseline / INTERVAL)):
+        assert job.poll(1000.0) is None
+    for _ in range(4 * int(THROUGHPUT.sustained / INTERVAL)):
+        assert job.poll(10.0) is None
+
+
+# -- nan loss ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bad", "rank", "mention"),
+    [
+        pytest.param({2: (7, math.nan)}, 2, "nan", id="one-nan"),
+        pytest.param({1: (7, math.inf)}, 1, "inf", id="one-inf"),
+        pytest.param({3: (7, -math.inf)}, 3, "-inf", id="minus-inf"),
+        pytest.param({2: (7, math.nan), 3: (6, math.inf)}, 3, "inf", id="lowest-step-wins"),
+        pytest.param({3: (7, math.nan), 1: (7, math.nan)}, 1, "nan", id="then-lowest-rank"),
+    ],
+)
+def test_non_finite_loss(bad: dict[int, tuple[int, float]], rank: int, mention: str) -> None:
+    beats = [
+        hb(r, T0, phase=COLLECTIVE, step=bad.get(r, (8, 0.0))[0], loss=bad.get(r, (8, 1.5))[1])
+        for r in RANKS
+    ]
+    step = bad[rank][0]
+    fault = assert_fault(
+        check(observe(T0, beats)), FaultKind.NAN_LOSS, rank, NODE_OF[rank],
+        f"loss became {mention}", f"step {step}",
+    )
+    assert fault.evidence["step"] == step
+    assert fault.evidence["ranks"] == sorted(bad)
+
+
+def test_nan_loss_rule_off() -> None:
+    beats = [hb(r, T0, phase=COLLECTIVE, loss=math.nan) for r in RANKS]
+    assert check(observe(T0, beats), CFG.model_copy(update={"nan_loss": False})) is None
+
+
+def test_missing_loss_is_not_nan() -> None:
+    beats = [hb(r, T0, phase=COLLECTIVE, loss=None) for r in RANKS]
+    assert check(observe(T0, beats)) is None
+
+
+# -- launch failure ------------------------------------------------------------------
+
+
+PAST_STARTUP = CFG.startup_timeout + 1.0
+
+
+@pytest.mark.parametrize(
+    ("waited", "beats", "culprit", "mention"),
+    [
+        pytest.param(
+            PAST_STARTUP, lambda now: [hb(r, now, phase=STARTING) for r in (1, 2, 3)],
+            0, "no heartbeat", id="rank-0-never-wrote",
+        ),
+        pytest.param(
+            PAST_STARTUP,
+            lambda now: [hb(r, now, phase=COLLECTIVE) for r in (0, 1, 3)]
+            + [hb(2, now, phase=STARTING, in_phase=PAST_STARTUP)],
+            2, "still starting", id="rank-2-still-starting",
+        ),
+        pytest.param(
+            CFG.startup_timeout, lambda now: [hb(r, now, phase=STARTING) for r in (1, 2, 3)],
+            None, "", id="at-the-timeout",
+        ),
+        pytest.param(
+            CFG.startup_timeout / 2, lambda now: [hb(r, now, phase=STARTING) for r in (1, 2)],
+            None, "", id="before-the-timeout",
+        ),
+    ],
+)
+def test_startup(
+    waited: float, beats: Callable[[float], list[Heartbeat]], culprit: int | None, mention: str
+) -> None:
+    now = LAUNCHED + waited
+    fault = check(observe(now, beats(now)))
+    if culprit is None:
+        assert fault is None
+        return
+    fault = assert_fault(
+        fault, FaultKind.LAUNCH_FAILURE, culprit, NODE_OF[culprit],
+        mention, f"{waited:.1f}s after launch", f"startup_timeout {CFG.startup_timeout:g}s",
+    )
+    assert fault.evidence["missing_ranks"] == [r for r in RANKS if r not in
+                                               {b.rank for b in beats(now)}]
+
+
+# -- crash -------------------------------------------------------------------------
+
+
+def failed(now: float) -> LaunchStatus:
+    """Rank 1 was SIGKILLed; its peers went down with SIGTERM or "connection reset"."""
+    return LaunchStatus(
+        LaunchState.FAILED,
+        {
+            "node-a": NodeStatus("node-a", "failed", {1: -9, 0: -15}, last_seen=now),
+            "node-b": NodeStatus("node-b", "failed", {2: 1, 3: 1}, last_seen=now),
+        },
+    )
+
+
+def test_crash_names_the_killed_rank() -> None:
+    beats = [hb(r, T0, phase=COLLECTIVE, step=6 + r) for r in RANKS]
+    fault = assert_fault(
+        check(observe(T0, beats, launch=failed(T0))), FaultKind.CRASH, 1, "node-a",
+        "rank 1 exited with code -9",
+    )
+    assert fault.evidence["exit_codes"] == {1: -9, 0: -15, 2: 1, 3: 1}
+
+
+@pytest.mark.parametrize("culprit_beat", [None, STARTING], ids=["no-heartbeat", "starting"])
+def test_crash_before_first_step_is_a_launch_failure(culprit_beat: str | None) -> None:
+    beats = [hb(r, T0, phase=COLLECTIVE, step=6) for r in (0, 2, 3)]
+    if culprit_beat is not None:
+        beats.append(hb(1, T0, phase=culprit_beat, step=0))
+    fault = assert_fault(
+        check(observe(T0, beats, launch=failed(T0))), FaultKind.LAUNCH_FAILURE, 1, "node-a",
+        "before its first step", "-9",
+    )
+    assert fault.evidence["exit_codes"] == {1: -9, 0: -15, 2: 1, 3: 1}
+    assert fault.detected_at == T0
+
+
+def test_crash_detected_at_is_the_observation_time() -> None:
+    beats = [hb(r, T0, phase=COLLECTIVE, step=6) for r in RANKS]
+    fault = check(observe(T0, beats, launch=failed(T0)))
+    assert fault is not None and fault.kind is FaultKind.CRASH
+    assert fault.detected_at == T0
+
+
+# -- rule order ----------------------------------------------------------------------
+
+
+def test_crash_wins_over_a_stale_heartbeat() -> None:
+    beats = [hb(r, T0, phase=COLLECTIVE, step=6) for r in (0, 2, 3)] + [
+        hb(1, T0, step=6, age=CFG.heartbeat_timeout + 3.0, in_phase=CFG.heartbeat_timeout + 3.0)
+    ]
+    assert check(observe(T0, beats)).kind is FaultKind.RANK_UNRESPONSIVE  # type: ignore[union-attr]
+    assert_fault(
+        check(observe(T0, beats, launch=failed(T0))), FaultKind.CRASH, 1, "node-a", "-9"
+    )
+
+
+def test_nan_wins_over_straggler() -> None:
+    plain, poisoned = Detector(CFG), Detector(CFG)
+    times = polls(T0, STRAGGLER.sustained)
+    for i, now in enumerate(times[:-1]):
+        for detector in (plain, poisoned):
+            assert detector.check(observe(now, straggling(now, i, {3: 2.0}))) is None
+    now, i = times[-1], len(times) - 1
+    beats = straggling(now, i, {3: 2.0})
+    assert_fault(plain.check(observe(now, beats)), FaultKind.STRAGGLER, 3, "node-b")
+    beats[0].loss = math.nan
+    assert_fault(poisoned.check(observe(now, beats)), FaultKind.NAN_LOSS, 0, "node-a", "nan")
+
+
+# -- enabled kinds -----------------------------------------------------------------
+
+
+def hung(now: float) -> list[Heartbeat]:
+    stuck = CFG.hang_timeout + 1.0
+    return [hb(1, now, in_phase=stuck)] + [
+        hb(r, now, phase=COLLECTIVE, in_phase=stuck) for r in (0, 2, 3)
+    ]
+
+
+def test_detector_enabled_for_throughput_only_ignores_a_hang() -> None:
+    assert check(observe(T0, hung(T0))) is not None
+    detector = Detector(CFG, frozenset({FaultKind.THROUGHPUT_DEGRADED}))
+    assert detector.check(observe(T0, hung(T0))) is None
+
+
+def test_detector_enabled_for_rank_unresponsive_reports_a_stale_rank() -> None:
+    detector = Detector(CFG, frozenset({FaultKind.RANK_UNRESPONSIVE}))
+    assert_fault(
+        detector.check(observe(T0, node_b_silent(T0))), FaultKind.RANK_UNRESPONSIVE, 3, "node-b"
+    )
+    assert detector.check(observe(T0, hung(T0))) is None
+
+
+def test_detector_enabled_for_rank_unresponsive_never_reports_a_node() -> None:
+    detector = Detector(CFG, frozenset({FaultKind.RANK_UNRESPONSIVE}))
+    fault = detector.check(observe(T0, node_b_silent(T0), launch=None))
+    assert fault is None or fault.kind is FaultKind.RANK_UNRESPONSIVE
+
+
+def test_detector_enabled_for_rank_unresponsive_still_reports_ranks_of_a_silent_node() -> None:
+    detector = Detector(CFG, frozenset({FaultKind.RANK_UNRESPONSIVE}))
+    later = T0 + AGENT_STATUS_INTERVAL_SECONDS + 2 * INTERVAL  # past the grace for a node
+    fault = detector.check(observe(later, node_b_silent(T0), launch=None))
+    assert_fault(fault, FaultKind.RANK_UNRESPONSIVE, 3, "node-b")
+
+
+def test_detector_enabled_for_node_only_ignores_a_single_stale_rank() -> None:
+    detector = Detector(CFG, frozenset({FaultKind.NODE_UNRESPONSIVE}))
+    assert detector.check(observe(T0, node_b_silent(T0))) is None
+    assert_fault(
+        detector.check(observe(T0, node_b_silent(T0), launch=None)),
+        FaultKind.NODE_UNRESPONSIVE, None, "node-b",
+    )
+
+
+# -- Fault ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        Fault(FaultKind.HANG, 1, "node-a",
+              {"summary": "rank 1 stalled", "seconds_in_phase": {0: 3.4, 1: 3.5}}, T0),
+        Fault(FaultKind.THROUGHPUT_DEGRADED, None, None, {"summary": "slow"}, T0),
+        Fault(FaultKind.NODE_UNRESPONSIVE, None, "node-b", {}, T0),
+    ],
+    ids=["rank", "job-wide", "node-no-summary"],
+)
+def test_fault_event_round_trip(fault: Fault) -> None:
+    event = fault.to_event()
+    assert event["status"] == "fault"
+    assert event["fault"]["kind"] == fault.kind.value
+    assert type(event["fault"]["kind"]) is str
+    again = Fault.from_event(event["fault"])
+    assert again == fault
+    assert again.kind is fault.kind
+
+
+def test_detected_fault_round_trips() -> None:
+    fault = check(observe(T0, hung(T0)))
+    assert fault is not None
+    assert Fault.from_event(fault.to_event()["fault"]) == fault
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected"),
+    [
+        (Fault(FaultKind.HANG, 1, "node-a", {"summary": "stalled"}, T0),
+         "hang (node node-a, rank 1): stalled"),
+        (Fault(FaultKind.NODE_UNRESPONSIVE, None, "node-b", {"summary": "silent"}, T0),
+         "node_unresponsive (node node-b): silent"),
+        (Fault(FaultKind.THROUGHPUT_DEGRADED, None, None, {"summary": "slow"}, T0),
+         "throughput_degraded (job-wide): slow"),
+        (Fault(FaultKind.NAN_LOSS, 2, None, {}, T0), "nan_loss (rank 2)"),
+    ],
+)
+def test_describe_names_kind_and_culprit(fault: Fault, expected: str) -> None:
+    assert fault.describe() == expected

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 LAUNCH_FILE = "launch.json"
+DRAIN_FILE = "drain.json"  # written by Relay: {"stop_at": STEP}; see training.worker
+FIRST_STEP_FILE = "first_step.json"  # written by rank 0 after its first step: {"step", "at"}
 
 
 @dataclass(frozen=True)

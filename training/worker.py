@@ -27,7 +27,7 @@ from training.chaos import ChaosMonkey
 from training.checkpoint import Checkpointer, load_verified, restore_rng
 from training.data import CharStream, load_corpus, mix_seed
 from training.heartbeat import ENV_NODE, HeartbeatWriter, Phase
-from training.launch import LaunchConfig
+from training.launch import DRAIN_FILE, FIRST_STEP_FILE, LaunchConfig
 from training.manifest import CheckpointRef
 from training.model import ModelConfig, build_model
 
@@ -132,7 +132,14 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
     finite = True  # False once a non-finite loss was seen: never checkpoint poisoned weights
     loop_started = time.perf_counter()
 
+    drain = DrainRequest(cfg.root / DRAIN_FILE)
+    end_step = cfg.end_step
     for step in range(cfg.start_step, cfg.end_step):
+        stop_at = drain.stop_at()
+        if stop_at is not None and step >= stop_at:
+            end_step = step
+            log.warning("rank %d drained at step %d: checkpointing and leaving", rank, step)
+            break
         chaos.before_step(step)
         torch.manual_seed(mix_seed(cfg.seed, step, rank))
         inputs, targets = stream.batch(step, rank)
@@ -159,11 +166,14 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
         )
         if checkpointer is None:
             continue
+        if step == cfg.start_step:  # when the attempt became productive (time to resume)
+            first = {"step": step + 1, "at": time.time()}
+            (cfg.root / FIRST_STEP_FILE).write_text(json.dumps(first))
         rate = rate_avg.value or 0.0
         pending_metrics.append(
             (step + 1, {"loss": loss_value, "samples_per_second": rate}, int(time.time() * 1000))
         )
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.end_step:
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 in (cfg.end_step, drain.last):
             if not finite:
                 log.error("step %d: loss is not finite; not checkpointing poisoned weights",
                           step + 1)
@@ -179,12 +189,34 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
     loop_seconds = time.perf_counter() - loop_started
     if checkpointer is not None:
         checkpointer.close()
-        steps = cfg.end_step - cfg.start_step
+        steps = end_step - cfg.start_step
         result = {"steps": steps, "loop_seconds": loop_seconds,
                   "steps_per_second": steps / loop_seconds if loop_seconds > 0 else 0.0}
         (cfg.root / "result.json").write_text(json.dumps(result))
     heartbeat.close()
     dist.destroy_process_group()
+
+
+class DrainRequest:
+    """Relay's request to stop at a given step after checkpointing (checkpoint_and_migrate).
+
+    Relay picks a step at least two ahead of the fastest rank; ranks never drift
+    more than one step apart (every step ends in an all-reduce), so every rank
+    reads the request before reaching that step and all stop at the same one.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.last: int | None = None
+
+    def stop_at(self) -> int | None:
+        """Return the step to stop at, once requested (one stat() per step otherwise)."""
+        if self.last is None and self.path.exists():
+            try:
+                self.last = int(json.loads(self.path.read_text())["stop_at"])
+            except (OSError, ValueError, KeyError, TypeError):
+                return None  # being written: read it next step
+        return self.last
 
 
 class Ewma:

@@ -88,6 +88,82 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
     return 0
 
 
+SCHEMA_FILE = settings.REPO_ROOT / "policies" / "schema.json"
+
+
+def policy_schema_text() -> str:
+    """Return the policy JSON Schema as written to policies/schema.json."""
+    import json
+
+    from relay.policy import Policy
+
+    schema = Policy.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "Relay recovery policy"
+    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
+def _cmd_policy(args: argparse.Namespace) -> int:
+    from relay.policy import load_policy
+
+    if args.policy_cmd == "schema":
+        text = policy_schema_text()
+        if args.write:
+            SCHEMA_FILE.write_text(text)
+            print(f"wrote {SCHEMA_FILE}")
+        else:
+            print(text, end="")
+        return 0
+    bad = 0
+    for name in args.files:
+        try:
+            loaded = load_policy(Path(name))
+        except ConfigError as err:
+            bad += 1
+            print(err, file=sys.stderr)
+            continue
+        if args.policy_cmd == "explain":
+            from relay.explain import explain
+
+            print(explain(loaded))
+        else:
+            print(f"{name}: OK (sha256 {loaded.sha256})")
+    return 1 if bad else 0
+
+
+def _cmd_nodes(args: argparse.Namespace) -> int:
+    import time
+
+    from relay.nodes import NodePool
+    from relay.yamlsource import parse_duration
+
+    pool = NodePool()
+    if args.nodes_cmd == "list":
+        held = pool.quarantines()
+        for node in pool.nodes:
+            q = held.get(node)
+            state = "healthy" if q is None else (
+                f"quarantined until {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(q.until))}"
+                f" - {q.reason} (by {q.by})")
+            print(f"{node:10} {state}")
+        return 0
+    if args.node not in pool.nodes:
+        print(f"relay nodes: node {args.node!r}: expected one of {pool.nodes}", file=sys.stderr)
+        return 2
+    if args.nodes_cmd == "quarantine":
+        try:
+            seconds = parse_duration(args.duration)
+        except ValueError as err:
+            print(f"relay nodes quarantine --for: {err}", file=sys.stderr)
+            return 2
+        q = pool.quarantine(args.node, seconds, args.reason, by="relay nodes quarantine (by hand)")
+        print(f"{args.node} quarantined until {time.ctime(q.until)}")
+    else:
+        released = pool.release(args.node)
+        print(f"{args.node} released" if released else f"{args.node} was not quarantined")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of `relay`."""
     parser = argparse.ArgumentParser(prog="relay", description=__doc__)
@@ -103,6 +179,29 @@ def build_parser() -> argparse.ArgumentParser:
     check = spec.add_parser("check", help="validate job spec files")
     check.add_argument("files", nargs="+")
     check.set_defaults(func=_cmd_spec_check)
+
+    policy = sub.add_parser("policy", help="recovery policies")
+    policy_sub = policy.add_subparsers(dest="policy_cmd", required=True)
+    for name, helptext in (("check", "validate policy files; every problem with file:line"),
+                           ("explain", "say in plain sentences what a policy does")):
+        cmd = policy_sub.add_parser(name, help=helptext)
+        cmd.add_argument("files", nargs="+")
+        cmd.set_defaults(func=_cmd_policy)
+    schema = policy_sub.add_parser("schema", help="print (or --write) policies/schema.json")
+    schema.add_argument("--write", action="store_true")
+    schema.set_defaults(func=_cmd_policy)
+
+    nodes = sub.add_parser("nodes", help="the node pool")
+    nodes_sub = nodes.add_subparsers(dest="nodes_cmd", required=True)
+    nodes_sub.add_parser("list", help="every node and its quarantine").set_defaults(func=_cmd_nodes)
+    quarantine = nodes_sub.add_parser("quarantine", help="keep a node out of every job")
+    quarantine.add_argument("node")
+    quarantine.add_argument("--for", dest="duration", default="1h", help="e.g. 30m (default 1h)")
+    quarantine.add_argument("--reason", default="quarantined by hand")
+    quarantine.set_defaults(func=_cmd_nodes)
+    release = nodes_sub.add_parser("release", help="lift a node's quarantine")
+    release.add_argument("node")
+    release.set_defaults(func=_cmd_nodes)
 
     lineage = sub.add_parser("lineage", help="print the newest DAG run's checkpoint chain")
     lineage.add_argument("job")

@@ -13,7 +13,10 @@ from pathlib import Path
 from airflow.sdk import DAG, Param, chain
 
 from relay import settings
-from relay.operators import FinalizeOperator, PreflightOperator, TrainSegmentOperator
+from relay.operators import FinalizeOperator, PreflightOperator
+from relay.policy import load_policy
+from relay.recovery import PolicyRetry
+from relay.segment import TrainSegmentOperator
 from relay.spec import JobSpec, load_job_specs
 from relay.yamlsource import ConfigError
 
@@ -24,12 +27,15 @@ CHAOS_PARAM_DOC = (
 
 
 def build_dag(spec: JobSpec, spec_file: Path) -> DAG:
-    """Build the DAG of one job."""
+    """Build the DAG of one job (a policy that does not load is an import error)."""
+    policy = load_policy(spec.policy_path(spec_file))
     doc = (
         f"### Relay job `{spec.job}`\n\n{spec.description}\n\n"
         f"- spec: `{spec_file}`\n- {spec.total_steps} steps in {len(spec.segments)} segments, "
         f"checkpoint every {spec.checkpoint_every} steps\n"
         f"- {spec.nodes} nodes x {spec.ranks_per_node} ranks, seed {spec.seed}\n"
+        f"- recovery policy `{policy.path}` (sha256 `{policy.sha256[:12]}`): "
+        "`relay policy explain` tells what it does\n"
     )
     with DAG(
         dag_id=spec.dag_id,
@@ -48,8 +54,14 @@ def build_dag(spec: JobSpec, spec_file: Path) -> DAG:
     ) as dag:
         common = {"spec_file": str(spec_file)}
         preflight = PreflightOperator(task_id="preflight", retries=0, **common)
+        # The policy decides retries: Airflow may try a segment as often as the policy
+        # allows, and PolicyRetry turns each decision into Airflow's retry or fail.
         segments = [
-            TrainSegmentOperator(task_id=f"segment_{index:03d}", segment=index, **common)
+            TrainSegmentOperator(
+                task_id=f"segment_{index:03d}", segment=index,
+                retries=policy.policy.max_attempts_per_segment - 1,
+                retry_policy=PolicyRetry(), **common,
+            )
             for index, _start, _end in spec.segments
         ]
         finalize = FinalizeOperator(task_id="finalize", **common)
@@ -57,26 +69,39 @@ def build_dag(spec: JobSpec, spec_file: Path) -> DAG:
     return dag
 
 
+def _checked_specs(folder: Path | None) -> tuple[dict[Path, JobSpec], dict[Path, ConfigError]]:
+    """Load every spec and its policy; a spec whose policy is invalid counts as invalid."""
+    specs, errors = load_job_specs(folder or settings.jobs_dir())
+    for path, spec in list(specs.items()):
+        try:
+            load_policy(spec.policy_path(path))
+        except ConfigError as err:
+            del specs[path]
+            errors[path] = err
+    return specs, errors
+
+
 def job_dags(folder: Path | None = None) -> dict[str, DAG]:
-    """Return a DAG for every valid job spec in ``folder`` (default: the jobs folder)."""
-    specs, _errors = load_job_specs(folder or settings.jobs_dir())
+    """Return a DAG for every valid job spec (with a valid policy) in ``folder``."""
+    specs, _errors = _checked_specs(folder)
     return {spec.dag_id: build_dag(spec, path) for path, spec in specs.items()}
 
 
 class InvalidJobSpecError(Exception):
-    """One or more job specs could not be turned into DAGs."""
+    """One or more job specs (or their policies) could not be turned into DAGs."""
 
 
 def raise_for_invalid_specs(folder: Path | None = None) -> None:
-    """Raise one error listing every invalid spec (file:line, field, fix), if any."""
-    _specs, errors = load_job_specs(folder or settings.jobs_dir())
+    """Raise one error listing every invalid spec or policy (file:line, field, fix), if any."""
+    _specs, errors = _checked_specs(folder)
     if errors:
         raise InvalidJobSpecError(format_spec_errors(errors))
 
 
 def format_spec_errors(errors: dict[Path, ConfigError]) -> str:
     """Return a readable report of invalid specs; the other jobs still load."""
-    lines = [f"{len(errors)} Relay job spec(s) are invalid and were not loaded:"]
+    lines = [f"{len(errors)} Relay job spec(s) are invalid (or name an invalid policy) and were "
+             "not loaded:"]
     lines += [str(err) for err in errors.values()]
     lines.append("Every other job spec in the folder was loaded as usual.")
     return "\n".join(lines)

@@ -5,16 +5,26 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from relay import settings
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
-from relay.spec import load_job_spec
+from relay.spec import JobSpec, load_job_spec
 from training.heartbeat import read_heartbeats
 
-DEFAULT_FAULT = {"kind": "crash", "segment": 1, "step": 75, "rank": 1, "attempt": 1}
+# The three failure modes Relay exists for, one per segment of the demo job.
+DEMO_FAULTS = [
+    {"what": "a stalled rank (rank 1 stops stepping; its peers wait in the all-reduce)",
+     "chaos": {"kind": "hang", "segment": 0, "step": 35, "rank": 1}},
+    {"what": "an unresponsive node (every process of node-b is frozen with SIGSTOP)",
+     "chaos": {"kind": "stop_node", "segment": 1, "step": 95, "node": "node-b"}},
+    {"what": "a straggler (rank 3 on node-d computes 3x slower)",
+     "chaos": {"kind": "straggler", "segment": 2, "step": 130, "rank": 3, "node": "node-d",
+               "factor": 3.0}},
+]
 
 
 def run_dag_test(
@@ -103,20 +113,11 @@ class ProgressPrinter:
         return ", ".join(f"rank {r} exit {c}" for r, c in sorted(codes.items())) or "agent lost"
 
 
-def summarize(job: str, dag_id: str, since: float) -> int:
-    """Print the MLflow run, the checkpoint chain and the loss; return an exit code."""
-    from relay.lineage import TAG_DAG_ID, Lineage
+def where_to_look(job: str, parent: str) -> None:
+    """Print the MLflow run, the checkpoint chain and the loss of one DAG run."""
+    from relay.lineage import Lineage
 
     lineage = Lineage.from_settings()
-    exp = lineage.experiment_id(job)
-    runs = lineage.client.search_runs(
-        [exp], filter_string=f"tags.`{TAG_DAG_ID}` = '{dag_id}'",
-        order_by=["attributes.start_time DESC"], max_results=1,
-    )
-    if not runs or runs[0].info.start_time / 1000 < since - 5:
-        print("No MLflow run was recorded for this demo; see the Airflow log above.")
-        return 1
-    parent = runs[0].info.run_id
     chain = lineage.chain(parent)
     children = lineage.child_runs(parent)
     losses = []
@@ -136,23 +137,29 @@ def summarize(job: str, dag_id: str, since: float) -> int:
     if losses:
         print(f"  Loss:            {losses[0][1]:.3f} at step {losses[0][0]} -> "
               f"{losses[-1][1]:.3f} at step {losses[-1][0]}")
+
+
+def summarize(job: str, dag_id: str, since: float) -> int:
+    """Print where to look for the newest DAG run of ``dag_id``; return an exit code."""
+    from relay.lineage import Lineage
+    from relay.report import newest_parent
+
+    parent = newest_parent(Lineage.from_settings(), job, dag_id, since)
+    if parent is None:
+        print("No MLflow run was recorded for this DAG; see the Airflow log above.")
+        return 1
+    where_to_look(job, parent)
     return 0
 
 
-def main(spec_file: Path, inject_fault: bool) -> int:
-    """Run the demo job; return the process exit code."""
-    spec = load_job_spec(spec_file)
-    home = settings.relay_home()
-    env = airflow_env(home)
-    logs = home / "logs"
-    print(f"Relay demo: job {spec.job!r} ({spec_file}), state in {home}", flush=True)
-    print("  preparing the embedded Airflow database...", flush=True)
-    ensure_airflow_db(env, logs / "airflow-db.log")
-    conf = {"chaos": [DEFAULT_FAULT] if inject_fault else []}
-    if inject_fault:
-        print(f"  injecting a fault: {DEFAULT_FAULT}", flush=True)
-    log_file = logs / f"airflow-dags-test-{int(time.time())}.log"
-    print(f"  running `airflow dags test {spec.dag_id}` (log: {log_file})", flush=True)
+def run_once(spec: JobSpec, conf: dict[str, Any], env: dict[str, str], label: str) -> str | None:
+    """Run one DAG run with progress; return its MLflow run id (None if it failed)."""
+    from relay.lineage import Lineage
+    from relay.report import newest_parent
+
+    logs = settings.relay_home() / "logs"
+    log_file = logs / f"airflow-dags-test-{label}-{int(time.time())}.log"
+    print(f"\n{label}: `airflow dags test {spec.dag_id}` (task logs: {log_file})", flush=True)
     started = time.time()
     proc = run_dag_test(spec.dag_id, conf, env, log_file)
     progress = ProgressPrinter(settings.runs_dir() / spec.dag_id, spec.total_steps, started)
@@ -162,9 +169,68 @@ def main(spec_file: Path, inject_fault: bool) -> int:
     progress.poll()
     took = time.time() - started
     if proc.returncode != 0:
-        print(f"\nThe DAG run FAILED after {took:.0f}s (exit {proc.returncode}). "
-              f"Read {log_file} for the task logs.", file=sys.stderr)
-        summarize(spec.job, spec.dag_id, started)
+        print(f"{label}: the DAG run FAILED after {took:.0f}s (exit {proc.returncode}). "
+              f"Read {log_file}.", file=sys.stderr)
+        return None
+    print(f"{label}: the DAG run succeeded in {took:.0f}s.", flush=True)
+    return newest_parent(Lineage.from_settings(), spec.job, spec.dag_id, started)
+
+
+def main(spec_file: Path, inject_fault: bool) -> int:
+    """Run the demo job (and its fault-free reference); return the process exit code."""
+    import hashlib
+
+    from relay.lineage import Lineage
+    from relay.nodes import NodePool
+    from relay.report import (
+        fault_rows,
+        final_state,
+        format_fault_table,
+        reference_run,
+        same_bits,
+    )
+
+    spec = load_job_spec(spec_file)
+    home = settings.relay_home()
+    env = airflow_env(home)
+    print(f"Relay demo: job {spec.job!r} ({spec_file}), state in {home}", flush=True)
+    print("  preparing the embedded Airflow database...", flush=True)
+    ensure_airflow_db(env, home / "logs" / "airflow-db.log")
+    pool = NodePool()
+    for node in pool.quarantines():
+        pool.release(node)  # the demo's simulated nodes start healthy every time
+    print(f"  simulated nodes: {', '.join(pool.nodes)} (all healthy)")
+    lineage = Lineage.from_settings()
+    if not inject_fault:
+        parent = run_once(spec, {"chaos": []}, env, "run")
+        if parent is None:
+            return 1
+        where_to_look(spec.job, parent)
+        return 0
+
+    spec_sha = hashlib.sha256(spec_file.read_bytes()).hexdigest()
+    reference = reference_run(lineage, spec.job, spec_sha)
+    if reference is None:
+        print("\nFirst, a fault-free reference run of the same job (done once, then reused).")
+        reference = run_once(spec, {"chaos": []}, env, "reference")
+        if reference is None:
+            return 1
+    else:
+        print(f"\nFault-free reference: MLflow run {reference} (reused from an earlier demo).")
+    print("\nNow the same job with the three faults Relay exists for:")
+    for fault in DEMO_FAULTS:
+        print(f"  - {fault['what']}: {json.dumps(fault['chaos'])}")
+    faulty = run_once(spec, {"chaos": [f["chaos"] for f in DEMO_FAULTS]}, env, "with faults")
+    if faulty is None:
         return 1
-    print(f"\nThe DAG run succeeded in {took:.0f}s.")
-    return summarize(spec.job, spec.dag_id, started)
+    where_to_look(spec.job, faulty)
+    print("\nFaults and recovery (detected after: from the fault to the watcher's event;")
+    print("time to resume: from the event to the first productive step after it)")
+    print(format_fault_table(fault_rows(lineage, faulty)))
+    with tempfile.TemporaryDirectory() as tmp:
+        a = final_state(lineage, reference, Path(tmp) / "reference")
+        b = final_state(lineage, faulty, Path(tmp) / "faulty")
+    equal, detail = same_bits(a, b) if a and b else (False, "a final checkpoint is missing")
+    verdict = "YES" if equal else "NO"
+    print(f"\nFinal weights equal the fault-free run's, bit for bit: {verdict} ({detail})")
+    return 0 if equal else 1

@@ -39,6 +39,8 @@ TAG_SEGMENT = "relay.segment"
 TAG_TRY = "relay.try_number"
 TAG_OUTCOME = "relay.outcome"
 TAG_PARENT = "mlflow.parentRunId"
+TAG_FAULT = "relay.fault_kind"
+TAG_REJECTED = "relay.rejected."  # + step dir name, on the run that logged the checkpoint
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,14 @@ class VerifiedCheckpoint:
 
     manifest: CheckpointManifest
     path: Path
+
+
+@dataclass(frozen=True)
+class CorruptCheckpoint:
+    """A checkpoint whose file did not match its manifest."""
+
+    manifest: CheckpointManifest
+    actual_sha256: str
 
 
 class Lineage:
@@ -175,9 +185,11 @@ class Lineage:
         with tempfile.TemporaryDirectory() as tmp:
             for run in self.child_runs(parent_run_id):
                 run_id = run.info.run_id
+                rejected = {k.removeprefix(TAG_REJECTED) for k in run.data.tags
+                            if k.startswith(TAG_REJECTED)}
                 entries = self._call(self.client.list_artifacts, run_id, CHECKPOINT_ROOT)
                 for entry in entries:
-                    if not entry.is_dir:
+                    if not entry.is_dir or entry.path.rsplit("/", 1)[-1] in rejected:
                         continue
                     names = {
                         a.path.rsplit("/", 1)[-1]
@@ -203,6 +215,13 @@ class Lineage:
         self, parent_run_id: str, download_dir: Path
     ) -> VerifiedCheckpoint | None:
         """Download the newest checkpoint whose sha256 matches; skip corrupt ones."""
+        return self.resume_point(parent_run_id, download_dir)[0]
+
+    def resume_point(
+        self, parent_run_id: str, download_dir: Path
+    ) -> tuple[VerifiedCheckpoint | None, list[CorruptCheckpoint]]:
+        """Return the newest verified checkpoint and the corrupt ones newer than it."""
+        corrupt: list[CorruptCheckpoint] = []
         for manifest in self.manifests(parent_run_id):
             target = download_dir / f"step-{manifest.step:08d}"
             target.mkdir(parents=True, exist_ok=True)
@@ -216,12 +235,31 @@ class Lineage:
             )
             actual = file_sha256(local)
             if actual == manifest.sha256:
-                return VerifiedCheckpoint(manifest=manifest, path=local)
+                return VerifiedCheckpoint(manifest=manifest, path=local), corrupt
             log.error(
                 "Corrupt checkpoint %s: expected sha256 %s, found %s; trying the previous one",
                 manifest.ref, manifest.sha256, actual,
             )
-        return None
+            corrupt.append(CorruptCheckpoint(manifest, actual))
+        return None, corrupt
+
+    def reject_checkpoint(self, manifest: CheckpointManifest, reason: str) -> None:
+        """Keep a checkpoint from ever being resumed from again (a rollback)."""
+        key = TAG_REJECTED + manifest.ref.artifact_dir.rsplit("/", 1)[-1]
+        self._call(self.client.set_tag, manifest.run_id, key, reason[:4000])
+
+    def segment_faults(self, parent_run_id: str, segment: int) -> list[str]:
+        """Return the fault kinds earlier attempts of a segment ended in, oldest first."""
+        return [
+            run.data.tags[TAG_FAULT]
+            for run in self.child_runs(parent_run_id)
+            if run.data.tags.get(TAG_SEGMENT) == str(segment) and TAG_FAULT in run.data.tags
+        ]
+
+    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+        """Set several tags on a run."""
+        for k, v in tags.items():
+            self._call(self.client.set_tag, run_id, k, v)
 
     def chain(self, parent_run_id: str) -> list[CheckpointManifest]:
         """Return the checkpoint chain from the newest checkpoint back to the first."""

@@ -1,30 +1,146 @@
-"""The node pool: which simulated local nodes exist and which a segment may use."""
+"""The node pool: which nodes exist, which are quarantined (why, until when), which to use.
+
+State lives in one JSON file (``$RELAY_HOME/nodes.json``) changed only under an
+exclusive ``flock`` and replaced atomically, so it survives Airflow restarts
+and two segments deciding at once cannot lose each other's quarantines.
+Simulated local nodes come from ``RELAY_NODES``; on Kubernetes the same
+quarantine becomes a node taint.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import json
+import logging
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
-DEFAULT_NODES = ("node-a", "node-b", "node-c")
+from relay import settings
+from training.heartbeat import write_atomically
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NODES = ("node-a", "node-b", "node-c", "node-d", "node-e")
 
 
 class NotEnoughNodesError(Exception):
-    """Fewer usable nodes than the job needs."""
+    """Fewer healthy nodes than a segment needs."""
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """Why a node is kept out, and until when."""
+
+    node: str
+    reason: str
+    since: float
+    until: float
+    by: str
+
+    def active(self, now: float) -> bool:
+        """Return whether the quarantine still holds at ``now``."""
+        return now < self.until
 
 
 def inventory() -> list[str]:
-    """Return the node names (``RELAY_NODES``, comma-separated; default node-a..node-c)."""
+    """Return the node names (``RELAY_NODES``, comma-separated; default node-a..node-e)."""
     raw = os.environ.get("RELAY_NODES")
     if not raw:
         return list(DEFAULT_NODES)
     return [n.strip() for n in raw.split(",") if n.strip()]
 
 
+class NodePool:
+    """Quarantine, release and select nodes; safe across processes."""
+
+    def __init__(self, state_file: Path | None = None, nodes: list[str] | None = None) -> None:
+        self.state_file = state_file or settings.relay_home() / "nodes.json"
+        self.nodes = nodes if nodes is not None else inventory()
+
+    @contextmanager
+    def _locked(self) -> Iterator[dict[str, Any]]:
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.state_file.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                state = json.loads(self.state_file.read_text())
+            except FileNotFoundError:
+                state = {"quarantines": {}}
+            except ValueError as exc:
+                raise RuntimeError(
+                    f"{self.state_file}: expected the node pool's JSON state, found unreadable "
+                    f"content ({exc}). Fix or delete the file; only quarantines are lost."
+                ) from exc
+            if not isinstance(state, dict) or not isinstance(state.get("quarantines"), dict):
+                raise RuntimeError(
+                    f"{self.state_file}: expected a JSON object with a `quarantines` mapping, "
+                    f"found {type(state).__name__} without one. Fix or delete the file; only "
+                    "quarantines are lost."
+                )
+            before = json.dumps(state, sort_keys=True)
+            yield state
+            if json.dumps(state, sort_keys=True) != before:
+                write_atomically(self.state_file, json.dumps(state, indent=2, sort_keys=True))
+
+    def quarantines(self, now: float | None = None) -> dict[str, Quarantine]:
+        """Return the quarantines in force at ``now``."""
+        now = time.time() if now is None else now
+        with self._locked() as state:
+            found = {n: Quarantine(**q) for n, q in state["quarantines"].items()}
+        return {n: q for n, q in found.items() if q.active(now)}
+
+    def quarantine(self, node: str, seconds: float, reason: str, by: str) -> Quarantine:
+        """Keep ``node`` out of every segment for ``seconds`` (an existing longer one stays)."""
+        if node not in self.nodes:
+            raise ValueError(f"node {node!r}: expected one of {self.nodes}")
+        now = time.time()
+        entry = Quarantine(node=node, reason=reason, since=now, until=now + seconds, by=by)
+        with self._locked() as state:
+            old = state["quarantines"].get(node)
+            if old is None or old["until"] < entry.until:
+                state["quarantines"][node] = asdict(entry)
+            else:
+                entry = Quarantine(**old)
+        log.warning("Node %s quarantined until %s: %s", node, time.ctime(entry.until), reason)
+        return entry
+
+    def release(self, node: str) -> bool:
+        """Lift a node's quarantine; return whether there was one."""
+        with self._locked() as state:
+            return state["quarantines"].pop(node, None) is not None
+
+    def healthy(self, now: float | None = None) -> list[str]:
+        """Return the nodes not in quarantine, in inventory order."""
+        held = self.quarantines(now)
+        return [n for n in self.nodes if n not in held]
+
+    def select(self, count: int, wait_up_to: float = 0.0, poll_seconds: float = 2.0) -> list[str]:
+        """Pick ``count`` healthy nodes, waiting up to ``wait_up_to`` for quarantines to expire."""
+        deadline = time.monotonic() + wait_up_to
+        while True:
+            healthy = self.healthy()
+            if len(healthy) >= count:
+                return healthy[:count]
+            if time.monotonic() >= deadline:
+                held = self.quarantines()
+                detail = "; ".join(
+                    f"{n} until {time.strftime('%H:%M:%S', time.localtime(q.until))} ({q.reason})"
+                    for n, q in held.items()
+                )
+                raise NotEnoughNodesError(
+                    f"node pool: expected {count} healthy nodes, found {len(healthy)} "
+                    f"({', '.join(healthy) or 'none'}); quarantined: {detail or 'none'}. "
+                    "Release a node with `relay nodes release NODE`, add nodes to RELAY_NODES, "
+                    "or wait for a quarantine to expire."
+                )
+            time.sleep(min(poll_seconds, max(0.0, deadline - time.monotonic())))
+
+
 def select_nodes(count: int) -> list[str]:
-    """Pick ``count`` nodes for a segment, in inventory order."""
-    nodes = inventory()
-    if len(nodes) < count:
-        raise NotEnoughNodesError(
-            f"node pool: expected at least {count} nodes, found {len(nodes)} ({nodes}). "
-            "Add nodes to RELAY_NODES or lower `nodes` in the job spec."
-        )
-    return nodes[:count]
+    """Pick ``count`` healthy nodes now (no waiting)."""
+    return NodePool().select(count)

@@ -1,7 +1,7 @@
 """The recovery policy: YAML owned by governance, validated into a frozen model.
 
-This module holds the policy's detection section (the thresholds the watcher
-uses); recovery rules per fault kind build on it. Durations read ``500ms``,
+The detection section holds the watcher's thresholds; ``rules`` holds one
+recovery rule per fault kind (:mod:`relay.rules`). Durations read ``500ms``,
 ``30s``, ``5m``. Every problem comes back at once with file:line and a fix.
 """
 
@@ -10,10 +10,20 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
-from relay.yamlsource import ConfigError, load_yaml_with_lines, parse_duration, validate_model
+from relay.rules import Escalation, NodeRules, Rules
+from relay.yamlsource import (
+    DURATION_JSON_SCHEMA,
+    ConfigError,
+    load_yaml_with_lines,
+    parse_duration,
+    validate_model,
+)
+
+Seconds = Annotated[float, WithJsonSchema(DURATION_JSON_SCHEMA)]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _DURATIONS = (
@@ -27,7 +37,7 @@ class StragglerDetection(BaseModel):
     model_config = _FROZEN
 
     ratio: float = Field(1.5, gt=1.0)
-    sustained: float = 3.0
+    sustained: Seconds = 3.0
 
     @field_validator("sustained", mode="before")
     @classmethod
@@ -41,9 +51,9 @@ class ThroughputDetection(BaseModel):
     model_config = _FROZEN
 
     floor: float = Field(0.6, gt=0.0, lt=1.0)
-    sustained: float = 5.0
+    sustained: Seconds = 5.0
     warmup_steps: int = Field(10, ge=1)
-    baseline: float = 5.0
+    baseline: Seconds = 5.0
 
     @field_validator("sustained", "baseline", mode="before")
     @classmethod
@@ -56,11 +66,11 @@ class Detection(BaseModel):
 
     model_config = _FROZEN
 
-    poll_interval: float = 0.5
-    startup_timeout: float = 120.0
-    heartbeat_timeout: float = 2.0
-    hang_timeout: float = 3.0
-    checkpoint_timeout: float = 120.0
+    poll_interval: Seconds = 0.5
+    startup_timeout: Seconds = 120.0
+    heartbeat_timeout: Seconds = 2.0
+    hang_timeout: Seconds = 3.0
+    checkpoint_timeout: Seconds = 120.0
     straggler: StragglerDetection | None = StragglerDetection()
     throughput: ThroughputDetection | None = ThroughputDetection()
     nan_loss: bool = True
@@ -75,12 +85,17 @@ class Detection(BaseModel):
 
 
 class Policy(BaseModel):
-    """A recovery policy."""
+    """A recovery policy: how faults are detected and what is done about each kind."""
 
     model_config = _FROZEN
 
     version: int = Field(1, ge=1)
+    description: str = ""
     detection: Detection = Detection()
+    rules: Rules
+    max_attempts_per_segment: int = Field(8, ge=1, strict=True)
+    nodes: NodeRules = NodeRules()
+    escalation: Escalation = Escalation()
 
 
 FIXES = {
@@ -89,6 +104,15 @@ FIXES = {
     "detection.startup_timeout": "allow for importing torch, e.g. startup_timeout: 2m",
     "detection.straggler.ratio": "use a ratio above 1, e.g. ratio: 1.5 (50% slower)",
     "detection.throughput.floor": "use a fraction of the baseline, e.g. floor: 0.6",
+    **{
+        f"rules.{kind}": f"say what happens on {kind}, e.g. {kind}: "
+        "{action: restart_elsewhere, max_attempts: 3, quarantine: 30m}"
+        for kind in ("hang", "rank_unresponsive", "node_unresponsive", "straggler", "crash",
+                     "launch_failure")
+    },
+    "rules.throughput_degraded": "e.g. throughput_degraded: {action: checkpoint_and_migrate}",
+    "rules.nan_loss": "e.g. nan_loss: {action: rollback, max_attempts: 2}",
+    "rules.corrupt_checkpoint": "e.g. corrupt_checkpoint: {action: rollback}",
 }
 
 

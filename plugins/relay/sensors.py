@@ -84,6 +84,10 @@ class _HeartbeatWatchSensor(BaseSensorOperator):
         ):
             return True
         fault = self._detector.check(obs)
+        silent = trigger.silent_ranks(obs) if fault is None else None
+        if silent is not None:
+            raise AirflowException(f"{self.task_id}: the job ended, but ranks {silent} never "
+                                   "reported done")
         if fault is not None:
             raise AirflowException(
                 f"{self.task_id}: {fault.describe()} — evidence {fault.evidence}"
@@ -100,6 +104,8 @@ class _HeartbeatWatchSensor(BaseSensorOperator):
             raise AirflowException(
                 f"{self.task_id}: {fault.describe()} — evidence {fault.evidence}"
             )
+        if event.get("status") == "stopped":
+            raise AirflowException(f"{self.task_id}: {event.get('message')}")
         raise AirflowException(f"{self.task_id}: watcher error {event.get('message')}")
 
 

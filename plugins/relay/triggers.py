@@ -188,6 +188,23 @@ class HeartbeatWatchTrigger(BaseTrigger):
                 if fault is not None:
                     yield TriggerEvent({**fault.to_event(), "attempt_dir": self.heartbeat_dir})
                     return
+                silent = self.silent_ranks(obs)
+                if silent is not None:
+                    yield TriggerEvent({"status": "stopped", "attempt_dir": self.heartbeat_dir,
+                                        "message": f"the job ended, but ranks {silent} never "
+                                        "reported done (their heartbeats stopped)"})
+                    return
                 await asyncio.sleep(self.poll_interval_seconds)
         except Exception as exc:  # an error event, never a dead trigger
             yield _error_event(self.heartbeat_dir, exc)
+
+    def silent_ranks(self, obs: Observation) -> list[int] | None:
+        """Return the silent ranks once every rank is either done or silent, else None."""
+        timeout = Detection.model_validate(self.detection).heartbeat_timeout
+        beats = obs.heartbeats
+        if len(beats) < self.world_size:
+            return None
+        silent = sorted(r for r, b in beats.items()
+                        if b.phase != Phase.DONE.value and obs.now - b.wall_clock > timeout)
+        done = [r for r, b in beats.items() if b.phase == Phase.DONE.value]
+        return silent if silent and len(silent) + len(done) == len(beats) else None

@@ -32,6 +32,15 @@ _DURATION = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|s|m|h))+")
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 _DURATION_WORDING = "a duration such as 30s, 5m or 1h"
 
+# JSON Schema of a duration field, for editors: "30s", "5m", "1h30m", "500ms" or seconds.
+DURATION_JSON_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string", "pattern": "^(\\d+(\\.\\d+)?(ms|s|m|h))+$"},
+        {"type": "number", "minimum": 0},
+    ],
+    "description": "a duration such as 500ms, 30s, 5m or 1h (or a number of seconds)",
+}
+
 
 class FieldValueError(ValueError):
     """Report a bad value with what was expected and, optionally, a concrete fix."""

@@ -6,6 +6,7 @@ Airflow ends with the same weights, bit for bit, as an uninterrupted run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -18,13 +19,14 @@ import torch
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
 from relay.demo import run_dag_test
 from relay.lineage import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, Lineage
+from relay.settings import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 
 JOB = """\
 job: e2e
 seed: 7
-total_steps: 60
+total_steps: 90
 steps_per_segment: 30
 checkpoint_every: 10
 nodes: 2
@@ -83,10 +85,12 @@ def _run(env: dict[str, str], relay_home: Path, conf: dict[str, Any], name: str)
 
 def _final_state(lineage: Lineage, parent: str, where: Path) -> dict[str, Any]:
     chain = lineage.chain(parent)
-    assert [m.step for m in chain] == [60, 50, 40, 30, 20, 10], "chain must reach step 0"
+    steps = [m.step for m in chain]
+    assert steps[0] == 90 and steps[-1] == 10, f"chain must run from 90 back to 10: {steps}"
+    assert steps == sorted(steps, reverse=True)
     assert chain[-1].parent is None
     verified = lineage.latest_valid_checkpoint(parent, where)
-    assert verified is not None and verified.manifest.step == 60
+    assert verified is not None and verified.manifest.step == 90
     return torch.load(verified.path, weights_only=True)
 
 
@@ -108,7 +112,7 @@ def clean_run(
     clean = _run(airflow_job, relay_home, {"chaos": []}, "clean")
     children = lineage.child_runs(clean)
     # No fault: exactly one attempt per segment, each completed.
-    assert sorted(c.data.tags[TAG_SEGMENT] for c in children) == ["0", "1"]
+    assert sorted(c.data.tags[TAG_SEGMENT] for c in children) == ["0", "1", "2"]
     assert {c.data.tags[TAG_OUTCOME] for c in children} == {"completed"}
     return _final_state(lineage, clean, tmp_path_factory.mktemp("clean"))
 
@@ -133,7 +137,7 @@ def test_crashed_and_retried_run_equals_uninterrupted_run_bit_for_bit(
     assert _workload_processes(relay_home) == [], "no workload process may outlive its DAG run"
 
     # Re-running a finished segment in the same DAG run is a no-op: the latest
-    # checkpoint (step 60) is already past its end.
+    # checkpoint (step 90) is already past its end.
     dag_run_id = lineage.client.get_run(faulty).data.tags["relay.dag_run_id"]
     before = len(lineage.child_runs(faulty))
     out = subprocess.run(
@@ -145,35 +149,66 @@ def test_crashed_and_retried_run_equals_uninterrupted_run_bit_for_bit(
     assert len(lineage.child_runs(faulty)) == before
 
 
-STALL_AND_NODE = [
+THREE_FAULTS = [
     {"kind": "hang", "segment": 0, "step": 15, "rank": 2, "attempt": 1},
-    {"kind": "stop_node", "segment": 1, "step": 52, "node": "node-a", "rank": 0, "attempt": 1},
+    {"kind": "stop_node", "segment": 1, "step": 52, "node": "node-a", "attempt": 1},
+    {"kind": "straggler", "segment": 2, "step": 62, "rank": 3, "factor": 3.0, "attempt": 1},
 ]
 
 
-def test_stalled_rank_and_dead_node_are_caught_stopped_and_recovered_bit_for_bit(
+def _decisions(lineage: Lineage, parent: str, where: Path) -> dict[str, dict[str, Any]]:
+    found = {}
+    for child in lineage.child_runs(parent):
+        if child.data.tags[TAG_OUTCOME] == "fault":
+            path = lineage.client.download_artifacts(child.info.run_id, "decision.json",
+                                                     str(where / child.info.run_id))
+            found[child.data.tags[TAG_SEGMENT]] = json.loads(Path(path).read_text())
+    return found
+
+
+def test_stalled_rank_dead_node_and_straggler_recover_on_healthy_nodes_bit_for_bit(
     airflow_job: dict[str, str], relay_home: Path, tmp_path: Path, clean_run: dict[str, Any]
 ) -> None:
     lineage = Lineage.from_settings()
-    faulty = _run(airflow_job, relay_home, {"chaos": STALL_AND_NODE}, "stall-and-node")
-    faults = {}
-    for child in lineage.child_runs(faulty):
-        if child.data.tags[TAG_OUTCOME] == "fault":
-            path = lineage.client.download_artifacts(child.info.run_id, "fault.json",
-                                                     str(tmp_path / child.info.run_id))
-            faults[child.data.tags[TAG_SEGMENT]] = json.loads(Path(path).read_text())
-    assert faults["0"]["kind"] == "hang"
-    assert (faults["0"]["culprit_rank"], faults["0"]["culprit_node"]) == (2, "node-b")
-    assert faults["1"]["kind"] == "node_unresponsive"
-    assert faults["1"]["culprit_node"] == "node-a"
-    # Caught long before gloo's collective timeout (30 min), from heartbeats alone.
-    for fault in faults.values():
-        assert "summary" in fault["evidence"]
+    faulty = _run(airflow_job, relay_home, {"chaos": THREE_FAULTS}, "three-faults")
+    records = _decisions(lineage, faulty, tmp_path)
+    assert sorted(records) == ["0", "1", "2"]
+    hang, node, slow = records["0"], records["1"], records["2"]
+    policy_sha = hashlib.sha256((REPO_ROOT / "policies" / "default.yaml").read_bytes()).hexdigest()
 
-    log = (relay_home / "logs" / "stall-and-node.log").read_text()
+    assert hang["fault"]["kind"] == "hang"
+    assert (hang["fault"]["culprit_rank"], hang["fault"]["culprit_node"]) == (2, "node-b")
+    assert hang["decision"]["rule"] == "rules.hang"
+    assert hang["decision"]["action"] == "restart_elsewhere"
+    assert hang["decision"]["quarantine_node"] == "node-b"
+
+    assert node["fault"]["kind"] == "node_unresponsive"
+    assert node["fault"]["culprit_node"] == "node-a"
+    assert node["decision"]["quarantine_node"] == "node-a"
+
+    assert slow["fault"]["kind"] == "straggler"
+    assert slow["fault"]["culprit_rank"] == 3
+    assert slow["decision"]["action"] == "checkpoint_and_migrate"
+    assert slow["drained_at_step"] is not None
+    assert slow["lost_steps"] == 0, "checkpoint_and_migrate must lose no steps"
+
+    for record in records.values():
+        assert record["decision"]["policy_sha256"] == policy_sha
+        assert "summary" in record["fault"]["evidence"]
+
+    # Each retry ran on nodes that excluded every node quarantined before it.
+    children = lineage.child_runs(faulty)
+    placed = {(c.data.tags[TAG_SEGMENT], c.data.tags["relay.try_number"]):
+              set(c.data.params["nodes"].split(",")) for c in children}
+    assert "node-b" not in placed[("0", "2")]
+    assert not {"node-a", "node-b"} & placed[("1", "2")]
+    culprit_node = slow["fault"]["culprit_node"]
+    assert not {"node-a", "node-b", culprit_node} & placed[("2", "2")]
+
+    log = (relay_home / "logs" / "three-faults.log").read_text()
     assert "Segment 0 fault: hang (node node-b, rank 2)" in log
+    assert "Decision by rules.hang" in log
     assert "Segment 1 fault: node_unresponsive (node node-a)" in log
-    assert "evidence:" in log
 
     _assert_same_bits(clean_run, _final_state(lineage, faulty, tmp_path / "faulty"))
     assert _workload_processes(relay_home) == [], "stopped (SIGSTOP) processes must not survive"

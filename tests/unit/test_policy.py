@@ -20,6 +20,21 @@ REPO = Path(relay.settings.REPO_ROOT)
 DEFAULT = REPO / "policies" / "default.yaml"
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
+# A complete, valid ``rules:`` section (one rule per fault kind), appended at the END of
+# every tmp policy so that the line numbers of the keys under test do not move.
+RULES = """\
+rules:
+  hang:                {action: restart_elsewhere, max_attempts: 3, backoff: 1s, quarantine: 30m}
+  rank_unresponsive:   {action: restart_elsewhere, max_attempts: 3, backoff: 1s, quarantine: 30m}
+  node_unresponsive:   {action: restart_elsewhere, max_attempts: 3, backoff: 1s, quarantine: 1h}
+  straggler:           {action: checkpoint_and_migrate, max_attempts: 3, quarantine: 30m}
+  throughput_degraded: {action: checkpoint_and_migrate, max_attempts: 2}
+  crash:               {action: retry, max_attempts: 3, backoff: {initial: 1s, multiplier: 2}}
+  launch_failure:      {action: restart_elsewhere, max_attempts: 2, quarantine: 15m}
+  nan_loss:            {action: rollback, max_attempts: 2}
+  corrupt_checkpoint:  {action: rollback, max_attempts: 2}
+"""
+
 
 def seconds(text: object) -> float:
     """Independently convert a simple "<number><unit>" duration (or a number) to seconds."""
@@ -91,7 +106,7 @@ def test_sha256_changes_with_the_file_even_if_the_policy_does_not(tmp_path: Path
 
 def test_compound_and_plain_durations(tmp_path: Path) -> None:
     path = write(tmp_path, "detection:\n  startup_timeout: 1m30s\n  poll_interval: 250ms\n"
-                           "  hang_timeout: 4\n  straggler:\n    sustained: 1.5s\n")
+                           "  hang_timeout: 4\n  straggler:\n    sustained: 1.5s\n" + RULES)
     det = load_policy(path).policy.detection
     assert det.startup_timeout == pytest.approx(90.0)
     assert det.poll_interval == pytest.approx(0.25)
@@ -99,13 +114,27 @@ def test_compound_and_plain_durations(tmp_path: Path) -> None:
     assert det.straggler is not None and det.straggler.sustained == pytest.approx(1.5)
 
 
+def test_rules_helper_is_a_complete_valid_rules_section(tmp_path: Path) -> None:
+    """The RULES block used below must load on its own, with every fault kind covered."""
+    loaded = load_policy(write(tmp_path, RULES)).policy
+    assert loaded.detection == Detection()
+    assert {k.value for k in FaultKind} == set(yaml.safe_load(RULES)["rules"])
+
+
+def test_policy_without_rules_is_rejected_with_a_fix(tmp_path: Path) -> None:
+    error = load_error(write(tmp_path, "version: 1\ndetection: {}\n"))
+    assert [p.field for p in error.problems] == ["rules"]
+    assert "expected this field to be set" in str(error)
+    assert "rules:" in error.problems[0].fix
+
+
 # -- bad policies -----------------------------------------------------------------
 
 
 def policy(detection: str) -> str:
-    """Return a policy whose detection section has the given (indented) lines."""
+    """Return a policy whose detection section has the given (indented) lines, then RULES."""
     body = "\n".join(f"  {line}" for line in detection.strip("\n").splitlines())
-    return f"# governance-owned\nversion: 1\ndetection:\n  poll_interval: 0.5s\n{body}\n"
+    return f"# governance-owned\nversion: 1\ndetection:\n  poll_interval: 0.5s\n{body}\n{RULES}"
 
 
 BAD = [
@@ -207,5 +236,5 @@ def test_null_straggler_section_turns_the_rule_off(tmp_path: Path, null: str) ->
 
 
 def test_empty_detection_section_uses_defaults(tmp_path: Path) -> None:
-    det = load_policy(write(tmp_path, "version: 1\ndetection: {}\n")).policy.detection
+    det = load_policy(write(tmp_path, "version: 1\ndetection: {}\n" + RULES)).policy.detection
     assert det == Detection()

@@ -1,0 +1,130 @@
+"""`relay policy explain`: what a policy will do, in plain sentences, for its owners."""
+
+from __future__ import annotations
+
+from relay.decide import ordinal
+from relay.faults import FaultKind
+from relay.policy import Detection, LoadedPolicy
+from relay.rules import JOB_WIDE, Action, Rule
+
+_UNITS = ((86400, "day"), (3600, "hour"), (60, "minute"), (1, "second"))
+
+
+def humanize(seconds: float) -> str:
+    """Return 1800 as '30 minutes', 1.5 as '1.5 seconds', 0.5 as '500 ms'."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    for size, unit in _UNITS:
+        if seconds >= size and (seconds % size == 0 or size == 1):
+            value = seconds / size
+            text = f"{value:g}"
+            return f"{text} {unit}{'' if value == 1 else 's'}"
+    return f"{seconds:g} seconds"
+
+
+def fault_sentence(kind: FaultKind, d: Detection) -> str:
+    """Return what the fault is and how the watcher recognises it."""
+    straggler = d.straggler
+    throughput = d.throughput
+    return {
+        FaultKind.HANG: "a rank stalls (hang): it stays in its compute step for more than "
+        f"{humanize(d.hang_timeout)} while the other ranks wait for it",
+        FaultKind.RANK_UNRESPONSIVE: "a rank stops answering (rank_unresponsive): no heartbeat "
+        f"for {humanize(d.heartbeat_timeout)} while its node still answers",
+        FaultKind.NODE_UNRESPONSIVE: "a node stops answering (node_unresponsive): every rank on "
+        f"it and its agent are silent for {humanize(d.heartbeat_timeout)} or more",
+        FaultKind.STRAGGLER: (
+            "one rank is slow (straggler): its compute time per step stays above "
+            f"{straggler.ratio:g}x the other ranks' for {humanize(straggler.sustained)}"
+            if straggler else "one rank is slow (straggler): not watched by this policy"
+        ),
+        FaultKind.THROUGHPUT_DEGRADED: (
+            "the whole job slows down (throughput_degraded): samples per second stay below "
+            f"{throughput.floor:.0%} of the job's own baseline for "
+            f"{humanize(throughput.sustained)}"
+            if throughput else "the whole job slows down (throughput_degraded): not watched by "
+            "this policy"
+        ),
+        FaultKind.CRASH: "a rank exits with an error (crash)",
+        FaultKind.LAUNCH_FAILURE: "a rank fails to start (launch_failure): no heartbeat within "
+        f"{humanize(d.startup_timeout)} of the launch, or it dies before its first step",
+        FaultKind.NAN_LOSS: "the loss becomes NaN or infinite (nan_loss)"
+        + ("" if d.nan_loss else ": not watched by this policy"),
+        FaultKind.CORRUPT_CHECKPOINT: "a checkpoint does not match the sha256 recorded when it "
+        "was saved (corrupt_checkpoint)",
+    }[kind]
+
+
+def _action_sentence(kind: FaultKind, rule: Rule) -> str:
+    action = rule.action
+    if action is Action.RETRY:
+        text = "Relay runs the segment again from its latest valid checkpoint, on the same nodes"
+    elif action is Action.RESTART_ELSEWHERE:
+        text = ("Relay stops the segment and runs it again from its latest valid checkpoint on "
+                "healthy nodes")
+    elif action is Action.CHECKPOINT_AND_MIGRATE:
+        text = ("Relay first has the ranks save a checkpoint, so no steps are lost, then runs the "
+                "segment again on healthy nodes")
+    elif action is Action.ROLLBACK:
+        text = ("Relay discards the newest checkpoint and runs the segment again from the one "
+                "before it")
+    elif action is Action.ESCALATE:
+        return "Relay stops the segment for good and notifies {target}."
+    else:
+        return "Relay stops the segment for good, without retrying and without notifying anyone."
+    if rule.quarantine is not None and kind not in JOB_WIDE:
+        text += (f"; the culprit's node is kept out of every job for "
+                 f"{humanize(rule.quarantine)}")
+    return text + "."
+
+
+def _backoff_sentence(rule: Rule) -> str:
+    b = rule.backoff
+    if b.initial == 0:
+        return "It tries again at once."
+    if b.multiplier == 1:
+        return f"It waits {humanize(b.initial)} before trying again."
+    return (f"It waits {humanize(b.initial)} before trying again, {b.multiplier:g} times longer "
+            f"after each repeat, at most {humanize(b.max)}.")
+
+
+def explain(loaded: LoadedPolicy) -> str:
+    """Return the whole policy in plain sentences."""
+    p = loaded.policy
+    lines = [f"Policy {loaded.path} (sha256 {loaded.sha256[:12]}, version {p.version})"]
+    if p.description:
+        lines.append(p.description)
+    lines.append("")
+    for kind in FaultKind:
+        rule = p.rules.for_kind(kind)
+        target = rule.escalate_to or p.escalation.target
+        lines.append(f"When {fault_sentence(kind, p.detection)}:")
+        lines.append("  " + _action_sentence(kind, rule).format(target=target))
+        if rule.action not in (Action.ESCALATE, Action.ABORT):
+            lines.append("  " + _backoff_sentence(rule))
+            if rule.max_attempts == 1:
+                lines.append(f"  (max_attempts is 1, so in fact it stops at once and notifies "
+                             f"{target}.)")
+            else:
+                lines.append(
+                    f"  At the {ordinal(rule.max_attempts)} {kind.value} in the same segment, "
+                    f"it stops and notifies {target}."
+                )
+        lines.append("")
+    lines.append(
+        f"Whatever the faults, a segment gets at most {p.max_attempts_per_segment} attempts; "
+        f"then Relay stops and notifies {p.escalation.target}."
+    )
+    if p.nodes.when_too_few == "wait" and p.nodes.wait_up_to > 0:
+        lines.append(
+            "When fewer healthy nodes are left than a segment needs, Relay waits up to "
+            f"{humanize(p.nodes.wait_up_to)} for a quarantine to end, then stops and notifies "
+            f"{p.escalation.target}."
+        )
+    else:
+        lines.append("When fewer healthy nodes are left than a segment needs, Relay stops and "
+                     f"notifies {p.escalation.target} at once.")
+    hook = p.escalation.webhook
+    lines.append("Notifications go to the task log" + (f" and to {hook}." if hook else "."))
+    lines.append(f"Every decision records this policy's sha256 ({loaded.sha256}).")
+    return "\n".join(lines)

@@ -1,0 +1,117 @@
+"""Apply a decision: drain a checkpoint, stop, quarantine, roll back, record, notify.
+
+Retries go through Airflow's own machinery: :class:`SegmentFaultError` carries
+the decision and :class:`PolicyRetry` (the segment tasks' ``retry_policy``)
+turns it into Airflow's retry-with-delay or fail-now, so every attempt shows
+in the Airflow UI with the policy's backoff.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.request
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk.definitions.retry_policy import RetryDecision, RetryPolicy
+
+from relay.decide import Decision
+from relay.faults import Fault
+from relay.launchers.local import LaunchState, LocalLauncher
+from relay.nodes import NodePool
+from training.heartbeat import read_heartbeats, write_atomically
+from training.launch import DRAIN_FILE
+
+log = logging.getLogger(__name__)
+DRAIN_LEAD_STEPS = 2
+
+
+class SegmentFaultError(Exception):
+    """A segment attempt met a fault; ``decision`` says whether and when to retry."""
+
+    def __init__(self, message: str, decision: Decision) -> None:
+        super().__init__(message)
+        self.decision = decision
+
+
+class PolicyRetry(RetryPolicy):
+    """Let the recovery policy's decision pick Airflow's retry delay, or fail now."""
+
+    def evaluate(
+        self,
+        exception: BaseException,
+        try_number: int,
+        max_tries: int,
+        context: Any = None,  # noqa: ANN401
+    ) -> RetryDecision:
+        """Map a SegmentFaultError's decision onto Airflow's retry."""
+        decision = getattr(exception, "decision", None)
+        if not isinstance(decision, Decision):
+            return RetryDecision.default()
+        if not decision.retry:
+            return RetryDecision.fail(reason=decision.reason)
+        return RetryDecision.retry(
+            delay=timedelta(seconds=decision.backoff_seconds), reason=decision.reason
+        )
+
+    def serialize(self) -> dict[str, Any]:
+        """Return the (stateless) policy for DAG serialization."""
+        return {"__relay__": "PolicyRetry"}
+
+    @classmethod
+    def deserialize(cls, data: dict[str, Any]) -> PolicyRetry:
+        """Rebuild from :meth:`serialize`."""
+        return cls()
+
+
+def drain(attempt_dir: Path, timeout_seconds: float) -> int | None:
+    """Ask the ranks to checkpoint and stop a few steps ahead; return the step, if they did."""
+    beats = read_heartbeats(attempt_dir / "heartbeats")
+    if not beats:
+        return None
+    stop_at = max(b.step for b in beats.values()) + DRAIN_LEAD_STEPS
+    write_atomically(attempt_dir / DRAIN_FILE, json.dumps({"stop_at": stop_at}))
+    launcher = LocalLauncher()
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        state = launcher.status(attempt_dir).state
+        if state is LaunchState.SUCCEEDED:
+            log.info("Ranks checkpointed at step %d and stopped", stop_at)
+            return stop_at
+        if state is LaunchState.FAILED:
+            break
+        time.sleep(0.2)
+    log.warning("Drain to step %d did not finish in %.0fs; the retry resumes from the last "
+                "checkpoint instead", stop_at, timeout_seconds)
+    return None
+
+
+def quarantine(decision: Decision, fault: Fault, where: str) -> None:
+    """Keep the culprit's node out, if the decision says so."""
+    if decision.quarantine_node and decision.quarantine_seconds:
+        NodePool().quarantine(
+            decision.quarantine_node,
+            decision.quarantine_seconds,
+            reason=f"{fault.kind.value}: {fault.evidence.get('summary', '')}",
+            by=f"{decision.rule} (policy {decision.policy_sha256[:12]}) in {where}",
+        )
+
+
+def notify(decision: Decision, message: str, webhook: str | None) -> None:
+    """Tell the escalation target: always a log line, and a webhook POST when configured."""
+    log.error("ESCALATION to %s: %s", decision.notify, message)
+    if not webhook:
+        return
+    body = json.dumps({"target": decision.notify, "message": message,
+                       "decision": decision.to_dict()}).encode()
+    request = urllib.request.Request(
+        webhook, data=body, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+            log.info("Escalation webhook answered %s", response.status)
+    except OSError as exc:  # the failure must still reach the task log and fail the task
+        log.error("Escalation webhook %s failed: %s", webhook, exc)

@@ -1,0 +1,247 @@
+"""Unit tests for the node pool: quarantine with expiry, selection, persistence, locking, CLI."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+
+from relay.cli import main
+from relay.nodes import DEFAULT_NODES, NodePool, NotEnoughNodesError, inventory
+
+NODES = ["n1", "n2", "n3"]
+
+
+@pytest.fixture
+def state_file(tmp_path: Path) -> Path:
+    return tmp_path / "state" / "nodes.json"
+
+
+@pytest.fixture
+def pool(state_file: Path) -> NodePool:
+    return NodePool(state_file=state_file, nodes=list(NODES))
+
+
+# -- quarantine, release, healthy, select -----------------------------------------------------
+
+
+def test_fresh_pool_is_all_healthy_and_writes_nothing(pool: NodePool) -> None:
+    assert pool.healthy() == NODES
+    assert pool.quarantines() == {}
+    assert pool.select(3) == NODES
+    assert pool.select(2) == ["n1", "n2"]
+    assert not pool.state_file.exists()  # reading does not create state
+
+
+def test_quarantine_keeps_a_node_out_until_released(pool: NodePool) -> None:
+    before = time.time()
+    q = pool.quarantine("n2", 1800, reason="hang: rank 3 stalled", by="rules.hang")
+    assert q.node == "n2" and q.reason == "hang: rank 3 stalled" and q.by == "rules.hang"
+    assert before <= q.since <= time.time()
+    assert q.until == pytest.approx(q.since + 1800)
+
+    assert set(pool.quarantines()) == {"n2"}
+    assert pool.quarantines()["n2"] == q
+    assert pool.healthy() == ["n1", "n3"]
+    assert pool.select(2) == ["n1", "n3"]
+
+    assert pool.release("n2") is True
+    assert pool.healthy() == NODES
+    assert pool.release("n2") is False  # nothing left to release
+
+
+def test_a_longer_quarantine_is_not_shortened(pool: NodePool) -> None:
+    first = pool.quarantine("n1", 3600, reason="node_unresponsive", by="rules.node_unresponsive")
+    second = pool.quarantine("n1", 60, reason="straggler", by="rules.straggler")
+    assert second == first  # the existing, longer quarantine stays, with its reason
+    assert pool.quarantines()["n1"] == first
+
+    third = pool.quarantine("n1", 7200, reason="crash", by="rules.crash")
+    assert third.until > first.until  # ...but a longer one extends it
+    assert pool.quarantines()["n1"].reason == "crash"
+
+
+def test_quarantine_expires(pool: NodePool) -> None:
+    q = pool.quarantine("n3", 0.2, reason="brief", by="test")
+    assert pool.healthy() == ["n1", "n2"]
+    assert pool.healthy(now=q.until + 0.01) == NODES  # judged at a later time
+    time.sleep(0.3)
+    assert pool.healthy() == NODES
+    assert pool.quarantines() == {}
+    assert pool.select(3) == NODES
+
+
+def test_select_too_many_names_the_quarantined_nodes_and_the_fix(pool: NodePool) -> None:
+    pool.quarantine("n2", 600, reason="hang: rank 3 stalled", by="rules.hang")
+    pool.quarantine("n3", 600, reason="crash: rank 5 exited", by="rules.crash")
+    with pytest.raises(NotEnoughNodesError) as info:
+        pool.select(2)
+    text = str(info.value)
+    assert "expected 2 healthy nodes, found 1 (n1)" in text
+    for expected in ("n2", "hang: rank 3 stalled", "n3", "crash: rank 5 exited",
+                     "relay nodes release", "RELAY_NODES"):
+        assert expected in text, f"{expected!r} not in {text!r}"
+
+
+def test_select_more_than_the_inventory_fails_even_with_no_quarantine(pool: NodePool) -> None:
+    with pytest.raises(NotEnoughNodesError, match="expected 4 healthy nodes, found 3"):
+        pool.select(4)
+
+
+def test_select_waits_for_a_quarantine_to_expire(pool: NodePool) -> None:
+    pool.quarantine("n2", 0.5, reason="brief", by="test")
+    start = time.monotonic()
+    assert pool.select(3, wait_up_to=5, poll_seconds=0.05) == NODES
+    elapsed = time.monotonic() - start
+    assert 0.2 < elapsed < 4.5
+
+
+def test_select_gives_up_after_wait_up_to(pool: NodePool) -> None:
+    pool.quarantine("n2", 600, reason="long", by="test")
+    start = time.monotonic()
+    with pytest.raises(NotEnoughNodesError, match="long"):
+        pool.select(3, wait_up_to=0.3, poll_seconds=0.05)
+    assert 0.25 < time.monotonic() - start < 3.0
+
+
+def test_state_survives_a_restart(pool: NodePool, state_file: Path) -> None:
+    q = pool.quarantine("n1", 600, reason="crash", by="rules.crash")
+    again = NodePool(state_file=state_file, nodes=list(NODES))
+    assert again.quarantines() == {"n1": q}
+    assert again.healthy() == ["n2", "n3"]
+    assert json.loads(state_file.read_text())["quarantines"]["n1"]["reason"] == "crash"
+
+
+def test_unknown_node_is_rejected(pool: NodePool, state_file: Path) -> None:
+    with pytest.raises(ValueError, match=r"node 'n9': expected one of \['n1', 'n2', 'n3'\]"):
+        pool.quarantine("n9", 60, reason="x", by="test")
+    assert not state_file.exists()
+
+
+@pytest.mark.parametrize("content", ["{not json", "", "\x00\x01garbage"])
+def test_corrupt_state_file_is_reported_and_kept(
+    pool: NodePool, state_file: Path, content: str
+) -> None:
+    state_file.parent.mkdir(parents=True)
+    state_file.write_text(content)
+    for call in (lambda: pool.quarantine("n1", 60, reason="x", by="test"),
+                 lambda: pool.release("n1"), pool.healthy, lambda: pool.select(1)):
+        with pytest.raises(RuntimeError) as info:
+            call()
+        text = str(info.value)
+        assert str(state_file) in text
+        assert "Fix or delete the file" in text
+    assert state_file.read_text() == content  # never overwritten
+
+
+@pytest.mark.parametrize("content", ["{}", "[]"])
+def test_state_file_of_the_wrong_shape_is_reported(
+    pool: NodePool, state_file: Path, content: str
+) -> None:
+    state_file.parent.mkdir(parents=True)
+    state_file.write_text(content)
+    with pytest.raises(RuntimeError, match="Fix or delete the file"):
+        pool.healthy()
+
+
+def _quarantine_in_child(state_file: str, nodes: list[str], node: str,
+                         barrier: multiprocessing.synchronize.Barrier) -> None:
+    pool = NodePool(state_file=Path(state_file), nodes=nodes)
+    barrier.wait(timeout=20)
+    for i in range(10):  # each write replaces the whole file: a lost update would show
+        pool.quarantine(node, 3600 + i, reason=f"by {node}", by="test")
+
+
+def test_concurrent_quarantines_lose_no_update(tmp_path: Path) -> None:
+    nodes = [f"n{i}" for i in range(8)]
+    state_file = tmp_path / "nodes.json"
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(len(nodes))
+    procs = [ctx.Process(target=_quarantine_in_child, args=(str(state_file), nodes, n, barrier))
+             for n in nodes]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=30)
+    assert [p.exitcode for p in procs] == [0] * len(nodes)
+
+    held = NodePool(state_file=state_file, nodes=nodes).quarantines()
+    assert set(held) == set(nodes)
+    for node, q in held.items():
+        assert q.reason == f"by {node}"
+        assert q.until == pytest.approx(q.since + 3609)
+
+
+# -- inventory ---------------------------------------------------------------------------------
+
+
+def test_inventory_reads_relay_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RELAY_NODES", " a, b ,,c ")
+    assert inventory() == ["a", "b", "c"]
+    monkeypatch.delenv("RELAY_NODES")
+    assert inventory() == list(DEFAULT_NODES)
+
+
+# -- `relay nodes ...` -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cli_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("RELAY_HOME", str(tmp_path))
+    monkeypatch.setenv("RELAY_NODES", "n1,n2,n3")
+    return tmp_path
+
+
+def test_cli_nodes_list_quarantine_release(
+    cli_home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["nodes", "list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == NODES
+    assert all(line.split()[1] == "healthy" for line in out)
+
+    assert main(["nodes", "quarantine", "n2", "--for", "30m", "--reason", "flaky NIC"]) == 0
+    assert capsys.readouterr().out.startswith("n2 quarantined until ")
+    held = NodePool(state_file=cli_home / "nodes.json", nodes=list(NODES)).quarantines()
+    assert set(held) == {"n2"}
+    assert held["n2"].until - held["n2"].since == pytest.approx(1800)
+    assert held["n2"].reason == "flaky NIC"
+
+    assert main(["nodes", "list"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "quarantined until" in lines["n2"]
+    assert "flaky NIC" in lines["n2"] and "(by relay nodes quarantine (by hand))" in lines["n2"]
+    assert lines["n1"].split()[1] == "healthy" and lines["n3"].split()[1] == "healthy"
+
+    assert main(["nodes", "release", "n2"]) == 0
+    assert capsys.readouterr().out.strip() == "n2 released"
+    assert main(["nodes", "release", "n2"]) == 0
+    assert capsys.readouterr().out.strip() == "n2 was not quarantined"
+    assert NodePool(state_file=cli_home / "nodes.json", nodes=list(NODES)).healthy() == NODES
+
+
+def test_cli_nodes_quarantine_defaults_to_one_hour(cli_home: Path) -> None:
+    assert main(["nodes", "quarantine", "n1"]) == 0
+    q = NodePool(state_file=cli_home / "nodes.json", nodes=list(NODES)).quarantines()["n1"]
+    assert q.until - q.since == pytest.approx(3600)
+    assert q.reason == "quarantined by hand"
+
+
+@pytest.mark.parametrize("argv", [["quarantine", "n9"], ["release", "n9"]])
+def test_cli_nodes_unknown_node(
+    cli_home: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    assert main(["nodes", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "node 'n9': expected one of ['n1', 'n2', 'n3']" in err
+    assert not (cli_home / "nodes.json").exists()
+
+
+def test_cli_nodes_bad_duration(cli_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["nodes", "quarantine", "n1", "--for", "soon"]) == 2
+    err = capsys.readouterr().err
+    assert "relay nodes quarantine --for" in err and "'soon'" in err
+    assert not (cli_home / "nodes.json").exists()

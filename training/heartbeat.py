@@ -152,6 +152,11 @@ class HeartbeatWriter:
             if loss is not None:
                 self._beat.loss = loss
 
+    def flush_now(self) -> None:
+        """Write the record at once (for news that cannot wait for the next interval)."""
+        if self.enabled:
+            self._flush()
+
     def close(self) -> None:
         """Mark the rank done, write a last record and stop the thread."""
         self.enter(Phase.DONE)

@@ -155,7 +155,8 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
         optimizer.step()
         done = time.perf_counter()
         loss_value = float(loss.item())
-        finite = finite and math.isfinite(loss_value)
+        newly_poisoned = finite and not math.isfinite(loss_value)
+        finite = finite and not newly_poisoned
         heartbeat.beat(
             step=step + 1,
             compute_seconds=compute_avg.add(clock.get("compute_done", done) - started),
@@ -164,6 +165,9 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
             ),
             loss=loss_value,
         )
+        if newly_poisoned:
+            # Say it now: the first rank to report a non-finite loss is the culprit.
+            heartbeat.flush_now()
         if checkpointer is None:
             continue
         if step == cfg.start_step:  # when the attempt became productive (time to resume)

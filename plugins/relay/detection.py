@@ -69,10 +69,15 @@ class Detector:
         self._baseline_samples: list[float] = []
         self._baseline_started: float | None = None
         self._first_step: int | None = None
+        self._stepped: dict[int, tuple[int, float]] = {}  # rank -> (step, when it was reached)
         self.baseline: float | None = None
 
     def check(self, obs: Observation) -> Fault | None:
         """Return the fault these observations show, if any."""
+        for rank, beat in obs.heartbeats.items():
+            seen = self._stepped.get(rank)
+            if seen is None or beat.step != seen[0]:
+                self._stepped[rank] = (beat.step, obs.now)
         rules = (
             ({FaultKind.CRASH, FaultKind.LAUNCH_FAILURE}, self._exits),
             ({FaultKind.NAN_LOSS}, self._nan),
@@ -235,7 +240,16 @@ class Detector:
     # -- performance ------------------------------------------------------------
 
     def _active(self, obs: Observation) -> list[Heartbeat]:
-        return [b for b in obs.heartbeats.values() if b.phase in _WORKING]
+        """Return ranks that are stepping: working, and their step moved recently.
+
+        A stalled job freezes every rank's last compute time and rate; judging
+        speed on those frozen numbers would call a hang a straggler.
+        """
+        recent = self.cfg.hang_timeout / 2
+        return [
+            b for b in obs.heartbeats.values()
+            if b.phase in _WORKING and obs.now - self._stepped.get(b.rank, (0, 0.0))[1] <= recent
+        ]
 
     def _stragglers(self, obs: Observation) -> Fault | None:
         rule = self.cfg.straggler

@@ -31,7 +31,12 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
     return Store(tmp_path_factory.mktemp("mlflow"))
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+# hang, node and crash are exercised end to end elsewhere (the Airflow recovery tests and
+# `relay chaos` below); these are the kinds only this test injects for real.
+ONLY_HERE = [s for s in SCENARIOS if s.name in ("rank", "straggler", "throughput", "nan", "launch")]
+
+
+@pytest.mark.parametrize("scenario", ONLY_HERE, ids=[s.name for s in ONLY_HERE])
 def test_fault_is_classified_with_its_culprit(
     scenario: Scenario, store: Store, tmp_path: Path
 ) -> None:
@@ -44,9 +49,9 @@ def test_fault_is_classified_with_its_culprit(
 
 
 def test_step_time_jitter_raises_no_false_alarm(store: Store, tmp_path: Path) -> None:
-    # Every rank loses up to 60 ms per ~100 ms step at random, for 250 steps.
+    # Every rank loses up to 60 ms per step at random, for 180 steps.
     jitter = {"kind": "jitter", "step": 0, "seconds": 0.06, "attempt": None}
-    cfg = launch_config(store, tmp_path / "attempt", steps=250, chaos=[jitter])
+    cfg = launch_config(store, tmp_path / "attempt", steps=180, chaos=[jitter])
     with launched(cfg):
         event = watch(cfg, Detection(), timeout=240)
     assert event["status"] == "completed", event

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from policy_files import line_of, load_error
 
 import relay.settings
 from relay.detection import Detector, Observation
 from relay.faults import FaultKind
 from relay.policy import Detection, load_policy
-from relay.yamlsource import ConfigError
 from training.heartbeat import Heartbeat, Phase
 
 REPO = Path(relay.settings.REPO_ROOT)
@@ -49,20 +49,6 @@ def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "policy.yaml"
     path.write_text(text)
     return path
-
-
-def line_of(path: Path, key: str) -> int:
-    """Return the 1-based line on which ``key:`` is written (first occurrence)."""
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip().startswith(f"{key}:"):
-            return number
-    raise AssertionError(f"{key} not in {path}")
-
-
-def load_error(path: Path) -> ConfigError:
-    with pytest.raises(ConfigError) as info:
-        load_policy(path)
-    return info.value
 
 
 # -- the shipped default ---------------------------------------------------------

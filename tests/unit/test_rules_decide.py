@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 from airflow.sdk.definitions.retry_policy import RetryAction
+from policy_files import line_of, load_error
 
 import relay.settings
 from relay.cli import main, policy_schema_text
@@ -19,7 +20,6 @@ from relay.faults import Fault, FaultKind
 from relay.policy import Policy, load_policy
 from relay.recovery import PolicyRetry, SegmentFaultError
 from relay.rules import Action, Backoff
-from relay.yamlsource import ConfigError
 
 REPO = Path(relay.settings.REPO_ROOT)
 DEFAULT = REPO / "policies" / "default.yaml"
@@ -62,20 +62,6 @@ def write_rules(tmp_path: Path, **overrides: str | None) -> Path:
     path = tmp_path / "policy.yaml"
     path.write_text(f"# governance-owned\nversion: 1\nrules:\n{body}max_attempts_per_segment: 8\n")
     return path
-
-
-def line_of(path: Path, key: str) -> int:
-    """Return the 1-based line on which ``key:`` is written (first occurrence)."""
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip().startswith(f"{key}:"):
-            return number
-    raise AssertionError(f"{key} not in {path}")
-
-
-def load_error(path: Path) -> ConfigError:
-    with pytest.raises(ConfigError) as info:
-        load_policy(path)
-    return info.value
 
 
 def make_policy(rules: dict[str, dict[str, Any]] | None = None, **top: Any) -> Policy:

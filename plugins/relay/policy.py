@@ -10,20 +10,11 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from relay.rules import Escalation, NodeRules, Rules
-from relay.yamlsource import (
-    DURATION_JSON_SCHEMA,
-    ConfigError,
-    load_yaml_with_lines,
-    parse_duration,
-    validate_model,
-)
-
-Seconds = Annotated[float, WithJsonSchema(DURATION_JSON_SCHEMA)]
+from relay.yamlsource import ConfigError, Duration, load_yaml_with_lines, validate_model
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _DURATIONS = (
@@ -37,12 +28,7 @@ class StragglerDetection(BaseModel):
     model_config = _FROZEN
 
     ratio: float = Field(1.5, gt=1.0)
-    sustained: Seconds = 3.0
-
-    @field_validator("sustained", mode="before")
-    @classmethod
-    def _duration(cls, value: object) -> float:
-        return parse_duration(value)
+    sustained: Duration = 3.0
 
 
 class ThroughputDetection(BaseModel):
@@ -51,14 +37,9 @@ class ThroughputDetection(BaseModel):
     model_config = _FROZEN
 
     floor: float = Field(0.6, gt=0.0, lt=1.0)
-    sustained: Seconds = 5.0
+    sustained: Duration = 5.0
     warmup_steps: int = Field(10, ge=1)
-    baseline: Seconds = 5.0
-
-    @field_validator("sustained", "baseline", mode="before")
-    @classmethod
-    def _duration(cls, value: object) -> float:
-        return parse_duration(value)
+    baseline: Duration = 5.0
 
 
 class Detection(BaseModel):
@@ -66,21 +47,20 @@ class Detection(BaseModel):
 
     model_config = _FROZEN
 
-    poll_interval: Seconds = 0.5
-    startup_timeout: Seconds = 120.0
-    heartbeat_timeout: Seconds = 2.0
-    hang_timeout: Seconds = 3.0
-    checkpoint_timeout: Seconds = 120.0
+    poll_interval: Duration = 0.5
+    startup_timeout: Duration = 120.0
+    heartbeat_timeout: Duration = 2.0
+    hang_timeout: Duration = 3.0
+    checkpoint_timeout: Duration = 120.0
     straggler: StragglerDetection | None = StragglerDetection()
     throughput: ThroughputDetection | None = ThroughputDetection()
     nan_loss: bool = True
 
-    @field_validator(*_DURATIONS, mode="before")
+    @field_validator(*_DURATIONS, mode="after")
     @classmethod
-    def _duration(cls, value: object) -> float:
-        seconds = parse_duration(value)
+    def _positive(cls, seconds: float) -> float:
         if seconds <= 0:
-            raise ValueError(f"expected a duration > 0 such as 2s, found {value!r}")
+            raise ValueError(f"expected a duration > 0 such as 2s, found {seconds:g}s")
         return seconds
 
 

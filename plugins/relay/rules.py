@@ -28,10 +28,9 @@ from pydantic import (
 )
 
 from relay.faults import FaultKind
-from relay.yamlsource import DURATION_JSON_SCHEMA, FieldValueError, parse_duration
+from relay.yamlsource import DURATION_JSON_SCHEMA, Duration, FieldValueError, parse_duration
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
-Seconds = Annotated[float, WithJsonSchema(DURATION_JSON_SCHEMA)]
 _OPTIONAL_SECONDS: dict[str, Any] = {"anyOf": [*DURATION_JSON_SCHEMA["anyOf"], {"type": "null"}],
                                      "description": "a duration such as 30m, or null for none"}
 
@@ -65,26 +64,14 @@ CAN_CHECKPOINT = frozenset({FaultKind.STRAGGLER, FaultKind.THROUGHPUT_DEGRADED})
 JOB_WIDE = frozenset({FaultKind.THROUGHPUT_DEGRADED, FaultKind.CORRUPT_CHECKPOINT})
 
 
-def _duration(value: object) -> float:
-    seconds = parse_duration(value)
-    if seconds < 0:
-        raise FieldValueError("a duration >= 0 such as 30s", value)
-    return seconds
-
-
 class Backoff(BaseModel):
     """How long to wait before the next attempt, growing with each repeat of the fault."""
 
     model_config = _FROZEN
 
-    initial: Seconds = 0.0
+    initial: Duration = 0.0
     multiplier: float = Field(1.0, ge=1.0)
-    max: Seconds = 3600.0
-
-    @field_validator("initial", "max", mode="before")
-    @classmethod
-    def _seconds(cls, value: object) -> float:
-        return _duration(value)
+    max: Duration = 3600.0
 
     def seconds(self, repeat: int) -> float:
         """Return the wait before attempt number ``repeat + 1`` (``repeat`` >= 1)."""
@@ -119,7 +106,7 @@ class Rule(BaseModel):
     @field_validator("quarantine", mode="before")
     @classmethod
     def _quarantine(cls, value: object) -> float | None:
-        return None if value is None else _duration(value)
+        return None if value is None else parse_duration(value)
 
 
 class Escalation(BaseModel):
@@ -137,12 +124,7 @@ class NodeRules(BaseModel):
     model_config = _FROZEN
 
     when_too_few: str = Field("wait", pattern="^(wait|escalate)$")
-    wait_up_to: Seconds = 300.0
-
-    @field_validator("wait_up_to", mode="before")
-    @classmethod
-    def _seconds(cls, value: object) -> float:
-        return _duration(value)
+    wait_up_to: Duration = 300.0
 
 
 class Rules(BaseModel):

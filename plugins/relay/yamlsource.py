@@ -15,10 +15,10 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, get_args
+from typing import Annotated, Any, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, BeforeValidator, ValidationError, WithJsonSchema
 
 M = TypeVar("M", bound=BaseModel)
 KeyPath = tuple[str | int, ...]
@@ -343,3 +343,9 @@ def _as_model(tp: object) -> type[BaseModel] | None:
             return candidate
     return None
 
+
+# A pydantic field type: reads "30s", "5m", "500ms" or a number into seconds (>= 0), and
+# tells editors so through the JSON Schema.
+Duration = Annotated[
+    float, BeforeValidator(parse_duration), WithJsonSchema(DURATION_JSON_SCHEMA)
+]

@@ -9,13 +9,17 @@ export RELAY_HOME ?= $(CURDIR)/.relay
 
 .PHONY: venv demo test lint bench clean
 
+# This machine's pip config names local indexes that may not exist; pip warns about each.
+PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
+QUIET_PIP := 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "Installing pinned dependencies into $(VENV) (first run takes a few minutes)..."
 	@# torch first: the pinned CPU build, so nothing can pull a multi-GB CUDA build.
-	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements.lock
-	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PIP) torch==2.13.0 $(QUIET_PIP)
+	$(PIP) -r requirements.lock $(QUIET_PIP)
+	$(PIP) --no-deps --no-build-isolation -e . $(QUIET_PIP)
 	@touch $(STAMP)
 
 venv: $(STAMP)

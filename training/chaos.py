@@ -14,6 +14,11 @@ the node's agent and every rank on it), ``nan`` (the loss becomes NaN) and
 hold from ``step`` on: ``straggler`` (compute takes ``factor`` x as long) and
 ``jitter`` (up to ``seconds`` of random extra time per step). Every strike is
 appended to ``chaos.jsonl`` in the attempt folder with its wall-clock time.
+
+``once: true`` makes a one-shot fault strike only the first time the job
+reaches ``step``, whichever attempt that is (use ``attempt: null`` with it):
+the first rank to strike leaves a marker two folders up from the attempt
+folder (the DAG run's folder), which later attempts see.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class Fault:
     attempt: int | None = 1
     factor: float = 2.0
     seconds: float = 0.05
+    once: bool = False
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Fault:
@@ -66,6 +72,8 @@ class Fault:
                 not isinstance(value, int) or isinstance(value, bool)
             ):
                 raise ValueError(f"chaos fault {name}: expected a whole number, found {value!r}")
+        if "once" in raw and not isinstance(raw["once"], bool):
+            raise ValueError(f"chaos fault once: expected true or false, found {raw['once']!r}")
         for name in ("factor", "seconds"):
             if name in raw and not isinstance(raw[name], int | float):
                 raise ValueError(f"chaos fault {name}: expected a number, found {raw[name]!r}")
@@ -108,13 +116,30 @@ class ChaosMonkey:
         self._where = where
         self._record_dir = record_dir
         self._struck: set[int] = set()
+        self._markers = record_dir.parent.parent / "chaos-once" if record_dir else None
         self._rng = random.Random(f"{segment}-{attempt}-{rank}")  # never the training RNG
 
     def _due(self, step: int, kinds: tuple[str, ...]) -> list[tuple[int, Fault]]:
         return [
             (i, f) for i, f in enumerate(self._faults)
-            if f.kind in kinds and f.strikes(step=step, **self._where)
+            if f.kind in kinds and f.strikes(step=step, **self._where) and self._first_time(i, f)
         ]
+
+    def _first_time(self, index: int, fault: Fault) -> bool:
+        """Return False for a ``once`` fault that an earlier attempt already struck."""
+        if not fault.once or self._markers is None or index in self._struck:
+            return True
+        self._markers.mkdir(parents=True, exist_ok=True)
+        marker = self._markers / f"{fault.kind}-{fault.step}-{fault.rank}-{fault.node}"
+        attempt = str(self._where["attempt"])
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            # Another rank of this same attempt may have struck it a moment ago.
+            return marker.read_text() == attempt
+        with os.fdopen(fd, "w") as fh:
+            fh.write(attempt)
+        return True
 
     def _record(self, index: int, fault: Fault, step: int) -> None:
         if index in self._struck:

@@ -32,6 +32,7 @@ from training.manifest import CheckpointRef
 from training.model import ModelConfig, build_model
 
 log = logging.getLogger("training.worker")
+ENV_INIT_METHOD = "RELAY_INIT_METHOD"
 
 
 def ordered_allreduce_hook(
@@ -93,7 +94,8 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
     heartbeat.start()
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}",
+        # torchrun (the benchmark's baseline) hands out its own rendezvous: env://
+        init_method=os.environ.get(ENV_INIT_METHOD) or f"tcp://{cfg.master_addr}:{cfg.master_port}",
         rank=rank,
         world_size=cfg.world_size,
         timeout=timedelta(seconds=cfg.collective_timeout_seconds),

@@ -59,6 +59,13 @@ def _cmd_bench_overhead(args: argparse.Namespace) -> int:
     return bench_main(pairs=args.pairs, steps=args.steps)
 
 
+def _cmd_bench_goodput(args: argparse.Namespace) -> int:
+    from relay.bench.goodput import main as bench_main
+
+    return bench_main(steps=args.steps, segment=args.segment, every=args.every,
+                      collective_timeout=args.collective_timeout)
+
+
 def _cmd_bench_watcher(args: argparse.Namespace) -> int:
     from relay.bench.watcher import main as bench_main
 
@@ -248,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     watcher.add_argument("--ranks", type=int, default=1024)
     watcher.add_argument("--seconds", type=float, default=30.0)
     watcher.set_defaults(func=_cmd_bench_watcher)
+    goodput = bench.add_parser("goodput", help="ETTR under faults: Relay vs a torchrun baseline")
+    goodput.add_argument("--steps", type=int, default=1200)
+    goodput.add_argument("--segment", type=int, default=300)
+    goodput.add_argument("--every", type=int, default=25)
+    goodput.add_argument("--collective-timeout", type=float, default=120.0,
+                         help="the baseline's gloo timeout in seconds (default %(default)s)")
+    goodput.set_defaults(func=_cmd_bench_goodput)
     return parser
 
 

@@ -28,7 +28,7 @@ from relay.recovery import SegmentFaultError, drain, notify, quarantine
 from relay.spec import JobSpec
 from relay.triggers import SegmentWatchTrigger
 from training.chaos import Fault as ChaosFault
-from training.heartbeat import read_heartbeats
+from training.heartbeat import read_heartbeats, write_atomically
 from training.launch import LAUNCH_FILE, LaunchConfig, ResumeFrom
 
 log = logging.getLogger(__name__)
@@ -212,6 +212,8 @@ class TrainSegmentOperator(RelayOperator):
                   "progress_step": progress, "next_resume_step": next_resume,
                   "lost_steps": lost, "drained_at_step": drained, "survivors": survivors,
                   "policy_file": str(policy.path)}
+        # Next to the attempt's logs for whoever is on call, and in MLflow for the record.
+        write_atomically(attempt_dir / "decision.json", json.dumps(record, indent=2, default=str))
         lineage.log_json(cfg.run_id, "fault.json", record["fault"])
         lineage.log_json(cfg.run_id, "decision.json", record)
         lineage.finish_run(cfg.run_id, "fault", {

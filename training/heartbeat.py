@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -53,6 +54,7 @@ class Heartbeat:
     compute_seconds: float | None = None
     samples_per_second: float | None = None
     loss: float | None = None
+    nonfinite_step: int | None = None  # the first step whose loss was NaN/inf, once seen
     wall_clock: float = field(default_factory=time.time)
     seq: int = 0
 
@@ -151,6 +153,8 @@ class HeartbeatWriter:
                 self._beat.samples_per_second = samples_per_second
             if loss is not None:
                 self._beat.loss = loss
+                if self._beat.nonfinite_step is None and not math.isfinite(loss):
+                    self._beat.nonfinite_step = step
 
     def flush_now(self) -> None:
         """Write the record at once (for news that cannot wait for the next interval)."""

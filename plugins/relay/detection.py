@@ -134,14 +134,22 @@ class Detector:
         if not self.cfg.nan_loss:
             return None
         bad = [
-            b for b in obs.heartbeats.values() if b.loss is not None and not math.isfinite(b.loss)
+            b for b in obs.heartbeats.values()
+            if b.nonfinite_step is not None or (b.loss is not None and not math.isfinite(b.loss))
         ]
         if not bad:
             return None
-        first = min(bad, key=lambda b: (b.step, b.rank))
+
+        def first_bad_step(b: Heartbeat) -> int:
+            return b.nonfinite_step if b.nonfinite_step is not None else b.step
+
+        # Every rank goes NaN one step after the first (the all-reduce spreads it):
+        # the culprit is the rank whose loss went first, not the one read first.
+        first = min(bad, key=lambda b: (first_bad_step(b), b.rank))
+        step = first_bad_step(first)
         return Fault(FaultKind.NAN_LOSS, first.rank, first.node,
-                     {"summary": f"loss became {first.loss} at step {first.step}",
-                      "step": first.step, "ranks": sorted(b.rank for b in bad)}, obs.now)
+                     {"summary": f"loss became {first.loss} at step {step}",
+                      "step": step, "ranks": sorted(b.rank for b in bad)}, obs.now)
 
     # -- liveness -------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +19,7 @@ from relay.detection import AGENT_STATUS_INTERVAL_SECONDS, Detector, Observation
 from relay.faults import Fault, FaultKind
 from relay.launchers.local import LaunchState, LaunchStatus, NodeStatus
 from relay.policy import Detection
-from training.heartbeat import Heartbeat, Phase
+from training.heartbeat import Heartbeat, HeartbeatWriter, Phase, read_heartbeats
 
 NODE_RANKS = {"node-a": [0, 1], "node-b": [2, 3]}
 NODE_OF = {r: n for n, ranks in NODE_RANKS.items() for r in ranks}
@@ -519,6 +520,27 @@ def test_non_finite_loss(bad: dict[int, tuple[int, float]], rank: int, mention: 
     )
     assert fault.evidence["step"] == step
     assert fault.evidence["ranks"] == sorted(bad)
+
+
+def test_nan_culprit_is_the_rank_whose_loss_went_first_not_the_one_behind() -> None:
+    # The all-reduce spreads rank 2's NaN to every rank one step later; by the time
+    # the watcher reads, rank 1 may be a step behind the rest. The first bad step counts.
+    beats = [hb(r, T0, phase=COLLECTIVE, step=33, loss=math.nan) for r in (0, 3)]
+    beats.append(hb(1, T0, phase=COLLECTIVE, step=32, loss=math.nan))
+    beats.append(hb(2, T0, phase=COLLECTIVE, step=33, loss=math.nan))
+    for beat in beats:
+        beat.nonfinite_step = 31 if beat.rank == 2 else 32
+    fault = assert_fault(check(observe(T0, beats)), FaultKind.NAN_LOSS, 2, NODE_OF[2], "step 31")
+    assert fault.evidence["step"] == 31
+
+
+def test_nonfinite_step_is_recorded_once_by_the_writer(tmp_path: Path) -> None:
+    writer = HeartbeatWriter(tmp_path, 0, "node-a", 0.5)
+    writer.beat(step=4, loss=2.0)
+    writer.beat(step=5, loss=math.inf)
+    writer.beat(step=6, loss=math.nan)
+    writer.flush_now()
+    assert read_heartbeats(tmp_path)[0].nonfinite_step == 5
 
 
 def test_nan_loss_rule_off() -> None:

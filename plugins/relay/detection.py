@@ -10,6 +10,7 @@ one fault is reported once, under its most useful name.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import statistics
@@ -44,6 +45,21 @@ class Observation:
     def node_of(self, rank: int) -> str | None:
         """Return the node a rank runs on."""
         return next((n for n, ranks in self.node_ranks.items() if rank in ranks), None)
+
+
+def _median_without(ordered: list[float], value: float) -> float:
+    """Return the median of ``ordered`` (sorted) with one occurrence of ``value`` left out.
+
+    O(log n) per rank instead of a fresh median each time: with 1,024 ranks that is
+    the difference between a cheap poll and a quadratic one.
+    """
+    i = bisect.bisect_left(ordered, value)
+    n = len(ordered) - 1
+
+    def at(k: int) -> float:  # the k-th element of ``ordered`` without index i
+        return ordered[k if k < i else k + 1]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
 @dataclass
@@ -264,8 +280,9 @@ class Detector:
         active = [b for b in self._active(obs) if b.compute_seconds]
         if rule is None or len(active) < 2:
             return None
+        times = sorted(b.compute_seconds or 0.0 for b in active)
         for beat in sorted(active, key=lambda b: -(b.compute_seconds or 0.0)):
-            others = statistics.median(b.compute_seconds or 0.0 for b in active if b is not beat)
+            others = _median_without(times, beat.compute_seconds or 0.0)
             ratio = (beat.compute_seconds or 0.0) / others if others > 0 else 0.0
             held = self._straggler.hold(beat.rank, ratio > rule.ratio, obs.now)
             if held >= rule.sustained:

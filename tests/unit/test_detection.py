@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -756,3 +757,16 @@ def test_detected_fault_round_trips() -> None:
 )
 def test_describe_names_kind_and_culprit(fault: Fault, expected: str) -> None:
     assert fault.describe() == expected
+
+
+def test_median_without_equals_the_median_of_the_others() -> None:
+    from relay.detection import _median_without
+
+    rng = random.Random(7)
+    for n in range(2, 14):
+        for _ in range(100):
+            values = sorted(rng.choice([0.1, 0.2, 0.3, rng.random()]) for _ in range(n))
+            left_out = rng.choice(values)
+            others = list(values)
+            others.remove(left_out)
+            assert _median_without(values, left_out) == pytest.approx(statistics.median(others))

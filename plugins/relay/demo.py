@@ -76,12 +76,23 @@ class ProgressPrinter:
                        else ", from scratch"),
                     flush=True,
                 )
+            decision = attempt / "decision.json"
+            if attempt not in self.reported_end and decision.exists():
+                self.reported_end.add(attempt)
+                record = json.loads(decision.read_text())
+                fault, choice = record["fault"], record["decision"]
+                who = f"rank {fault['culprit_rank']}" if fault["culprit_rank"] is not None else ""
+                who = ", ".join(x for x in (who, fault["culprit_node"] or "") if x) or "job-wide"
+                print(f"  {name}: FAULT {fault['kind']} ({who}): "
+                      f"{fault['evidence'].get('summary', '')}", flush=True)
+                print(f"    decision ({choice['rule']}): {choice['action']} - {choice['reason']}; "
+                      f"lost steps: {record['lost_steps']}", flush=True)
+                continue
             states = self._states(attempt)
             if attempt not in self.reported_end and states and "running" not in states:
-                self.reported_end.add(attempt)
-                if "failed" in states:
-                    print(f"  {name}: FAILED ({self._failure(attempt)}); Airflow will retry",
-                          flush=True)
+                if "failed" not in states:
+                    self.reported_end.add(attempt)
+                continue  # a failure is reported once its decision is written
             beats = read_heartbeats(attempt / "heartbeats")
             if beats and attempt not in self.reported_end:
                 step = min(b.step for b in beats.values())
@@ -101,16 +112,6 @@ class ProgressPrinter:
                 states.add("running")
         return states
 
-    @staticmethod
-    def _failure(attempt: Path) -> str:
-        codes: dict[str, int] = {}
-        for f in (attempt / "status").glob("*.json"):
-            try:
-                record = json.loads(f.read_text())
-            except (OSError, ValueError):
-                continue
-            codes.update({r: c for r, c in record.get("exit_codes", {}).items() if c})
-        return ", ".join(f"rank {r} exit {c}" for r, c in sorted(codes.items())) or "agent lost"
 
 
 def where_to_look(job: str, parent: str) -> None:

@@ -139,13 +139,18 @@ class Lineage:
     def attempt_run(
         self, parent_run_id: str, segment: int, try_number: int, params: Mapping[str, Any]
     ) -> str:
-        """Get or create the child run of one segment attempt (one Airflow try)."""
+        """Create the child run of one segment attempt (one launch of one Airflow try).
+
+        A run already made for the same try belongs to a launch whose task died
+        before Airflow counted a new try (or to `airflow tasks test`): it is
+        closed as ``abandoned`` so the lineage shows both, never merged.
+        """
         parent = self._call(self.client.get_run, parent_run_id)
         exp = parent.info.experiment_id
         key = {TAG_PARENT: parent_run_id, TAG_SEGMENT: str(segment), TAG_TRY: str(try_number)}
-        found = self._find_run(exp, key)
+        found = self._find_run(exp, {**key, TAG_OUTCOME: "running"})
         if found:
-            return found
+            self.finish_run(found, "abandoned")
         tags = {**key, TAG_JOB: parent.data.tags.get(TAG_JOB, ""), TAG_OUTCOME: "running"}
         name = f"segment-{segment:03d}-try-{try_number}"
         run = self._call(self.client.create_run, exp, tags=tags, run_name=name)

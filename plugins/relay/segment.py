@@ -108,6 +108,12 @@ class TrainSegmentOperator(RelayOperator):
         # A task killed mid-segment leaves its workload running: stop it first.
         LocalLauncher().stop_all(seg_dir)
         attempt_dir = seg_dir / f"try-{try_number}"
+        if attempt_dir.exists():
+            # The same try number ran before (`airflow tasks test`, or a task killed before
+            # Airflow counted a new try): keep its evidence, but never mix its heartbeats in.
+            aside = attempt_dir.with_name(f"{attempt_dir.name}.stale-{int(time.time())}")
+            attempt_dir.rename(aside)
+            log.warning("Moved the earlier run of %s to %s", attempt_dir, aside)
         latest, corrupt = lineage.resume_point(parent, attempt_dir / "resume")
         resume_step = latest.manifest.step if latest else 0
         if resume_step >= end:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,8 @@ _HOME = Path(tempfile.mkdtemp(prefix="relay-test-"))
 os.environ["RELAY_HOME"] = str(_HOME)
 os.environ.pop("RELAY_JOBS_DIR", None)
 os.environ.pop("RELAY_MLFLOW_TRACKING_URI", None)
+
+from processes import workload_processes  # noqa: E402
 
 from relay.airflow_env import airflow_env  # noqa: E402 - needs RELAY_HOME set first
 
@@ -30,3 +33,14 @@ def relay_home() -> Iterator[Path]:
     yield _HOME
     if not os.environ.get("RELAY_KEEP_TEST_HOME"):
         shutil.rmtree(_HOME, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def no_orphans_left_behind() -> Iterator[None]:
+    """After each test, SIGKILL any workload it left (a safety net; tests assert their own)."""
+    yield
+    for pid in workload_processes(_HOME):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

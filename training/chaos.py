@@ -11,8 +11,9 @@ One-shot kinds strike once at ``step``: ``crash`` (SIGKILL the rank),
 rank: it goes silent), ``stop_node`` (SIGSTOP the rank's whole process group:
 the node's agent and every rank on it), ``nan`` (the loss becomes NaN) and
 ``launch_failure`` (the rank never starts; ``step`` is ignored). Lasting kinds
-hold from ``step`` on: ``straggler`` (compute takes ``factor`` x as long) and
-``jitter`` (up to ``seconds`` of random extra time per step). Every strike is
+hold from ``step`` on: ``straggler`` (compute takes ``factor`` x as long),
+``jitter`` (up to ``seconds`` of random extra time per step) and ``pace``
+(exactly ``seconds`` more per step: a slower job, not a fault). Every strike is
 appended to ``chaos.jsonl`` in the attempt folder with its wall-clock time.
 
 ``once: true`` makes a one-shot fault strike only the first time the job
@@ -37,7 +38,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 ONE_SHOT = ("crash", "hang", "stop_rank", "stop_node", "nan", "launch_failure")
-LASTING = ("straggler", "jitter")
+LASTING = ("straggler", "jitter", "pace")
 KINDS = ONE_SHOT + LASTING
 CHAOS_LOG = "chaos.jsonl"
 
@@ -174,13 +175,15 @@ class ChaosMonkey:
     def delay(self, step: int, compute_estimate: float) -> None:
         """Spend the extra compute time planned for ``step`` (forever, for a hang)."""
         extra = 0.0
-        for index, fault in self._due(step, ("hang", "straggler", "jitter")):
+        for index, fault in self._due(step, ("hang", "straggler", "jitter", "pace")):
             self._record(index, fault, step)
             if fault.kind == "hang":
                 while True:  # alive (heartbeats keep coming) but never finishing the step
                     time.sleep(3600)
             elif fault.kind == "straggler":
                 extra += max(fault.factor - 1.0, 0.0) * compute_estimate
+            elif fault.kind == "pace":
+                extra += fault.seconds
             else:
                 extra += self._rng.uniform(0.0, fault.seconds)
         if extra > 0:

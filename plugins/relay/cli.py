@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from relay import settings
 from relay.yamlsource import ConfigError
@@ -19,20 +21,38 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return demo.main(Path(args.spec), inject_fault=not args.no_faults)
 
 
-def _cmd_spec_check(args: argparse.Namespace) -> int:
-    from relay.spec import load_job_spec
-
+def _for_each_file(
+    files: list[str], load: Callable[[Path], Any], report: Callable[[str, Any], None]
+) -> int:
+    """Load each file; print every problem of the bad ones; return 1 if any was bad."""
     bad = 0
-    for name in args.files:
+    for name in files:
         try:
-            spec = load_job_spec(Path(name))
+            loaded = load(Path(name))
         except ConfigError as err:
             bad += 1
             print(err, file=sys.stderr)
             continue
-        print(f"{name}: OK (DAG {spec.dag_id}, {len(spec.segments)} segments, "
-              f"world size {spec.world_size})")
+        report(name, loaded)
     return 1 if bad else 0
+
+
+def _cmd_spec_check(args: argparse.Namespace) -> int:
+    from relay.spec import load_job_spec
+
+    return _for_each_file(args.files, load_job_spec, lambda name, spec: print(
+        f"{name}: OK (DAG {spec.dag_id}, {len(spec.segments)} segments, "
+        f"world size {spec.world_size})"))
+
+
+def _cmd_airflow(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
+
+    env = airflow_env()
+    ensure_airflow_db(env, settings.relay_home() / "logs" / "airflow-db.log")
+    return subprocess.run([airflow_bin(), *args.airflow_args], env=env, check=False).returncode
 
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
@@ -121,21 +141,15 @@ def _cmd_policy(args: argparse.Namespace) -> int:
         else:
             print(text, end="")
         return 0
-    bad = 0
-    for name in args.files:
-        try:
-            loaded = load_policy(Path(name))
-        except ConfigError as err:
-            bad += 1
-            print(err, file=sys.stderr)
-            continue
+    def report(name: str, loaded: Any) -> None:  # noqa: ANN401 - a LoadedPolicy
         if args.policy_cmd == "explain":
             from relay.explain import explain
 
             print(explain(loaded))
         else:
             print(f"{name}: OK (sha256 {loaded.sha256})")
-    return 1 if bad else 0
+
+    return _for_each_file(args.files, load_policy, report)
 
 
 def _cmd_nodes(args: argparse.Namespace) -> int:
@@ -209,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     release = nodes_sub.add_parser("release", help="lift a node's quarantine")
     release.add_argument("node")
     release.set_defaults(func=_cmd_nodes)
+
+    airflow = sub.add_parser(
+        "airflow", help="run an `airflow` command against Relay's embedded Airflow "
+        "(SQLite under $RELAY_HOME, this repo's dags/)")
+    airflow.add_argument("airflow_args", nargs=argparse.REMAINDER)
+    airflow.set_defaults(func=_cmd_airflow)
 
     lineage = sub.add_parser("lineage", help="print the newest DAG run's checkpoint chain")
     lineage.add_argument("job")

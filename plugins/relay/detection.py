@@ -205,9 +205,14 @@ class Detector:
             beat = obs.heartbeats[rank]
             age = self._age(beat, obs.now)
             agent_age = self._agent_age(obs, beat.node)
-            agent_alive = agent_age is not None and agent_age <= grace
-            if not agent_alive and age <= self.cfg.heartbeat_timeout + grace:
-                continue  # maybe the whole node is going silent: look again next poll
+            if agent_age is not None:
+                # The agent speaks every second: only a word from it well after the rank
+                # went quiet shows the node itself is still alive.
+                spoke_after = (obs.now - agent_age) - beat.wall_clock
+                if spoke_after < AGENT_STATUS_INTERVAL_SECONDS + 0.25:
+                    continue  # maybe the whole node is going silent: look again next poll
+            elif age <= self.cfg.heartbeat_timeout + grace:
+                continue  # no agent to ask: give the node's other ranks time to fall silent
             return Fault(FaultKind.RANK_UNRESPONSIVE, rank, beat.node,
                          {"summary": f"no heartbeat for {age:.1f}s (heartbeat_timeout "
                           f"{self.cfg.heartbeat_timeout:g}s), last at step {beat.step} in "

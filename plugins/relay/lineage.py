@@ -141,22 +141,30 @@ class Lineage:
     ) -> str:
         """Create the child run of one segment attempt (one launch of one Airflow try).
 
-        A run already made for the same try belongs to a launch whose task died
-        before Airflow counted a new try (or to `airflow tasks test`): it is
-        closed as ``abandoned`` so the lineage shows both, never merged.
+        Every launch gets its own run, even a second launch of the same try (a task
+        killed before Airflow counted a new try, or `airflow tasks test`); call
+        :meth:`abandon_running` first so earlier ones are closed, never merged.
         """
         parent = self._call(self.client.get_run, parent_run_id)
         exp = parent.info.experiment_id
         key = {TAG_PARENT: parent_run_id, TAG_SEGMENT: str(segment), TAG_TRY: str(try_number)}
-        found = self._find_run(exp, {**key, TAG_OUTCOME: "running"})
-        if found:
-            self.finish_run(found, "abandoned")
         tags = {**key, TAG_JOB: parent.data.tags.get(TAG_JOB, ""), TAG_OUTCOME: "running"}
         name = f"segment-{segment:03d}-try-{try_number}"
         run = self._call(self.client.create_run, exp, tags=tags, run_name=name)
         run_id = str(run.info.run_id)
         self._log_params(run_id, params)
         return run_id
+
+    def abandon_running(self, parent_run_id: str, segment: int) -> list[str]:
+        """Close the still-``running`` attempt runs of a segment as ``abandoned``."""
+        stale = [
+            run.info.run_id for run in self.child_runs(parent_run_id)
+            if run.data.tags.get(TAG_SEGMENT) == str(segment)
+            and run.data.tags.get(TAG_OUTCOME) == "running"
+        ]
+        for run_id in stale:
+            self.finish_run(run_id, "abandoned")
+        return stale
 
     def finish_run(
         self, run_id: str, outcome: str, tags: Mapping[str, str] | None = None

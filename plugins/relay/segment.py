@@ -44,6 +44,18 @@ def _fault_message(segment: int, fault: Fault, decision: Decision, lost: int | N
     )
 
 
+def _local_history(attempt_dir: Path) -> list[FaultKind]:
+    """Return the fault kinds earlier attempts of this segment ended in (their decision.json)."""
+    kinds = []
+    for other in sorted(attempt_dir.parent.glob("try-*/decision.json")):
+        if other.parent != attempt_dir:
+            try:
+                kinds.append(FaultKind(json.loads(other.read_text())["fault"]["kind"]))
+            except (OSError, ValueError, KeyError):
+                log.warning("Unreadable earlier decision %s; not counted", other)
+    return kinds
+
+
 class TrainSegmentOperator(RelayOperator):
     """Train steps ``[latest checkpoint, segment end)`` on healthy nodes, watched by a trigger."""
 
@@ -105,8 +117,10 @@ class TrainSegmentOperator(RelayOperator):
         lineage = lineage_store()
         parent = lineage.parent_run(spec.job, spec.dag_id, dag_run.run_id)
         seg_dir = segment_dir(spec, dag_run.run_id, index)
-        # A task killed mid-segment leaves its workload running: stop it first.
+        # A task killed mid-segment leaves its workload running: stop it first, and close
+        # the MLflow runs of such launches so the lineage shows them as abandoned.
         LocalLauncher().stop_all(seg_dir)
+        lineage.abandon_running(parent, index)
         attempt_dir = seg_dir / f"try-{try_number}"
         if attempt_dir.exists():
             # The same try number ran before (`airflow tasks test`, or a task killed before
@@ -197,9 +211,9 @@ class TrainSegmentOperator(RelayOperator):
                   cfg: LaunchConfig, lineage: Any) -> dict[str, Any]:  # noqa: ANN401
         spec = self.spec()
         policy = self.policy(spec)
-        parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id)
-        history = [FaultKind(k) for k in lineage.segment_faults(parent, self.segment)]
-        decision = decide(fault, history, policy.policy, policy.sha256)
+        # Decide, drain and stop before touching MLflow: a frozen rank may hold the
+        # tracking store's lock (SQLite) until its process is gone.
+        decision = decide(fault, _local_history(attempt_dir), policy.policy, policy.sha256)
         beats = read_heartbeats(attempt_dir / "heartbeats")
         progress = max((b.step for b in beats.values()), default=cfg.start_step)
         drained = None
@@ -207,6 +221,7 @@ class TrainSegmentOperator(RelayOperator):
             drained = drain(attempt_dir, policy.policy.detection.checkpoint_timeout)
         survivors = LocalLauncher().stop(attempt_dir)
         quarantine(decision, fault, f"{spec.dag_id}/{context['dag_run'].run_id}")
+        parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id)
         with tempfile.TemporaryDirectory() as tmp:
             latest, _ = lineage.resume_point(parent, Path(tmp))
             if decision.rollback and latest is not None:

@@ -10,18 +10,17 @@ import hashlib
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from processes import workload_processes
 
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
 from relay.demo import run_dag_test
 from relay.lineage import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, Lineage
 from relay.settings import REPO_ROOT
-from training.heartbeat import read_heartbeats
 
 pytestmark = pytest.mark.integration
 
@@ -43,17 +42,7 @@ CRASH = {"kind": "crash", "segment": 1, "step": 45, "rank": 1, "attempt": 1}
 
 
 def _workload_processes(home: Path) -> list[str]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "training." in cmd and str(home) in cmd:
-            found.append(f"{entry.name}: {cmd}")
-    return found
+    return [f"{pid}: {cmd}" for pid, cmd in workload_processes(home).items()]
 
 
 @pytest.fixture(scope="module")
@@ -214,52 +203,3 @@ def test_stalled_rank_dead_node_and_straggler_recover_on_healthy_nodes_bit_for_b
 
     _assert_same_bits(clean_run, _final_state(lineage, faulty, tmp_path / "faulty"))
     assert _workload_processes(relay_home) == [], "stopped (SIGSTOP) processes must not survive"
-
-
-def _newest_attempt(home: Path, since: float, segment: int) -> Path | None:
-    runs = [p for p in (home / "runs" / DAG_ID).glob("*") if p.stat().st_mtime >= since - 1]
-    tries = [t for r in runs for t in r.glob(f"segment-{segment:03d}/try-1")]
-    return max(tries, key=lambda p: p.stat().st_mtime) if tries else None
-
-
-def test_a_killed_segment_task_is_rerun_from_the_last_checkpoint_of_its_dag_run(
-    airflow_job: dict[str, str], relay_home: Path, tmp_path: Path
-) -> None:
-    lineage = Lineage.from_settings()
-    # Slow every step a little so the task can be killed mid-segment, after a checkpoint.
-    slow = {"kind": "jitter", "step": 0, "seconds": 0.3, "segment": 0, "attempt": None}
-    started = time.time()
-    proc = run_dag_test(DAG_ID, {"chaos": [slow]}, airflow_job, relay_home / "logs" / "killed.log")
-    try:
-        deadline = time.monotonic() + 180
-        attempt = None
-        while time.monotonic() < deadline:
-            attempt = _newest_attempt(relay_home, started, 0)
-            beats = read_heartbeats(attempt / "heartbeats") if attempt else {}
-            if len(beats) == 4 and min(b.step for b in beats.values()) >= 13:
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError("segment 0 never got past its first checkpoint")
-    finally:
-        proc.kill()  # the Airflow task dies; the workload, in its own sessions, does not
-        proc.wait()
-    assert _workload_processes(relay_home), "the workload should have outlived its task"
-
-    parent = lineage.client.search_runs(
-        [lineage.experiment_id("e2e")], filter_string=f"tags.`{TAG_DAG_ID}` = '{DAG_ID}'",
-        order_by=["attributes.start_time DESC"], max_results=1,
-    )[0]
-    dag_run_id = parent.data.tags["relay.dag_run_id"]
-    out = subprocess.run(
-        [airflow_bin(), "tasks", "test", DAG_ID, "segment_000", dag_run_id],
-        env=airflow_job, capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    seg0 = [c for c in lineage.child_runs(parent.info.run_id) if c.data.tags[TAG_SEGMENT] == "0"]
-    assert [c.data.tags[TAG_OUTCOME] for c in seg0] == ["abandoned", "completed"]
-    resumed = int(seg0[1].data.params["resume_step"])
-    assert resumed in (10, 20), "the rerun resumes from the DAG run's last checkpoint"
-    steps = [m.step for m in lineage.chain(parent.info.run_id)]
-    assert steps[0] == 30 and steps[-1] == 10
-    assert _workload_processes(relay_home) == [], "the rerun must stop the orphaned workload"

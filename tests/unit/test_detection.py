@@ -770,3 +770,20 @@ def test_median_without_equals_the_median_of_the_others() -> None:
             others = list(values)
             others.remove(left_out)
             assert _median_without(values, left_out) == pytest.approx(statistics.median(others))
+
+
+def test_a_freezing_node_is_not_blamed_on_its_first_silent_rank() -> None:
+    # Frozen at T0 - 2.2: rank 2 last wrote 0.3 s before that, rank 3 just before the
+    # freeze, the agent 0.1 s before it. At T0 only rank 2 is stale, and the agent's last
+    # word came before rank 2 could have been missed: wait rather than blame rank 2.
+    beats = [hb(r, T0, phase=COLLECTIVE) for r in (0, 1)]
+    beats += [
+        hb(2, T0, age=CFG.heartbeat_timeout + 0.3),
+        hb(3, T0, age=CFG.heartbeat_timeout - 0.1),
+    ]
+    launch = running(T0, agent_age={"node-b": CFG.heartbeat_timeout + 0.1})
+    assert check(observe(T0, beats, launch=launch)) is None
+    # Once every rank and the agent are silent long enough, it is the node.
+    later = T0 + AGENT_STATUS_INTERVAL_SECONDS + 0.5
+    assert_fault(check(observe(later, beats, launch=launch)), FaultKind.NODE_UNRESPONSIVE, None,
+                 "node-b")

@@ -172,8 +172,12 @@ class ChaosMonkey:
             else:
                 os.killpg(os.getpgid(0), signal.SIGSTOP)
 
-    def delay(self, step: int, compute_estimate: float) -> None:
-        """Spend the extra compute time planned for ``step`` (forever, for a hang)."""
+    def delay(self, step: int, compute_estimate: float) -> float:
+        """Spend the extra compute time planned for ``step``; return it (a hang never returns).
+
+        ``compute_estimate`` must be the rank's own compute time without injected
+        delays, or a straggler's delay would feed on itself and grow without end.
+        """
         extra = 0.0
         for index, fault in self._due(step, ("hang", "straggler", "jitter", "pace")):
             self._record(index, fault, step)
@@ -188,6 +192,7 @@ class ChaosMonkey:
                 extra += self._rng.uniform(0.0, fault.seconds)
         if extra > 0:
             time.sleep(extra)
+        return extra
 
     def corrupt_loss(self, step: int, loss: Any) -> Any:  # noqa: ANN401 - a torch scalar
         """Return the loss, made NaN if planned for ``step``."""

@@ -130,6 +130,7 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
     pending_metrics: list[tuple[int, dict[str, float], int]] = []
     heartbeat.beat(step=cfg.start_step)
     compute_avg = Ewma()
+    natural_avg = Ewma()  # compute time without injected delays (chaos only)
     rate_avg = Ewma()
     finite = True  # False once a non-finite loss was seen: never checkpoint poisoned weights
     loop_started = time.perf_counter()
@@ -148,7 +149,7 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
         heartbeat.enter(Phase.COMPUTE)
         clock.clear()
         started = time.perf_counter()
-        chaos.delay(step, compute_avg.value or 0.0)
+        injected = chaos.delay(step, natural_avg.value or 0.0)
         logits = ddp(inputs)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
         loss = chaos.corrupt_loss(step, loss)
@@ -159,9 +160,11 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
         loss_value = float(loss.item())
         newly_poisoned = finite and not math.isfinite(loss_value)
         finite = finite and not newly_poisoned
+        computed = clock.get("compute_done", done) - started
+        natural_avg.add(computed - injected)
         heartbeat.beat(
             step=step + 1,
-            compute_seconds=compute_avg.add(clock.get("compute_done", done) - started),
+            compute_seconds=compute_avg.add(computed),
             samples_per_second=rate_avg.add(
                 stream.batch_size * cfg.world_size / max(done - started, 1e-9)
             ),

@@ -143,7 +143,9 @@ def test_crashed_and_retried_run_equals_uninterrupted_run_bit_for_bit(
 THREE_FAULTS = [
     {"kind": "hang", "segment": 0, "step": 15, "rank": 2, "attempt": 1},
     {"kind": "stop_node", "segment": 1, "step": 52, "node": "node-a", "attempt": 1},
-    {"kind": "straggler", "segment": 2, "step": 62, "rank": 3, "factor": 3.0, "attempt": 1},
+    # This job's steps take ~10 ms: a 20x straggler stays slow long enough (straggler.sustained
+    # is 3 s) to be caught before the segment ends.
+    {"kind": "straggler", "segment": 2, "step": 62, "rank": 3, "factor": 20.0, "attempt": 1},
 ]
 
 

@@ -42,8 +42,9 @@ SCENARIOS = (
     Scenario("crash", {"kind": "crash", "step": 30, "rank": 1}, "crash", 1, "node-a"),
     Scenario("straggler", {"kind": "straggler", "step": 30, "rank": 3, "factor": 2.0},
              "straggler", 3, "node-b"),
-    # Every rank loses 100 ms a step (the tiny model's step is ~40 ms): the whole job slows.
-    Scenario("throughput", {"kind": "pace", "step": 120, "seconds": 0.1},
+    # Every rank loses 100 ms a step (the tiny model's step is ~20 ms) once the job's
+    # baseline is known (10 warm-up steps, then 5 s): the whole job slows down.
+    Scenario("throughput", {"kind": "pace", "step": 600, "seconds": 0.1},
              "throughput_degraded", None, None),
     Scenario("nan", {"kind": "nan", "step": 30, "rank": 2}, "nan_loss", 2, "node-b"),
     Scenario("launch", {"kind": "launch_failure", "rank": 0}, "launch_failure", 0, "node-a"),

@@ -203,7 +203,7 @@ def main(
         print(f"  relay with faults: {faulty.wall:6.1f}s", flush=True)
         baseline = run_baseline(home, baseline_schedule, steps, every, collective_timeout)
         print(f"  torchrun baseline: {baseline.wall:6.1f}s", flush=True)
-    per_step = _seconds_per_step(ref_attempts)
+        per_step = _seconds_per_step(ref_attempts)  # before the temporary folder goes
     productive = steps * per_step
 
     def ettr(o: Outcome) -> float:

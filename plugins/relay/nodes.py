@@ -139,8 +139,3 @@ class NodePool:
                     "or wait for a quarantine to expire."
                 )
             time.sleep(min(poll_seconds, max(0.0, deadline - time.monotonic())))
-
-
-def select_nodes(count: int) -> list[str]:
-    """Pick ``count`` healthy nodes now (no waiting)."""
-    return NodePool().select(count)

@@ -57,10 +57,18 @@ def _json_artifact(lineage: Lineage, run_id: str, name: str) -> dict[str, Any] |
         return dict(json.loads(Path(path).read_text()))
 
 
-def _read_json_lines(path: Path) -> list[dict[str, Any]]:
+def chaos_strikes(attempt_dir: Path) -> list[dict[str, Any]]:
+    """Return the faults injected into an attempt (its chaos.jsonl), in order."""
+    path = attempt_dir / CHAOS_LOG
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def first_step_at(attempt_dir: Path) -> float | None:
+    """Return when an attempt finished its first step (None if it never did)."""
+    path = attempt_dir / FIRST_STEP_FILE
+    return float(json.loads(path.read_text())["at"]) if path.exists() else None
 
 
 def fault_rows(lineage: Lineage, parent: str) -> list[FaultRow]:
@@ -76,15 +84,15 @@ def fault_rows(lineage: Lineage, parent: str) -> list[FaultRow]:
             continue
         fault, decision = record["fault"], record["decision"]
         attempt_dir = Path(child.data.params.get("attempt_dir", "/nonexistent"))
-        strikes = _read_json_lines(attempt_dir / CHAOS_LOG)
+        strikes = chaos_strikes(attempt_dir)
         detected_after = (fault["detected_at"] - min(s["at"] for s in strikes)) if strikes else None
         segment, tried = child.data.tags[TAG_SEGMENT], int(child.data.tags[TAG_TRY])
         resumed = None
         nxt = by_key.get((segment, str(tried + 1)))
         if nxt is not None:
-            first = Path(nxt.data.params.get("attempt_dir", "/nonexistent")) / FIRST_STEP_FILE
-            if first.exists():
-                resumed = json.loads(first.read_text())["at"] - fault["detected_at"]
+            first = first_step_at(Path(nxt.data.params.get("attempt_dir", "/nonexistent")))
+            if first is not None:
+                resumed = first - fault["detected_at"]
         who = ", ".join(
             x for x in (
                 f"rank {fault['culprit_rank']}" if fault["culprit_rank"] is not None else "",

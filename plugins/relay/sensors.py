@@ -84,7 +84,8 @@ class _HeartbeatWatchSensor(BaseSensorOperator):
         ):
             return True
         fault = self._detector.check(obs)
-        silent = trigger.silent_ranks(obs) if fault is None else None
+        timeout = self._detector.cfg.heartbeat_timeout
+        silent = trigger.silent_ranks(obs, timeout) if fault is None else None
         if silent is not None:
             raise AirflowException(f"{self.task_id}: the job ended, but ranks {silent} never "
                                    "reported done")

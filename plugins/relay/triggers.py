@@ -188,7 +188,7 @@ class HeartbeatWatchTrigger(BaseTrigger):
                 if fault is not None:
                     yield TriggerEvent({**fault.to_event(), "attempt_dir": self.heartbeat_dir})
                     return
-                silent = self.silent_ranks(obs)
+                silent = self.silent_ranks(obs, detector.cfg.heartbeat_timeout)
                 if silent is not None:
                     yield TriggerEvent({"status": "stopped", "attempt_dir": self.heartbeat_dir,
                                         "message": f"the job ended, but ranks {silent} never "
@@ -198,9 +198,8 @@ class HeartbeatWatchTrigger(BaseTrigger):
         except Exception as exc:  # an error event, never a dead trigger
             yield _error_event(self.heartbeat_dir, exc)
 
-    def silent_ranks(self, obs: Observation) -> list[int] | None:
+    def silent_ranks(self, obs: Observation, timeout: float) -> list[int] | None:
         """Return the silent ranks once every rank is either done or silent, else None."""
-        timeout = Detection.model_validate(self.detection).heartbeat_timeout
         beats = obs.heartbeats
         if len(beats) < self.world_size:
             return None

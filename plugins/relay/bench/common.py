@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,7 +14,6 @@ from mlflow.tracking import MlflowClient
 from relay.launchers.local import LocalLauncher, free_port
 from relay.policy import Detection
 from relay.triggers import SegmentWatchTrigger
-from training.chaos import CHAOS_LOG
 from training.launch import LaunchConfig
 
 TINY_MODEL = {"context": 32, "d_model": 32, "n_layers": 1, "n_heads": 4, "dropout": 0.1}
@@ -97,14 +95,6 @@ def launched(cfg: LaunchConfig) -> Iterator[Path]:
         survivors = launcher.stop(root, grace_seconds=2.0)
         if survivors:
             raise RuntimeError(f"processes {survivors} survived stopping {root}")
-
-
-def chaos_strikes(root: Path) -> list[dict[str, Any]]:
-    """Return the faults the ranks recorded as struck, in order."""
-    path = root / CHAOS_LOG
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def summary(values: list[float]) -> tuple[float, float]:

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relay.bench.common import Store, chaos_strikes, launch_config, launched, summary, watch
+from relay.bench.common import Store, launch_config, launched, summary, watch
 from relay.launchers.local import LocalLauncher
 from relay.policy import Detection
+from relay.report import chaos_strikes
 
 GLOO_DEFAULT_TIMEOUT_SECONDS = 1800.0
 

@@ -30,9 +30,9 @@ from typing import Any
 
 from relay.airflow_env import airflow_env, ensure_airflow_db
 from relay.launchers.local import free_port
-from training.chaos import CHAOS_LOG
+from relay.report import chaos_strikes, first_step_at
 from training.heartbeat import read_heartbeats
-from training.launch import FIRST_STEP_FILE, LaunchConfig, ResumeFrom
+from training.launch import LaunchConfig, ResumeFrom
 
 MODEL = {"context": 64, "d_model": 64, "n_layers": 2, "n_heads": 4, "dropout": 0.1}
 DATA = {"corpus": "builtin:python_docs", "batch_size": 16}
@@ -55,18 +55,6 @@ def _job_yaml(steps: int, segment: int, every: int) -> str:
         f"checkpoint_every: {every}\nnodes: 2\nranks_per_node: 2\n"
         f"model: {json.dumps(MODEL)}\ndata: {json.dumps(DATA)}\n"
     )
-
-
-def _first_step_at(attempt_dir: Path) -> float | None:
-    path = attempt_dir / FIRST_STEP_FILE
-    return float(json.loads(path.read_text())["at"]) if path.exists() else None
-
-
-def _strikes(attempt_dir: Path) -> list[dict[str, Any]]:
-    path = attempt_dir / CHAOS_LOG
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def _seconds_per_step(attempts: list[Path]) -> float:
@@ -94,11 +82,11 @@ def run_relay(home: Path, schedule: list[dict[str, Any]], name: str) -> tuple[Ou
     outcome = Outcome(name, wall, code == 0, attempts=len(attempts))
     for attempt in attempts:
         decision = attempt / "decision.json"
-        strikes = _strikes(attempt)
+        strikes = chaos_strikes(attempt)
         if not strikes:
             continue
         nxt = attempt.with_name(f"try-{int(attempt.name.split('-')[1]) + 1}")
-        first = _first_step_at(nxt) if nxt.exists() else None
+        first = first_step_at(nxt) if nxt.exists() else None
         record = json.loads(decision.read_text()) if decision.exists() else {}
         outcome.faults.append({
             "kind": record.get("fault", {}).get("kind", strikes[0]["kind"]),
@@ -129,7 +117,7 @@ def run_baseline(
         if previous is not None:
             beats = read_heartbeats(previous / "heartbeats")
             reached = max((b.step for b in beats.values()), default=resume_step)
-            strikes = _strikes(previous)
+            strikes = chaos_strikes(previous)
             outcome.faults.append({
                 "kind": strikes[0]["kind"] if strikes else "unknown",
                 "lost_steps": max(reached - resume_step, 0),
@@ -163,7 +151,7 @@ def run_baseline(
         previous = attempt_dir
     outcome.wall = time.time() - started
     for fault in outcome.faults:
-        first = _first_step_at(fault.pop("attempt_dir"))
+        first = first_step_at(fault.pop("attempt_dir"))
         strike = fault.pop("strike_at")
         fault["fault_to_resume"] = (first - strike) if first and strike else None
     return outcome

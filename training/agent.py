@@ -4,6 +4,12 @@ One agent per (simulated) node, started by a launcher in its own session and
 process group, so that it outlives the Airflow task that started it (the task
 defers) and can be stopped as a group. It rewrites ``status/<node>.json``
 every second; the final record carries every rank's exit code.
+
+The agent is a fork server: it imports what every rank needs once (torch,
+the training loop, the optimizer's lazy imports, MLflow on the node hosting
+rank 0) and then forks its ranks, so they skip those seconds of start-up. A
+resume pays for them once per node, not once per rank, which on a loaded host
+is most of the time from launch to the first productive step.
 """
 
 from __future__ import annotations
@@ -11,11 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import time
+import traceback
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from training.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE, write_atomically
@@ -35,34 +43,41 @@ class NodeAgent:
         self.node = node
         self.launch_file = launch_file
         self.status_file = cfg.status_dir / f"{node}.json"
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.procs: dict[int, BaseProcess] = {}
         self.stopping = False
 
+    def preload(self) -> float:
+        """Import what the ranks need, once, before forking them; return the seconds it took."""
+        started = time.perf_counter()
+        hosts_rank0 = self.cfg.global_rank(self.node, 0) == 0
+        preload_worker(publisher=hosts_rank0)
+        return time.perf_counter() - started
+
     def start_ranks(self) -> None:
-        """Start one worker process per local rank."""
+        """Fork one worker process per local rank."""
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        context = multiprocessing.get_context("fork")
         for local_rank in range(self.cfg.ranks_per_node):
             rank = self.cfg.global_rank(self.node, local_rank)
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                LOCAL_RANK=str(local_rank),
-                WORLD_SIZE=str(self.cfg.world_size),
-                OMP_NUM_THREADS="1",
-                **{
-                    ENV_NODE: self.node,
-                    ENV_HEARTBEAT_DIR: str(self.cfg.heartbeat_dir),
-                    ENV_HEARTBEAT_INTERVAL: str(self.cfg.heartbeat_interval_seconds),
-                },
+            env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local_rank),
+                "WORLD_SIZE": str(self.cfg.world_size),
+                "OMP_NUM_THREADS": "1",
+                "RELAY_SPAWNED_AT": repr(time.time()),
+                ENV_NODE: self.node,
+                ENV_HEARTBEAT_DIR: str(self.cfg.heartbeat_dir),
+                ENV_HEARTBEAT_INTERVAL: str(self.cfg.heartbeat_interval_seconds),
+            }
+            log_file = self.cfg.log_dir / f"rank-{rank}.log"
+            sys.stdout.flush()
+            sys.stderr.flush()
+            proc = context.Process(
+                target=_run_rank, args=(env, log_file, self.launch_file), name=f"rank-{rank}"
             )
-            with (self.cfg.log_dir / f"rank-{rank}.log").open("ab") as out:
-                self.procs[rank] = subprocess.Popen(
-                    [sys.executable, "-m", "training.worker", "--launch", str(self.launch_file)],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                )
-            log.info("started rank %d as pid %d", rank, self.procs[rank].pid)
+            proc.start()
+            self.procs[rank] = proc
+            log.info("started rank %d as pid %d", rank, proc.pid)
 
     def write_status(self, state: str) -> None:
         """Write this node's status record."""
@@ -72,7 +87,7 @@ class NodeAgent:
             "agent_pid": os.getpid(),
             "pgid": os.getpgid(0),
             "rank_pids": {str(r): p.pid for r, p in self.procs.items()},
-            "exit_codes": {str(r): p.returncode for r, p in self.procs.items()},
+            "exit_codes": {str(r): p.exitcode for r, p in self.procs.items()},
             "wall_clock": time.time(),
         }
         self.cfg.status_dir.mkdir(parents=True, exist_ok=True)
@@ -80,46 +95,91 @@ class NodeAgent:
 
     def stop_ranks(self, reason: str) -> None:
         """Terminate the ranks still running: SIGTERM, then SIGKILL after a grace period."""
-        running = [p for p in self.procs.values() if p.poll() is None]
+        running = [p for p in self.procs.values() if p.exitcode is None]
         if not running:
             return
         log.warning("stopping %d rank(s): %s", len(running), reason)
         for proc in running:
-            proc.send_signal(signal.SIGTERM)
+            proc.terminate()
         deadline = time.monotonic() + TERM_GRACE_SECONDS
         for proc in running:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode is None:
                 proc.kill()
-                proc.wait()
+                proc.join()
 
     def run(self) -> int:
         """Supervise until every rank has exited; return 0 only if all succeeded."""
         signal.signal(signal.SIGTERM, self._on_term)
+        self.write_status("starting")
+        log.info("preloaded the training stack in %.2fs", self.preload())
+        if self.stopping:
+            self.write_status("failed")
+            return 1
         self.start_ranks()
         self.write_status("running")
         last_status = time.monotonic()
+        reported = {r: None for r in self.procs}
         while True:
-            codes = {r: p.poll() for r, p in self.procs.items()}
+            codes = {r: p.exitcode for r, p in self.procs.items()}
+            if codes != reported:  # an exit is news: say it now, before peers blame others
+                self.write_status("running")
+                reported, last_status = codes, time.monotonic()
             if self.stopping:
                 self.stop_ranks("agent received SIGTERM")
             elif any(c not in (None, 0) for c in codes.values()):
                 failed = {r: c for r, c in codes.items() if c not in (None, 0)}
                 self.stop_ranks(f"rank(s) failed with exit codes {failed}")
-            if all(p.poll() is not None for p in self.procs.values()):
+            if all(p.exitcode is not None for p in self.procs.values()):
                 break
             if time.monotonic() - last_status >= STATUS_INTERVAL_SECONDS:
                 self.write_status("running")
                 last_status = time.monotonic()
             time.sleep(0.1)
-        ok = all(p.returncode == 0 for p in self.procs.values())
+        ok = all(p.exitcode == 0 for p in self.procs.values())
         self.write_status("succeeded" if ok else "failed")
-        log.info("all ranks exited: %s", {r: p.returncode for r, p in self.procs.items()})
+        log.info("all ranks exited: %s", {r: p.exitcode for r, p in self.procs.items()})
         return 0 if ok else 1
 
     def _on_term(self, _signum: int, _frame: object) -> None:
         self.stopping = True
+
+
+def preload_worker(*, publisher: bool) -> None:
+    """Import the training loop and what it imports lazily, without running anything.
+
+    Constructing a torch optimizer imports ``torch._dynamo`` (about a second of
+    CPU); MLflow is rank 0's, for publishing checkpoints. No thread is started
+    and no OpenMP region runs, so forking afterwards is safe.
+    """
+    import torch
+
+    import training.worker  # noqa: F401 - the import is the point
+
+    torch.set_num_threads(1)
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    if publisher:
+        import training.publish  # noqa: F401
+
+
+def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
+    """The forked child: become one rank (its own log, environment and signals)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.update(env)
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    from training import worker
+
+    try:
+        code = worker.main(["--launch", str(launch_file)])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - a rank's death must reach its log and exit code
+        traceback.print_exc()
+        code = 1
+    worker.exit_now(code)
 
 
 def main(argv: list[str] | None = None) -> int:

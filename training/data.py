@@ -35,7 +35,7 @@ def load_corpus(source: str) -> torch.Tensor:
         text = resources.files("training").joinpath(f"corpus/{name}.txt").read_text()
     else:
         text = Path(source).read_text(errors="replace")
-    codes = bytes(c if c < VOCAB_SIZE else ord("?") for c in text.encode("ascii", "replace"))
+    codes = text.encode("ascii", "replace")  # every code < VOCAB_SIZE: non-ASCII became "?"
     return torch.frombuffer(bytearray(codes), dtype=torch.uint8).clone()
 
 

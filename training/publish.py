@@ -38,8 +38,22 @@ class MlflowCheckpointSink:
 
     def __init__(self, tracking_uri: str, run_id: str, retrying: Retrying | None = None) -> None:
         self.run_id = run_id
-        self._client = MlflowClient(tracking_uri=tracking_uri)
+        self._tracking_uri = tracking_uri
+        self._client_instance: MlflowClient | None = None
         self._retrying = retrying or mlflow_retrying()
+
+    @property
+    def _client(self) -> MlflowClient:
+        # Made on first use, which is the checkpointer's background thread: opening a
+        # tracking store (a schema check on SQLite) takes most of a second, and the
+        # training loop must not wait for it before its first step.
+        if self._client_instance is None:
+            self._client_instance = MlflowClient(tracking_uri=self._tracking_uri)
+        return self._client_instance
+
+    def connect(self) -> None:
+        """Open the tracking store now (call it off the training loop's thread)."""
+        self._retrying(lambda: self._client.get_run(self.run_id))
 
     def publish(self, checkpoint: Path, manifest: CheckpointManifest) -> None:
         """Log the checkpoint file, then (only then) the manifest that makes it count."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from training.heartbeat import ENV_NODE
 from training.launch import LaunchConfig
-from training.worker import ENV_INIT_METHOD, train
+from training.worker import ENV_INIT_METHOD, exit_now, train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,4 +37,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -16,7 +16,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from relay.faults import Fault, FaultKind, classify_exit
+from relay.faults import Fault, FaultKind, classify_exit, only_secondary_exits
 from relay.launchers.local import LaunchState, LaunchStatus
 from relay.policy import Detection
 from training.heartbeat import Heartbeat, Phase
@@ -86,6 +86,7 @@ class Detector:
         self._baseline_started: float | None = None
         self._first_step: int | None = None
         self._stepped: dict[int, tuple[int, float]] = {}  # rank -> (step, when it was reached)
+        self._secondary_since: float | None = None
         self.baseline: float | None = None
 
     def check(self, obs: Observation) -> Fault | None:
@@ -115,6 +116,14 @@ class Detector:
     def _exits(self, obs: Observation) -> Fault | None:
         if obs.launch is None or obs.launch.state is not LaunchState.FAILED:
             return None
+        unsettled = [n for n in obs.launch.nodes.values() if n.state not in ("succeeded", "failed")]
+        if only_secondary_exits(obs.launch) and unsettled:
+            # The peers of a dead rank can report before the dead rank's own agent does;
+            # blaming the first to report would name a bystander. Wait for the others.
+            if self._secondary_since is None:
+                self._secondary_since = obs.now
+            if obs.now - self._secondary_since < 2 * AGENT_STATUS_INTERVAL_SECONDS:
+                return None
         fault = classify_exit(obs.launch, obs.node_ranks)
         if fault is None:
             return None

@@ -28,6 +28,11 @@ class FaultKind(StrEnum):
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"
 
 
+# After these the other ranks are healthy and merely waiting in a collective, holding
+# state complete up to the last finished step: Relay asks one for it (relay.rescue).
+RESCUABLE = frozenset({FaultKind.HANG, FaultKind.RANK_UNRESPONSIVE, FaultKind.NODE_UNRESPONSIVE})
+
+
 @dataclass(frozen=True)
 class Fault:
     """A classified fault: what, who, why we think so, and when we knew."""
@@ -60,6 +65,17 @@ class Fault:
         return cls(**{**payload, "kind": FaultKind(payload["kind"])})
 
 
+# How the peers of a dead rank end: gloo's "connection reset" (exit 1) or their agent's
+# SIGTERM (-15). The culprit is the rank that died of something else.
+SECONDARY_EXIT_CODES = frozenset({1, -15})
+
+
+def only_secondary_exits(status: LaunchStatus) -> bool:
+    """Return whether every failed rank so far ended like a peer of the culprit, not like one."""
+    failed = status.failed_ranks()
+    return bool(failed) and all(c in SECONDARY_EXIT_CODES for c in failed.values())
+
+
 def classify_exit(status: LaunchStatus, node_ranks: dict[str, list[int]]) -> Fault | None:
     """Turn a failed launch status into a crash fault naming the first culprit."""
     if status.state is not LaunchState.FAILED:
@@ -68,8 +84,7 @@ def classify_exit(status: LaunchStatus, node_ranks: dict[str, list[int]]) -> Fau
     # A SIGKILLed or crashed rank takes its peers down with "connection reset"
     # (exit 1) or its agent's SIGTERM (-15); the culprit is the rank that died
     # of something else.
-    secondary = {1, -15}
-    primary = {r: c for r, c in failed.items() if c not in secondary}
+    primary = {r: c for r, c in failed.items() if c not in SECONDARY_EXIT_CODES}
     culprit_rank = min(primary or failed) if failed else None
     culprit_node = next(
         (n for n, ranks in node_ranks.items() if culprit_rank in ranks), None

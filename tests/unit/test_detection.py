@@ -622,6 +622,33 @@ def test_crash_names_the_killed_rank() -> None:
     assert fault.evidence["exit_codes"] == {1: -9, 0: -15, 2: 1, 3: 1}
 
 
+def peers_first() -> LaunchStatus:
+    """node-b's ranks died of "connection reset"; node-a's agent has not reported rank 1 yet."""
+    return LaunchStatus(LaunchState.FAILED, {
+        "node-a": NodeStatus("node-a", "running", {0: None, 1: None}, last_seen=T0),
+        "node-b": NodeStatus("node-b", "failed", {2: 1, 3: 1}, last_seen=T0),
+    })
+
+
+def test_peers_reporting_first_do_not_get_the_blame() -> None:
+    beats = [hb(r, T0, phase=COLLECTIVE, step=6) for r in RANKS]
+    early = peers_first()
+    detector = Detector(CFG)
+    assert detector.check(observe(T0, beats, launch=early)) is None
+    assert detector.check(observe(T0 + 0.5, beats, launch=early)) is None
+    assert_fault(detector.check(observe(T0 + 1.0, beats, launch=failed(T0 + 1.0))),
+                 FaultKind.CRASH, 1, "node-a", "rank 1 exited with code -9")
+
+
+def test_peers_get_the_blame_when_nobody_else_ever_reports() -> None:
+    beats = [hb(r, T0, phase=COLLECTIVE, step=6) for r in RANKS]
+    early = peers_first()
+    detector = Detector(CFG)
+    assert detector.check(observe(T0, beats, launch=early)) is None
+    assert_fault(detector.check(observe(T0 + 2.5, beats, launch=early)),
+                 FaultKind.CRASH, 2, "node-b", "rank 2 exited with code 1")
+
+
 @pytest.mark.parametrize("culprit_beat", [None, STARTING], ids=["no-heartbeat", "starting"])
 def test_crash_before_first_step_is_a_launch_failure(culprit_beat: str | None) -> None:
     beats = [hb(r, T0, phase=COLLECTIVE, step=6) for r in (0, 2, 3)]

@@ -62,6 +62,9 @@ class CheckpointManifest:
     parent: CheckpointRef | None
     created_at: float
     version: int = MANIFEST_VERSION
+    # "periodic": the training loop's own (its schedule, or a drain); otherwise how it was
+    # made, e.g. "rescued from rank 2 after hang": a healthy rank's state after a fault.
+    origin: str = "periodic"
 
     @property
     def ref(self) -> CheckpointRef:
@@ -90,6 +93,7 @@ class CheckpointManifest:
                 parent=CheckpointRef(**parent) if parent else None,
                 created_at=float(raw["created_at"]),
                 version=int(raw.get("version", MANIFEST_VERSION)),
+                origin=str(raw.get("origin", "periodic")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a Relay checkpoint manifest: {exc}") from exc

@@ -24,15 +24,22 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from training.chaos import ChaosMonkey
-from training.checkpoint import Checkpointer, load_verified, restore_rng
+from training.checkpoint import Checkpointer, load_verified, restore_rng, snapshot
 from training.data import CharStream, load_corpus, mix_seed
 from training.heartbeat import ENV_NODE, HeartbeatWriter, Phase
 from training.launch import DRAIN_FILE, FIRST_STEP_FILE, LaunchConfig
 from training.manifest import CheckpointRef
 from training.model import ModelConfig, build_model
+from training.rescue import RescueResponder, TrainingState
 
 log = logging.getLogger("training.worker")
+# Freeing DDP's reducer can deadlock with gloo: ~ProcessGroupGloo waits for a work thread
+# that needs the GIL to free the last all-gather's tensors, while the freeing thread holds
+# it (seen as a rank stuck at exit after its segment). The objects stay referenced here and
+# the process leaves through exit_now(), which skips tearing them down.
+_KEEP_ALIVE: list[Any] = []
 ENV_INIT_METHOD = "RELAY_INIT_METHOD"
+ENV_SPAWNED_AT = "RELAY_SPAWNED_AT"  # set by the node agent: time.time() when it started us
 
 
 def ordered_allreduce_hook(
@@ -77,11 +84,36 @@ def _publisher(cfg: LaunchConfig, parent: CheckpointRef | None) -> tuple[Checkpo
     checkpointer = Checkpointer(
         sink, cfg.root / "staging", job=cfg.job, world_size=cfg.world_size, parent=parent
     )
+    checkpointer.submit(sink.connect)  # beside the loop, long before the first checkpoint
     return checkpointer, sink
 
 
-def train(cfg: LaunchConfig, rank: int, node: str) -> None:
+class StartupClock:
+    """Seconds spent in each start-up phase, for one log line (what a resume costs)."""
+
+    def __init__(self) -> None:
+        spawned = os.environ.get(ENV_SPAWNED_AT)
+        self.origin = float(spawned) if spawned else time.time()
+        self.last = self.origin
+        self.phases: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        """Close ``phase`` now."""
+        now = time.time()
+        self.phases[phase] = now - self.last
+        self.last = now
+
+    def summary(self) -> str:
+        """Return e.g. ``5.10s (imports 2.31s, rendezvous 1.20s, ...)``."""
+        parts = ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items())
+        return f"{self.last - self.origin:.2f}s ({parts})"
+
+
+def train(
+    cfg: LaunchConfig, rank: int, node: str, startup: StartupClock | None = None
+) -> None:
     """Run this rank's part of the segment."""
+    startup = startup or StartupClock()
     torch.set_num_threads(1)
     chaos = ChaosMonkey(
         cfg.chaos, segment=cfg.segment, attempt=cfg.attempt, rank=rank, node=node,
@@ -100,6 +132,7 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
         world_size=cfg.world_size,
         timeout=timedelta(seconds=cfg.collective_timeout_seconds),
     )
+    startup.mark("rendezvous")
     model_cfg = ModelConfig(**cfg.model)
     model = build_model(model_cfg, cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), **cfg.optimizer)
@@ -116,21 +149,35 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
         restore_rng(state)
         parent = CheckpointRef(cfg.resume.run_id, cfg.resume.step, cfg.resume.sha256)
         log.info("rank %d resumed from step %d (%s)", rank, cfg.start_step, cfg.resume.path)
+    startup.mark("restore")
 
     clock: dict[str, float] = {}
     # One bucket for all gradients, so the hook fires once, when backward is done;
     # no buffer sync in forward (the only buffer is a constant mask), so the forward pass
     # holds no collective and "compute" really is local work.
     ddp = DistributedDataParallel(model, bucket_cap_mb=1024, forward_sync_buffers=False)
+    _KEEP_ALIVE.append(ddp)  # see exit_now()
     ddp.register_comm_hook(None, ordered_allreduce_hook(heartbeat, clock))
     stream = CharStream(
         load_corpus(cfg.data["corpus"]), model_cfg.context, cfg.data["batch_size"], cfg.seed
     )
     checkpointer, sink = _publisher(cfg, parent) if rank == 0 else (None, None)
+    startup.mark("setup")
     pending_metrics: list[tuple[int, dict[str, float], int]] = []
     heartbeat.beat(step=cfg.start_step)
+
+    def extra(step: int) -> dict[str, Any]:
+        return {"data": {"position": step, "seed": cfg.seed}, "world_size": cfg.world_size}
+
+    state = TrainingState(cfg.start_step)
+    responder = RescueResponder(
+        cfg.root, rank, state, lambda step: snapshot(model, optimizer, step, extra(step))
+    )
+    responder.start()
     compute_avg = Ewma()
-    natural_avg = Ewma()  # compute time without injected delays (chaos only)
+    # The fastest step's compute time without injected delays (chaos scales by it); the
+    # minimum, because warm-up steps (first step, DDP's bucket rebuild) are slow outliers.
+    natural_fastest: float | None = None
     rate_avg = Ewma()
     finite = True  # False once a non-finite loss was seen: never checkpoint poisoned weights
     loop_started = time.perf_counter()
@@ -149,19 +196,22 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
         heartbeat.enter(Phase.COMPUTE)
         clock.clear()
         started = time.perf_counter()
-        injected = chaos.delay(step, natural_avg.value or 0.0)
+        injected = chaos.delay(step, natural_fastest or 0.0)
         logits = ddp(inputs)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
         loss = chaos.corrupt_loss(step, loss)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        optimizer.step()
-        done = time.perf_counter()
         loss_value = float(loss.item())
         newly_poisoned = finite and not math.isfinite(loss_value)
         finite = finite and not newly_poisoned
+        with state.lock:  # a rescue snapshot sees the weights and the count move together
+            optimizer.step()
+            state.completed, state.finite = step + 1, finite
+        done = time.perf_counter()
         computed = clock.get("compute_done", done) - started
-        natural_avg.add(computed - injected)
+        natural = computed - injected
+        natural_fastest = natural if natural_fastest is None else min(natural_fastest, natural)
         heartbeat.beat(
             step=step + 1,
             compute_seconds=compute_avg.add(computed),
@@ -170,6 +220,9 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
             ),
             loss=loss_value,
         )
+        if step == cfg.start_step:
+            startup.mark("first step")
+            log.info("rank %d productive after %s", rank, startup.summary())
         if newly_poisoned:
             # Say it now: the first rank to report a non-finite loss is the culprit.
             heartbeat.flush_now()
@@ -188,14 +241,14 @@ def train(cfg: LaunchConfig, rank: int, node: str) -> None:
                           step + 1)
                 continue
             heartbeat.enter(Phase.CHECKPOINT)
-            extra = {"data": {"position": step + 1, "seed": cfg.seed}, "world_size": cfg.world_size}
-            stats = checkpointer.save(model, optimizer, step + 1, extra)
+            stats = checkpointer.save(model, optimizer, step + 1, extra(step + 1))
             log.info("step %d loss %.4f checkpoint stall %.4fs", step + 1, loss_value,
                      stats.stall_seconds)
             batch, pending_metrics = pending_metrics, []
             checkpointer.submit(lambda batch=batch: _log_metrics(sink, batch))
 
     loop_seconds = time.perf_counter() - loop_started
+    responder.close()
     if checkpointer is not None:
         checkpointer.close()
         steps = end_step - cfg.start_step
@@ -259,10 +312,25 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO,
         format=f"%(asctime)s {node} rank{rank} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
+        force=True,  # forked by the node agent: replace the agent's handler
     )
-    train(LaunchConfig.read(args.launch), rank, node)
+    startup = StartupClock()
+    startup.mark("imports")
+    train(LaunchConfig.read(args.launch), rank, node, startup)
     return 0
 
 
+def exit_now(code: int) -> None:
+    """Leave the process at once: flush logs and stdio, skip interpreter teardown.
+
+    Everything that matters (checkpoints, result.json, the last heartbeat) is
+    written before ``train`` returns; see ``_KEEP_ALIVE`` for why teardown is skipped.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -87,6 +87,13 @@ class ProgressPrinter:
                       f"{fault['evidence'].get('summary', '')}", flush=True)
                 print(f"    decision ({choice['rule']}): {choice['action']} - {choice['reason']}; "
                       f"lost steps: {record['lost_steps']}", flush=True)
+                if record.get("rescued"):
+                    kept = record["rescued"]
+                    print(f"    resumes at step {kept['step']}: rank {kept['rank']} handed over "
+                          f"the state it held in memory ({kept['checkpoint']})", flush=True)
+                elif record.get("drained_at_step") is not None:
+                    print(f"    resumes at step {record['drained_at_step']}: the ranks "
+                          "checkpointed before stopping", flush=True)
                 continue
             states = self._states(attempt)
             if attempt not in self.reported_end and states and "running" not in states:
@@ -134,7 +141,8 @@ def where_to_look(job: str, parent: str) -> None:
     print("  Checkpoint chain (newest first):")
     for m in chain:
         origin = f"<- step {m.parent.step}" if m.parent else "<- initial weights (seed)"
-        print(f"    step {m.step:4d}  sha256 {m.sha256[:12]}  run {m.run_id[:8]}  {origin}")
+        how = "" if m.origin == "periodic" else f"  ({m.origin})"
+        print(f"    step {m.step:4d}  sha256 {m.sha256[:12]}  run {m.run_id[:8]}  {origin}{how}")
     if losses:
         print(f"  Loss:            {losses[0][1]:.3f} at step {losses[0][0]} -> "
               f"{losses[-1][1]:.3f} at step {losses[-1][0]}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from relay.decide import ordinal
-from relay.faults import FaultKind
+from relay.faults import RESCUABLE, FaultKind
 from relay.policy import Detection, LoadedPolicy
 from relay.rules import JOB_WIDE, Action, Rule
 
@@ -57,11 +57,14 @@ def fault_sentence(kind: FaultKind, d: Detection) -> str:
 
 def _action_sentence(kind: FaultKind, rule: Rule) -> str:
     action = rule.action
+    source = "its latest valid checkpoint"
+    if kind in RESCUABLE:
+        source = ("the weights a healthy rank still holds in memory, so no steps are lost (or, "
+                  "if no rank hands them over, from its latest valid checkpoint)")
     if action is Action.RETRY:
-        text = "Relay runs the segment again from its latest valid checkpoint, on the same nodes"
+        text = f"Relay runs the segment again, on the same nodes, from {source}"
     elif action is Action.RESTART_ELSEWHERE:
-        text = ("Relay stops the segment and runs it again from its latest valid checkpoint on "
-                "healthy nodes")
+        text = f"Relay stops the segment and runs it again on healthy nodes from {source}"
     elif action is Action.CHECKPOINT_AND_MIGRATE:
         text = ("Relay first has the ranks save a checkpoint, so no steps are lost, then runs the "
                 "segment again on healthy nodes")

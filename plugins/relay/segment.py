@@ -19,12 +19,13 @@ from typing import Any
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay.decide import Decision, decide
-from relay.faults import Fault, FaultKind
+from relay.faults import RESCUABLE, Fault, FaultKind
 from relay.launchers.local import LocalLauncher, free_port
 from relay.nodes import NodePool, NotEnoughNodesError
 from relay.operators import RelayOperator, lineage_store, segment_dir
 from relay.policy import LoadedPolicy
 from relay.recovery import SegmentFaultError, drain, notify, quarantine
+from relay.rescue import publish_rescue, request_rescue
 from relay.spec import JobSpec
 from relay.triggers import SegmentWatchTrigger
 from training.chaos import Fault as ChaosFault
@@ -216,9 +217,12 @@ class TrainSegmentOperator(RelayOperator):
         decision = decide(fault, _local_history(attempt_dir), policy.policy, policy.sha256)
         beats = read_heartbeats(attempt_dir / "heartbeats")
         progress = max((b.step for b in beats.values()), default=cfg.start_step)
-        drained = None
+        drained = rescued = None
         if decision.checkpoint_first:
             drained = drain(attempt_dir, policy.policy.detection.checkpoint_timeout)
+        elif decision.retry and not decision.rollback and fault.kind in RESCUABLE:
+            rescued = request_rescue(attempt_dir, cfg, fault,
+                                     policy.policy.detection.checkpoint_timeout)
         survivors = LocalLauncher().stop(attempt_dir)
         quarantine(decision, fault, f"{spec.dag_id}/{context['dag_run'].run_id}")
         parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id)
@@ -228,10 +232,18 @@ class TrainSegmentOperator(RelayOperator):
                 lineage.reject_checkpoint(latest.manifest, f"rollback after {fault.describe()}")
                 latest, _ = lineage.resume_point(parent, Path(tmp))
         next_resume = drained if drained is not None else (latest.manifest.step if latest else 0)
+        rescue_record = None
+        if rescued is not None and rescued.step is not None and rescued.step > next_resume:
+            manifest = publish_rescue(rescued, cfg, fault, latest.manifest.ref if latest else None)
+            next_resume = manifest.step
+            rescue_record = {"rank": rescued.rank, "step": manifest.step,
+                             "sha256": manifest.sha256, "seconds": round(rescued.seconds, 3),
+                             "checkpoint": str(manifest.ref)}
         lost = max(progress - next_resume, 0)
         record = {"fault": fault.to_event()["fault"], "decision": decision.to_dict(),
                   "progress_step": progress, "next_resume_step": next_resume,
-                  "lost_steps": lost, "drained_at_step": drained, "survivors": survivors,
+                  "lost_steps": lost, "drained_at_step": drained, "rescued": rescue_record,
+                  "survivors": survivors,
                   "policy_file": str(policy.path)}
         # Next to the attempt's logs for whoever is on call, and in MLflow for the record.
         write_atomically(attempt_dir / "decision.json", json.dumps(record, indent=2, default=str))

@@ -143,9 +143,9 @@ def test_crashed_and_retried_run_equals_uninterrupted_run_bit_for_bit(
 THREE_FAULTS = [
     {"kind": "hang", "segment": 0, "step": 15, "rank": 2, "attempt": 1},
     {"kind": "stop_node", "segment": 1, "step": 52, "node": "node-a", "attempt": 1},
-    # This job's steps take ~10 ms: a 20x straggler stays slow long enough (straggler.sustained
-    # is 3 s) to be caught before the segment ends.
-    {"kind": "straggler", "segment": 2, "step": 62, "rank": 3, "factor": 20.0, "attempt": 1},
+    # This job's fastest steps take ~5 ms: a 40x straggler stays slow long enough
+    # (straggler.sustained is 3 s) to be caught well before the segment ends.
+    {"kind": "straggler", "segment": 2, "step": 62, "rank": 3, "factor": 40.0, "attempt": 1},
 ]
 
 
@@ -178,6 +178,14 @@ def test_stalled_rank_dead_node_and_straggler_recover_on_healthy_nodes_bit_for_b
     assert node["fault"]["kind"] == "node_unresponsive"
     assert node["fault"]["culprit_node"] == "node-a"
     assert node["decision"]["quarantine_node"] == "node-a"
+
+    # The healthy ranks handed over their in-memory state: nothing was recomputed.
+    for record in (hang, node):
+        assert record["rescued"] is not None, record
+        assert record["lost_steps"] == 0
+        assert record["next_resume_step"] == record["progress_step"] == record["rescued"]["step"]
+    assert hang["rescued"]["rank"] != 2
+    assert node["rescued"]["rank"] not in (0, 1)  # node-a's ranks were frozen
 
     assert slow["fault"]["kind"] == "straggler"
     assert slow["fault"]["culprit_rank"] == 3

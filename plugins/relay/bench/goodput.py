@@ -92,6 +92,7 @@ def run_relay(home: Path, schedule: list[dict[str, Any]], name: str) -> tuple[Ou
             "kind": record.get("fault", {}).get("kind", strikes[0]["kind"]),
             "lost_steps": record.get("lost_steps"),
             "fault_to_resume": (first - strikes[0]["at"]) if first else None,
+            "rescued": bool(record.get("rescued")),
         })
     return outcome, attempts
 

@@ -1,0 +1,146 @@
+"""Rescue: a healthy rank hands over its in-memory state when another rank has failed.
+
+When a rank hangs or a node stops answering, the other ranks are blocked in
+the step's collective, holding weights and optimizer state that are complete
+up to the last finished step; every rank holds the same (DDP keeps replicas
+equal). Relay asks one of them for that state instead of throwing away the
+steps since the last periodic checkpoint. A thread in each rank watches for
+the request (one ``stat`` per poll), snapshots under the lock the training
+loop holds around its optimizer step, and writes the checkpoint file next to
+the attempt. Relay, which stops the workload afterwards, verifies and
+publishes it. Nothing here touches MLflow: a frozen rank may hold its lock.
+
+The files, in ``<attempt>/rescue/``: ``request.json`` (Relay: which rank),
+``ack.json`` (the rank: on it), ``done.json`` (the rank: step, sha256, path,
+or why it refused). Relay reads them, so this module imports torch only to save.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from training.heartbeat import write_atomically
+from training.manifest import CHECKPOINT_FILE, file_sha256
+
+log = logging.getLogger(__name__)
+
+RESCUE_DIR = "rescue"
+REQUEST_FILE = "request.json"
+ACK_FILE = "ack.json"
+DONE_FILE = "done.json"
+POLL_SECONDS = 0.1
+
+
+@dataclass(frozen=True)
+class RescueResult:
+    """What a rescued rank wrote (or why it did not)."""
+
+    rank: int
+    step: int | None = None
+    path: str | None = None
+    sha256: str | None = None
+    size_bytes: int | None = None
+    refused: str | None = None
+    seconds: float = 0.0
+
+    @classmethod
+    def read(cls, path: Path) -> RescueResult:
+        """Parse ``done.json``."""
+        return cls(**json.loads(path.read_text()))
+
+
+class TrainingState:
+    """The loop's step counter and the lock that keeps it in step with the weights.
+
+    The loop holds :attr:`lock` across ``optimizer.step()`` and the counter's
+    update, so a snapshot taken under the lock is exactly the state after
+    :attr:`completed` steps, whatever the loop is doing (it may be blocked in
+    a collective that will never finish).
+    """
+
+    def __init__(self, completed: int) -> None:
+        self.lock = threading.Lock()
+        self.completed = completed
+        self.finite = True
+
+
+class RescueResponder:
+    """Answer a rescue request addressed to this rank, once, from a daemon thread."""
+
+    def __init__(
+        self,
+        attempt_dir: Path,
+        rank: int,
+        state: TrainingState,
+        snapshot: Callable[[int], dict[str, Any]],
+        poll_seconds: float = POLL_SECONDS,
+    ) -> None:
+        self.dir = attempt_dir / RESCUE_DIR
+        self.rank = rank
+        self.state = state
+        self._snapshot = snapshot
+        self._poll = poll_seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rescue", daemon=True)
+
+    def start(self) -> None:
+        """Start watching for a request."""
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop watching (the segment ended normally)."""
+        self._stop.set()
+
+    def _requested(self) -> bool:
+        try:
+            request = json.loads((self.dir / REQUEST_FILE).read_text())
+        except (OSError, ValueError):
+            return False  # none yet, or being written: look again next poll
+        return isinstance(request, dict) and request.get("rank") == self.rank
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll):
+            if self._requested():
+                try:
+                    self.respond()
+                except Exception:  # noqa: BLE001 - Relay falls back to the last checkpoint
+                    log.exception("rank %d could not hand over its state", self.rank)
+                    self._write_done(RescueResult(self.rank, refused="error; see the rank log"))
+                return
+
+    def respond(self) -> RescueResult:
+        """Snapshot under the loop's lock, write the checkpoint, report it."""
+        started = time.perf_counter()
+        write_atomically(self.dir / ACK_FILE, json.dumps({"rank": self.rank, "pid": os.getpid()}))
+        with self.state.lock:
+            step, finite = self.state.completed, self.state.finite
+            state = self._snapshot(step) if finite else None
+        import torch
+
+        if state is None:
+            result = RescueResult(self.rank, step=step, refused="the loss was not finite")
+        else:
+            path = self.dir / f"step-{step:08d}" / CHECKPOINT_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(".partial")
+            torch.save(state, partial)
+            partial.replace(path)
+            result = RescueResult(
+                self.rank, step=step, path=str(path), sha256=file_sha256(path),
+                size_bytes=path.stat().st_size, seconds=time.perf_counter() - started,
+            )
+            log.warning("rank %d handed over its state after %d steps in %.2fs (%s)",
+                        self.rank, step, result.seconds, path)
+        self._write_done(result)
+        return result
+
+    def _write_done(self, result: RescueResult) -> None:
+        write_atomically(self.dir / DONE_FILE, json.dumps(asdict(result)))

@@ -96,7 +96,8 @@ class ProgressPrinter:
                           "checkpointed before stopping", flush=True)
                 continue
             states = self._states(attempt)
-            if attempt not in self.reported_end and states and "running" not in states:
+            live = {"starting", "running"}  # an agent says "starting" while it preloads
+            if attempt not in self.reported_end and states and not states & live:
                 if "failed" not in states:
                     self.reported_end.add(attempt)
                 continue  # a failure is reported once its decision is written

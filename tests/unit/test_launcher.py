@@ -333,13 +333,16 @@ def test_status_failed_with_exit_codes(tmp_path: Path, launcher: LocalLauncher) 
     assert status.failed_ranks() == {2: -9, 3: -15}
 
 
-def test_status_agent_died_without_a_final_status(tmp_path: Path, launcher: LocalLauncher) -> None:
+@pytest.mark.parametrize("last_said", ["starting", "running"])
+def test_status_agent_died_without_a_final_status(
+    tmp_path: Path, launcher: LocalLauncher, last_said: str
+) -> None:
     root = fabricate(
         tmp_path,
         {"n0": os.getpid(), "n1": dead_pid()},
         {
             "n0": record("n0", "running", {0: None}),
-            "n1": record("n1", "running", {1: None}),
+            "n1": record("n1", last_said, {1: None}),
         },
     )
 

@@ -155,7 +155,7 @@ class LocalLauncher:
             codes = {int(r): c for r, c in record.get("exit_codes", {}).items()}
             state = record.get("state", "running")
             detail = ""
-            if state == "running" and not alive:
+            if state in ("starting", "running") and not alive:
                 state, detail = "failed", "agent died without a final status (killed?)"
             nodes[node] = NodeStatus(node, state, codes, detail, record.get("wall_clock"))
         if not nodes:

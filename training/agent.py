@@ -28,6 +28,7 @@ from pathlib import Path
 
 from training.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE, write_atomically
 from training.launch import LaunchConfig
+from training.standby import STANDBY_TTL_SECONDS, announce_ready, wait_for_launch
 
 log = logging.getLogger("training.agent")
 
@@ -38,8 +39,11 @@ TERM_GRACE_SECONDS = 5.0
 class NodeAgent:
     """Supervise the ranks of one node."""
 
-    def __init__(self, cfg: LaunchConfig, launch_file: Path, node: str) -> None:
+    def __init__(
+        self, cfg: LaunchConfig, launch_file: Path, node: str, *, preloaded: bool = False
+    ) -> None:
         self.cfg = cfg
+        self.preloaded = preloaded
         self.node = node
         self.launch_file = launch_file
         self.status_file = cfg.status_dir / f"{node}.json"
@@ -112,7 +116,8 @@ class NodeAgent:
         """Supervise until every rank has exited; return 0 only if all succeeded."""
         signal.signal(signal.SIGTERM, self._on_term)
         self.write_status("starting")
-        log.info("preloaded the training stack in %.2fs", self.preload())
+        if not self.preloaded:
+            log.info("preloaded the training stack in %.2fs", self.preload())
         if self.stopping:
             self.write_status("failed")
             return 1
@@ -182,10 +187,40 @@ def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
     worker.exit_now(code)
 
 
+def run_standby(directory: Path, node: str, ttl_seconds: float) -> int:
+    """Preload, wait to be claimed (see training.standby), then run as the node's agent."""
+    started = time.perf_counter()
+    preload_worker(publisher=True)  # it may turn out to host rank 0
+    preloaded = time.perf_counter() - started
+    announce_ready(directory, node, preloaded)
+    log.info("standby for %s: preloaded in %.2fs; waiting to be claimed", node, preloaded)
+    launch = wait_for_launch(directory, node, ttl_seconds)
+    if launch is None:
+        log.info("standby for %s: released or unclaimed; leaving", node)
+        return 0
+    cfg = LaunchConfig.read(launch)
+    cfg.log_dir.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(cfg.log_dir / f"agent-{node}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    if node not in cfg.nodes:
+        log.error("node %s: expected one of %s in %s", node, cfg.nodes, launch)
+        return 2
+    log.info("took over as %s's agent, preloaded in advance (%.2fs)", node, preloaded)
+    return NodeAgent(cfg, launch, node, preloaded=True).run()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m training.agent --launch FILE --node NAME``."""
+    """Entry point: ``python -m training.agent (--launch FILE | --standby DIR) --node NAME``."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--launch", type=Path, required=True)
+    parser.add_argument("--launch", type=Path, help="the attempt's launch file")
+    parser.add_argument("--standby", type=Path,
+                        help="preload, then wait in this folder for a launcher to claim it")
+    parser.add_argument("--ttl", type=float, default=STANDBY_TTL_SECONDS,
+                        help="a standby nobody claims within this many seconds leaves")
     parser.add_argument("--node", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -193,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s agent {args.node} %(levelname)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.standby is not None:
+        return run_standby(args.standby, args.node, args.ttl)
+    if args.launch is None:
+        parser.error("expected --launch FILE or --standby DIR")
     cfg = LaunchConfig.read(args.launch)
     if args.node not in cfg.nodes:
         log.error("node %s: expected one of %s in %s", args.node, cfg.nodes, args.launch)

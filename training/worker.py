@@ -39,6 +39,9 @@ log = logging.getLogger("training.worker")
 # the process leaves through exit_now(), which skips tearing them down.
 _KEEP_ALIVE: list[Any] = []
 ENV_INIT_METHOD = "RELAY_INIT_METHOD"
+# The first steps of an attempt warm up (allocations, DDP's bucket rebuild after step one):
+# they are not the rank's natural pace, which chaos stragglers are scaled by.
+WARMUP_STEPS = 2
 ENV_SPAWNED_AT = "RELAY_SPAWNED_AT"  # set by the node agent: time.time() when it started us
 
 
@@ -175,9 +178,7 @@ def train(
     )
     responder.start()
     compute_avg = Ewma()
-    # The fastest step's compute time without injected delays (chaos scales by it); the
-    # minimum, because warm-up steps (first step, DDP's bucket rebuild) are slow outliers.
-    natural_fastest: float | None = None
+    natural_avg = Ewma()  # compute time without injected delays (chaos scales by it)
     rate_avg = Ewma()
     finite = True  # False once a non-finite loss was seen: never checkpoint poisoned weights
     loop_started = time.perf_counter()
@@ -196,7 +197,7 @@ def train(
         heartbeat.enter(Phase.COMPUTE)
         clock.clear()
         started = time.perf_counter()
-        injected = chaos.delay(step, natural_fastest or 0.0)
+        injected = chaos.delay(step, natural_avg.value or 0.0)
         logits = ddp(inputs)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
         loss = chaos.corrupt_loss(step, loss)
@@ -210,8 +211,8 @@ def train(
             state.completed, state.finite = step + 1, finite
         done = time.perf_counter()
         computed = clock.get("compute_done", done) - started
-        natural = computed - injected
-        natural_fastest = natural if natural_fastest is None else min(natural_fastest, natural)
+        if step >= cfg.start_step + WARMUP_STEPS:
+            natural_avg.add(computed - injected)
         heartbeat.beat(
             step=step + 1,
             compute_seconds=compute_avg.add(computed),

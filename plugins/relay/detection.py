@@ -295,7 +295,13 @@ class Detector:
         if rule is None or len(active) < 2:
             return None
         times = sorted(b.compute_seconds or 0.0 for b in active)
-        for beat in sorted(active, key=lambda b: -(b.compute_seconds or 0.0)):
+        # Only the slowest rank sets the pace of a synchronous step: a rank that is slow but
+        # hidden behind a slower one is not what holds the job back (its clock restarts).
+        slowest = max(active, key=lambda b: (b.compute_seconds or 0.0, -b.rank))
+        for beat in active:
+            if beat is not slowest:
+                self._straggler.hold(beat.rank, False, obs.now)
+                continue
             others = _median_without(times, beat.compute_seconds or 0.0)
             ratio = (beat.compute_seconds or 0.0) / others if others > 0 else 0.0
             held = self._straggler.hold(beat.rank, ratio > rule.ratio, obs.now)

@@ -20,7 +20,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay.decide import Decision, decide
 from relay.faults import RESCUABLE, Fault, FaultKind
-from relay.launchers.local import LocalLauncher, free_port
+from relay.launchers.local import STANDBY_DIR, LocalLauncher, free_port
 from relay.nodes import NodePool, NotEnoughNodesError
 from relay.operators import RelayOperator, lineage_store, segment_dir
 from relay.policy import LoadedPolicy
@@ -31,6 +31,7 @@ from relay.triggers import SegmentWatchTrigger
 from training.chaos import Fault as ChaosFault
 from training.heartbeat import read_heartbeats, write_atomically
 from training.launch import LAUNCH_FILE, LaunchConfig, ResumeFrom
+from training.standby import STANDBY_TTL_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ class TrainSegmentOperator(RelayOperator):
             heartbeat_interval_seconds=spec.heartbeat_interval,
             collective_timeout_seconds=spec.collective_timeout, resume=resume, chaos=chaos,
         )
-        LocalLauncher().launch(cfg)
+        LocalLauncher().launch(cfg, standby_dir=seg_dir / STANDBY_DIR)
         log.info("Segment %d try %d: steps [%d, %d) on %s; MLflow child run %s; attempt folder %s",
                  index, try_number, resume_step, end, ", ".join(nodes), run_id, attempt_dir)
         node_ranks = {n: [cfg.global_rank(n, r) for r in range(spec.ranks_per_node)] for n in nodes}
@@ -183,6 +184,15 @@ class TrainSegmentOperator(RelayOperator):
         return None
 
     # -- decide --------------------------------------------------------------------
+
+    def _prestart(self, spec: JobSpec, decision: Decision, seg_dir: Path) -> None:
+        """Have the retry's node agents preload while this attempt is wound down."""
+        out = {decision.quarantine_node} if decision.quarantine_node else set()
+        nodes = [n for n in NodePool().healthy() if n not in out][: spec.nodes]
+        if len(nodes) == spec.nodes:  # else the retry waits for nodes: nothing to warm up
+            # They wait out the backoff too, and leave by themselves if the retry never comes.
+            ttl = decision.backoff_seconds + STANDBY_TTL_SECONDS
+            LocalLauncher().prestart(seg_dir / STANDBY_DIR, nodes, ttl)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401
         """Stop the workload, decide per policy, record, and succeed or raise."""
@@ -215,6 +225,8 @@ class TrainSegmentOperator(RelayOperator):
         # Decide, drain and stop before touching MLflow: a frozen rank may hold the
         # tracking store's lock (SQLite) until its process is gone.
         decision = decide(fault, _local_history(attempt_dir), policy.policy, policy.sha256)
+        if decision.retry:
+            self._prestart(spec, decision, attempt_dir.parent)
         beats = read_heartbeats(attempt_dir / "heartbeats")
         progress = max((b.step for b in beats.values()), default=cfg.start_step)
         drained = rescued = None

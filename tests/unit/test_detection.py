@@ -385,6 +385,23 @@ def test_straggler_fires_only_once_sustained() -> None:
     assert fault.evidence["compute_seconds"][3] == pytest.approx(0.4)
 
 
+def test_a_slower_rank_takes_the_blame_from_a_mildly_slow_one() -> None:
+    """Rank 0 runs 1.8x (background work) when rank 3 turns 40x: the job waits for rank 3."""
+    detector = Detector(CFG)
+    mild = polls(T0, STRAGGLER.sustained - INTERVAL)
+    for i, now in enumerate(mild):
+        assert detector.check(observe(now, straggling(now, i, {0: 1.8}))) is None
+    onset = mild[-1] + INTERVAL
+    found = first_fault(
+        detector, polls(onset, 3 * STRAGGLER.sustained),
+        lambda now, i: straggling(now, i, {0: 1.8, 3: 40.0}),
+    )
+    assert found is not None
+    when, fault = found
+    assert_fault(fault, FaultKind.STRAGGLER, 3, "node-b", "40.0x")
+    assert when - onset == pytest.approx(STRAGGLER.sustained)
+
+
 def test_straggler_that_recovers_resets_the_clock() -> None:
     detector = Detector(CFG)
     almost = STRAGGLER.sustained - INTERVAL

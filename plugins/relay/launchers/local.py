@@ -21,12 +21,22 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from training.heartbeat import write_atomically
 from training.launch import LAUNCH_FILE, LaunchConfig
+from training.standby import (
+    STANDBY_TTL_SECONDS,
+    claimed_file,
+    hand_over,
+    ready_file,
+    standby_file,
+)
 
 log = logging.getLogger(__name__)
 
 HANDLE_FILE = "handle.json"
 STOP_GRACE_SECONDS = 5.0
+STANDBY_DIR = "standby"  # in a segment's folder: agents preloading for its next attempt
+STANDBY_WAIT_SECONDS = 10.0  # a standby still preloading is worth waiting for this long
 
 
 class LaunchState(StrEnum):
@@ -93,13 +103,24 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def _standby_pid(directory: Path, node: str) -> int | None:
+    try:
+        return int(json.loads(standby_file(directory, node).read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 class LocalLauncher:
     """Start, watch and stop segment attempts as local process groups."""
 
     name = "local"
 
-    def launch(self, cfg: LaunchConfig) -> Path:
-        """Write the launch file and start one agent per node; return the attempt folder."""
+    def launch(self, cfg: LaunchConfig, standby_dir: Path | None = None) -> Path:
+        """Write the launch file, start one agent per node; return the attempt folder.
+
+        A node with a standby agent in ``standby_dir`` gets it (already preloaded);
+        the standbys nobody claimed are stopped afterwards.
+        """
         root = cfg.root
         for sub in (root, cfg.log_dir, cfg.status_dir, cfg.heartbeat_dir):
             sub.mkdir(parents=True, exist_ok=True)
@@ -107,6 +128,11 @@ class LocalLauncher:
         cfg.write(launch_file)
         handle: dict[str, dict[str, int]] = {}
         for node in cfg.nodes:
+            pid = self._claim(standby_dir, node, launch_file) if standby_dir else None
+            if pid is not None:
+                handle[node] = {"pid": pid, "pgid": pid}
+                log.info("Handed %s to its standby agent (pid %d, preloaded)", node, pid)
+                continue
             with (cfg.log_dir / f"agent-{node}.log").open("ab") as out:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "training.agent", "--launch", str(launch_file),
@@ -120,7 +146,64 @@ class LocalLauncher:
             handle[node] = {"pid": proc.pid, "pgid": proc.pid}
             log.info("Started agent for %s as pid %d", node, proc.pid)
         (root / HANDLE_FILE).write_text(json.dumps({"nodes": handle, "started_at": time.time()}))
+        if standby_dir is not None:
+            self.release_standbys(standby_dir)
         return root
+
+    def prestart(
+        self, directory: Path, nodes: list[str], ttl_seconds: float = STANDBY_TTL_SECONDS
+    ) -> None:
+        """Start a standby agent for each node, to preload while a retry is prepared."""
+        directory.mkdir(parents=True, exist_ok=True)
+        for node in nodes:
+            pid = _standby_pid(directory, node)
+            if pid is not None and _pid_alive(pid):
+                continue
+            with (directory / f"{node}.log").open("ab") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "training.agent", "--standby", str(directory),
+                     "--node", node, "--ttl", str(ttl_seconds)],
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    cwd=directory, start_new_session=True,
+                )
+            write_atomically(standby_file(directory, node),
+                             json.dumps({"pid": proc.pid, "started_at": time.time()}))
+            log.info("Started a standby agent for %s as pid %d", node, proc.pid)
+
+    @staticmethod
+    def _claim(
+        directory: Path, node: str, launch_file: Path, wait_seconds: float = STANDBY_WAIT_SECONDS
+    ) -> int | None:
+        """Take the node's standby agent, waiting while it preloads; return its PID."""
+        pid = _standby_pid(directory, node)
+        deadline = time.monotonic() + wait_seconds
+        while pid is not None and _pid_alive(pid):
+            try:
+                os.rename(ready_file(directory, node), claimed_file(directory, node))
+            except FileNotFoundError:
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.05)
+                continue
+            hand_over(directory, node, launch_file)
+            standby_file(directory, node).unlink(missing_ok=True)
+            return pid
+        return None
+
+    @staticmethod
+    def release_standbys(directory: Path) -> None:
+        """Stop every standby agent in ``directory`` that nobody claimed."""
+        for record in directory.glob("*.standby"):
+            node = record.name.removesuffix(".standby")
+            pid = _standby_pid(directory, node)
+            if pid is not None and group_members(pid):
+                log.info("Stopping the unclaimed standby agent of %s (pid %d)", node, pid)
+                try:
+                    os.killpg(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            for f in (record, ready_file(directory, node), claimed_file(directory, node)):
+                f.unlink(missing_ok=True)
 
     @staticmethod
     def _handle(root: Path) -> dict[str, dict[str, int]]:

@@ -1,0 +1,49 @@
+"""Standby agents on a real 4-rank workload: claimed ones train, unclaimed ones go away."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from processes import workload_processes
+
+from relay.bench.common import Store, launch_config, watch
+from relay.launchers.local import LocalLauncher, group_members
+from relay.policy import Detection
+from training.standby import ready_file, standby_file
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_launch_takes_the_preloaded_standbys_and_stops_the_rest(tmp_path: Path) -> None:
+    store = Store(tmp_path / "mlflow")
+    standby = tmp_path / "segment" / "standby"
+    launcher = LocalLauncher()
+    launcher.prestart(standby, ["node-a", "node-b", "node-c"])
+    pids = {n: json.loads(standby_file(standby, n).read_text())["pid"]
+            for n in ("node-a", "node-b", "node-c")}
+    deadline = time.monotonic() + 120
+    while not all(ready_file(standby, n).exists() for n in pids):
+        assert time.monotonic() < deadline, "standbys never became ready"
+        time.sleep(0.1)
+    cfg = launch_config(store, tmp_path / "segment" / "try-1", steps=20)
+    root = launcher.launch(cfg, standby_dir=standby)
+    try:
+        event = watch(cfg, Detection(), timeout=180)
+    finally:
+        launcher.stop(root, grace_seconds=2.0)
+    assert event["status"] == "completed", event
+    for node in ("node-a", "node-b"):
+        agent_log = (root / "logs" / f"agent-{node}.log").read_text()
+        assert "took over" in agent_log, agent_log
+        assert "preloaded the training stack" not in agent_log  # no second preload
+    handle = json.loads((root / "handle.json").read_text())["nodes"]
+    assert handle["node-a"]["pid"] == pids["node-a"]
+    # node-c was not in the launch: its standby was stopped, and nothing is left behind.
+    deadline = time.monotonic() + 30
+    while group_members(pids["node-c"]) or workload_processes(tmp_path):
+        assert time.monotonic() < deadline, workload_processes(tmp_path)
+        time.sleep(0.1)
+    assert list(standby.glob("*.standby")) == []

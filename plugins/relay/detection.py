@@ -155,6 +155,14 @@ class Detector:
                 )
         return None
 
+    def at_completion(self, obs: Observation) -> Fault | None:
+        """Return the fault a run that ended cleanly still had: a non-finite loss.
+
+        The ranks may finish a few steps after a NaN, before any poll saw it; the
+        run then "succeeded" with poisoned weights (and no final checkpoint).
+        """
+        return self._nan(obs) if FaultKind.NAN_LOSS in self.enabled else None
+
     def _nan(self, obs: Observation) -> Fault | None:
         if not self.cfg.nan_loss:
             return None

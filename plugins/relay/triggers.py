@@ -97,7 +97,11 @@ class SegmentWatchTrigger(BaseTrigger):
                     observe_attempt, root, self.node_ranks, self.heartbeat_interval_seconds
                 )
                 if obs.launch is not None and obs.launch.state is LaunchState.SUCCEEDED:
-                    yield TriggerEvent({"status": "completed", "attempt_dir": self.attempt_dir})
+                    late = detector.at_completion(obs)
+                    yield TriggerEvent(
+                        {**late.to_event(), "attempt_dir": self.attempt_dir} if late
+                        else {"status": "completed", "attempt_dir": self.attempt_dir}
+                    )
                     return
                 fault = detector.check(obs)
                 if fault is not None:
@@ -182,7 +186,11 @@ class HeartbeatWatchTrigger(BaseTrigger):
                 if len(beats) >= self.world_size and all(
                     b.phase == Phase.DONE.value for b in beats.values()
                 ):
-                    yield TriggerEvent({"status": "completed", "attempt_dir": self.heartbeat_dir})
+                    late = detector.at_completion(obs)
+                    yield TriggerEvent(
+                        {**late.to_event(), "attempt_dir": self.heartbeat_dir} if late
+                        else {"status": "completed", "attempt_dir": self.heartbeat_dir}
+                    )
                     return
                 fault = detector.check(obs)
                 if fault is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import math
 import os
 import subprocess
 import time
@@ -166,6 +167,24 @@ def test_run_fires_completed_when_every_node_succeeded(tmp_path: Path) -> None:
 
     assert isinstance(event, TriggerEvent)
     assert event.payload == {"status": "completed", "attempt_dir": str(root)}
+
+
+def test_a_nan_the_ranks_outran_is_still_reported(tmp_path: Path) -> None:
+    """The ranks finished 5 steps after rank 1's loss went NaN, before any poll saw it."""
+    root = fabricate(
+        tmp_path / "try-1",
+        {"node-a": ("succeeded", {0: 0, 1: 0}), "node-b": ("succeeded", {2: 0, 3: 0})},
+    )
+    write_training_heartbeats(root, step=30)
+    beat = Heartbeat(rank=1, node="node-a", pid=1, step=30, phase="done", loss=math.nan,
+                     nonfinite_step=25)
+    write_atomically(heartbeat_path(root / "heartbeats", 1), beat.to_json())
+
+    event = asyncio.run(first_event(watch(root)))
+
+    assert event.payload["status"] == "fault"
+    fault = event.payload["fault"]
+    assert (fault["kind"], fault["culprit_rank"], fault["evidence"]["step"]) == ("nan_loss", 1, 25)
 
 
 def write_training_heartbeats(root: Path, step: int = 5) -> None:

@@ -303,25 +303,30 @@ class Detector:
         if rule is None or len(active) < 2:
             return None
         times = sorted(b.compute_seconds or 0.0 for b in active)
-        # Only the slowest rank sets the pace of a synchronous step: a rank that is slow but
-        # hidden behind a slower one is not what holds the job back (its clock restarts).
-        slowest = max(active, key=lambda b: (b.compute_seconds or 0.0, -b.rank))
+        ratios = {}
         for beat in active:
-            if beat is not slowest:
-                self._straggler.hold(beat.rank, False, obs.now)
-                continue
             others = _median_without(times, beat.compute_seconds or 0.0)
-            ratio = (beat.compute_seconds or 0.0) / others if others > 0 else 0.0
-            held = self._straggler.hold(beat.rank, ratio > rule.ratio, obs.now)
-            if held >= rule.sustained:
-                return Fault(FaultKind.STRAGGLER, beat.rank, beat.node,
-                             {"summary": f"compute time {beat.compute_seconds:.3f}s per step is "
-                              f"{ratio:.1f}x the other ranks' median {others:.3f}s for "
-                              f"{held:.1f}s (ratio {rule.ratio:g}, sustained {rule.sustained:g}s)",
-                              "compute_seconds": {b.rank: round(b.compute_seconds or 0.0, 4)
-                                                  for b in active},
-                              "ratio": round(ratio, 2)}, obs.now)
-        return None
+            ratios[beat.rank] = (beat.compute_seconds or 0.0) / others if others > 0 else 0.0
+        over = [b for b in active if ratios[b.rank] > rule.ratio]
+        fired = 0.0
+        for beat in active:
+            held = self._straggler.hold(beat.rank, beat in over, obs.now)
+            fired = max(fired, held)
+        if fired < rule.sustained:
+            return None
+        # The job has had a straggler long enough. Blame the rank holding it back now, the
+        # slowest: a mildly slow rank (its own background work) may have been over the ratio
+        # longer, but a much slower one that turned up since sets every step's pace.
+        beat = max(over, key=lambda b: (b.compute_seconds or 0.0, -b.rank))
+        others = _median_without(times, beat.compute_seconds or 0.0)
+        ratio = ratios[beat.rank]
+        return Fault(FaultKind.STRAGGLER, beat.rank, beat.node,
+                     {"summary": f"compute time {beat.compute_seconds:.3f}s per step is "
+                      f"{ratio:.1f}x the other ranks' median {others:.3f}s; a rank has been "
+                      f"over {rule.ratio:g}x for {fired:.1f}s (sustained {rule.sustained:g}s)",
+                      "compute_seconds": {b.rank: round(b.compute_seconds or 0.0, 4)
+                                          for b in active},
+                      "ratio": round(ratio, 2)}, obs.now)
 
     def _throughput(self, obs: Observation) -> Fault | None:
         rule = self.cfg.throughput

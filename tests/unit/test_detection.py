@@ -397,9 +397,8 @@ def test_a_slower_rank_takes_the_blame_from_a_mildly_slow_one() -> None:
         lambda now, i: straggling(now, i, {0: 1.8, 3: 40.0}),
     )
     assert found is not None
-    when, fault = found
+    _, fault = found
     assert_fault(fault, FaultKind.STRAGGLER, 3, "node-b", "40.0x")
-    assert when - onset == pytest.approx(STRAGGLER.sustained)
 
 
 def test_straggler_that_recovers_resets_the_clock() -> None:

@@ -27,8 +27,9 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from training.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE, write_atomically
-from training.launch import LaunchConfig
+from training.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
 from training.standby import STANDBY_TTL_SECONDS, announce_ready, wait_for_launch
+from training.timing import ENV_SPAWNED_AT
 
 log = logging.getLogger("training.agent")
 
@@ -49,12 +50,13 @@ class NodeAgent:
         self.status_file = cfg.status_dir / f"{node}.json"
         self.procs: dict[int, BaseProcess] = {}
         self.stopping = False
+        self._error_tails: dict[int, str] = {}
 
     def preload(self) -> float:
         """Import what the ranks need, once, before forking them; return the seconds it took."""
         started = time.perf_counter()
         hosts_rank0 = self.cfg.global_rank(self.node, 0) == 0
-        preload_worker(publisher=hosts_rank0)
+        preload_worker(self.cfg.entrypoint, publisher=hosts_rank0)
         return time.perf_counter() - started
 
     def start_ranks(self) -> None:
@@ -64,11 +66,8 @@ class NodeAgent:
         for local_rank in range(self.cfg.ranks_per_node):
             rank = self.cfg.global_rank(self.node, local_rank)
             env = {
-                "RANK": str(rank),
-                "LOCAL_RANK": str(local_rank),
-                "WORLD_SIZE": str(self.cfg.world_size),
-                "OMP_NUM_THREADS": "1",
-                "RELAY_SPAWNED_AT": repr(time.time()),
+                **self.cfg.rank_environment(self.node, local_rank),
+                ENV_SPAWNED_AT: repr(time.time()),
                 ENV_NODE: self.node,
                 ENV_HEARTBEAT_DIR: str(self.cfg.heartbeat_dir),
                 ENV_HEARTBEAT_INTERVAL: str(self.cfg.heartbeat_interval_seconds),
@@ -92,10 +91,21 @@ class NodeAgent:
             "pgid": os.getpgid(0),
             "rank_pids": {str(r): p.pid for r, p in self.procs.items()},
             "exit_codes": {str(r): p.exitcode for r, p in self.procs.items()},
+            "errors": self._errors(),
             "wall_clock": time.time(),
         }
         self.cfg.status_dir.mkdir(parents=True, exist_ok=True)
         write_atomically(self.status_file, json.dumps(record))
+
+    def _errors(self) -> dict[str, str]:
+        """Return the last lines of each failed rank's log: the script's own error."""
+        errors = {}
+        for rank, proc in self.procs.items():
+            if proc.exitcode not in (None, 0):
+                if rank not in self._error_tails:
+                    self._error_tails[rank] = log_tail(self.cfg.log_dir / f"rank-{rank}.log")
+                errors[str(rank)] = self._error_tails[rank]
+        return errors
 
     def stop_ranks(self, reason: str) -> None:
         """Terminate the ranks still running: SIGTERM, then SIGKILL after a grace period."""
@@ -150,21 +160,39 @@ class NodeAgent:
         self.stopping = True
 
 
-def preload_worker(*, publisher: bool) -> None:
-    """Import the training loop and what it imports lazily, without running anything.
+def preload_worker(entrypoint: Entrypoint, *, publisher: bool) -> None:
+    """Import what the ranks need, without running anything: torch, the API, the example.
 
     Constructing a torch optimizer imports ``torch._dynamo`` (about a second of
-    CPU); MLflow is rank 0's, for publishing checkpoints. No thread is started
-    and no OpenMP region runs, so forking afterwards is safe.
+    CPU); MLflow is rank 0's, for publishing checkpoints. A user's module is not
+    imported (its top level is theirs to run, as ``__main__``, in the rank). No
+    thread is started, no OpenMP region runs and CUDA is not touched, so forking
+    afterwards is safe.
     """
+    import importlib
+
     import torch
 
-    import training.worker  # noqa: F401 - the import is the point
+    import training.api  # noqa: F401 - the import is the point
 
     torch.set_num_threads(1)
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    if entrypoint.module == BUILTIN_ENTRYPOINT:
+        importlib.import_module(BUILTIN_ENTRYPOINT)
     if publisher:
         import training.publish  # noqa: F401
+
+
+def log_tail(path: Path, lines: int = 12, max_chars: int = 4000) -> str:
+    """Return the last ``lines`` lines of a log file (empty if there is none)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 64 * 1024))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])[-max_chars:]
 
 
 def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
@@ -178,9 +206,7 @@ def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
     from training import worker
 
     try:
-        code = worker.main(["--launch", str(launch_file)])
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = worker.run_rank(launch_file)
     except BaseException:  # noqa: BLE001 - a rank's death must reach its log and exit code
         traceback.print_exc()
         code = 1
@@ -190,7 +216,8 @@ def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
 def run_standby(directory: Path, node: str, ttl_seconds: float) -> int:
     """Preload, wait to be claimed (see training.standby), then run as the node's agent."""
     started = time.perf_counter()
-    preload_worker(publisher=True)  # it may turn out to host rank 0
+    # It may turn out to host rank 0; the entrypoint is not known yet: preload the example's.
+    preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=True)
     preloaded = time.perf_counter() - started
     announce_ready(directory, node, preloaded)
     log.info("standby for %s: preloaded in %.2fs; waiting to be claimed", node, preloaded)

@@ -48,17 +48,28 @@ def _clone(obj: Any) -> Any:
     return obj
 
 
+def snapshot_state(state: dict[str, Any], step: int) -> dict[str, Any]:
+    """Copy ``state`` into fresh memory, with the step count and the RNG states.
+
+    ``step`` and ``rng`` are Relay's keys in a checkpoint; everything else is the script's.
+    """
+    reserved = {"step", "rng"} & state.keys()
+    if reserved:
+        raise ValueError(f"checkpoint state: keys {sorted(reserved)} are Relay's; rename them")
+    return {
+        "step": step,
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        **_clone(state),
+    }
+
+
 def snapshot(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, extra: dict[str, Any]
 ) -> dict[str, Any]:
-    """Copy everything needed to resume at ``step`` into fresh memory."""
-    return {
-        "step": step,
-        "model": _clone(model.state_dict()),
-        "optimizer": _clone(optimizer.state_dict()),
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        **_clone(extra),
-    }
+    """Copy a model's and optimizer's state (and ``extra``) to resume at ``step``."""
+    return snapshot_state(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extra}, step
+    )
 
 
 def load_verified(path: Path, expected_sha256: str) -> dict[str, Any]:
@@ -126,11 +137,14 @@ class Checkpointer:
         extra: dict[str, Any],
     ) -> SaveStats:
         """Checkpoint the state after ``step`` steps; return how long the loop was blocked."""
-        self._raise_if_failed()
         started = time.perf_counter()
-        state = snapshot(model, optimizer, step, extra)
-        self.submit(functools.partial(self._write_and_publish, state))
+        self.save_state(snapshot(model, optimizer, step, extra))
         return SaveStats(step=step, stall_seconds=time.perf_counter() - started)
+
+    def save_state(self, state: dict[str, Any]) -> None:
+        """Queue a snapshot made by :func:`snapshot_state` for writing and publishing."""
+        self._raise_if_failed()
+        self.submit(functools.partial(self._write_and_publish, state))
 
     def submit(self, work: Callable[[], None]) -> None:
         """Run ``work`` in order with the checkpoints (beside the loop when async)."""

@@ -14,6 +14,23 @@ from typing import Any
 LAUNCH_FILE = "launch.json"
 DRAIN_FILE = "drain.json"  # written by Relay: {"stop_at": STEP}; see training.worker
 FIRST_STEP_FILE = "first_step.json"  # written by rank 0 after its first step: {"step", "at"}
+RESULT_FILE = "result.json"  # written by rank 0 when the attempt ends: steps and loop time
+ENV_LAUNCH = "RELAY_LAUNCH"  # the launch file, for relay_train.init() in a rank
+BUILTIN_ENTRYPOINT = "training.examples.charlm"  # what a spec without an entrypoint runs
+
+
+@dataclass(frozen=True)
+class Entrypoint:
+    """The script a rank runs: a module (``python -m``) or a file, with its arguments."""
+
+    module: str | None = None
+    script: str | None = None
+    args: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """Return it as a command line would show it."""
+        head = f"-m {self.module}" if self.module else str(self.script)
+        return " ".join([head, *self.args])
 
 
 @dataclass(frozen=True)
@@ -51,6 +68,9 @@ class LaunchConfig:
     collective_timeout_seconds: float = 1800.0
     resume: ResumeFrom | None = None
     chaos: list[dict[str, Any]] = field(default_factory=list)
+    entrypoint: Entrypoint = field(default_factory=lambda: Entrypoint(BUILTIN_ENTRYPOINT))
+    backend: str = "auto"  # gloo | nccl | auto (NCCL when every local rank has a GPU)
+    deterministic: bool = True
 
     @property
     def world_size(self) -> int:
@@ -90,4 +110,27 @@ class LaunchConfig:
         """Read a launch file written by :meth:`write`."""
         raw = json.loads(path.read_text())
         resume = raw.pop("resume", None)
-        return cls(**raw, resume=ResumeFrom(**resume) if resume else None)
+        entry = raw.pop("entrypoint", None)
+        return cls(**raw, resume=ResumeFrom(**resume) if resume else None,
+                   entrypoint=Entrypoint(**entry) if entry else Entrypoint(BUILTIN_ENTRYPOINT))
+
+    def rank_environment(self, node: str, local_rank: int) -> dict[str, str]:
+        """Return what torchrun would set for this rank, plus Relay's own variables."""
+        node_rank = self.nodes.index(node)
+        rank = self.global_rank(node, local_rank)
+        world = str(self.world_size)
+        return {
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": world,
+            "LOCAL_WORLD_SIZE": str(self.ranks_per_node), "GROUP_RANK": str(node_rank),
+            "GROUP_WORLD_SIZE": str(len(self.nodes)), "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": world, "ROLE_NAME": "default", "NODE_RANK": str(node_rank),
+            "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
+            "TORCHELASTIC_RUN_ID": f"{self.job}-{self.segment}-{self.attempt}",
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "OMP_NUM_THREADS": "1",
+            ENV_LAUNCH: str(self.root / LAUNCH_FILE),
+            "RELAY_START_STEP": str(self.start_step), "RELAY_END_STEP": str(self.end_step),
+            "RELAY_ATTEMPT_DIR": str(self.root), "RELAY_SEGMENT": str(self.segment),
+            "RELAY_ATTEMPT": str(self.attempt),
+            "RELAY_RESUME_PATH": self.resume.path if self.resume else "",
+        }

@@ -1,20 +1,20 @@
-"""Run one rank of ``training.worker`` under torchrun (the goodput benchmark's baseline).
+"""Run one rank of a Relay launch file under torchrun (the goodput benchmark's baseline).
 
-torchrun sets RANK and its own rendezvous; the node a rank stands for follows
-from its rank, as in Relay's launcher (ranks_per_node ranks per node, in order).
+torchrun sets RANK and its own rendezvous (MASTER_ADDR/MASTER_PORT, read by
+``env://``); the node a rank stands for follows from its rank, as in Relay's
+launcher (ranks_per_node ranks per node, in order). The entrypoint is the
+launch file's, exactly as a Relay node agent would run it.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
 from pathlib import Path
 
-from training.heartbeat import ENV_NODE
-from training.launch import LaunchConfig
-from training.worker import ENV_INIT_METHOD, exit_now, train
+from training.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE
+from training.launch import ENV_LAUNCH, LaunchConfig
+from training.worker import exit_now, run_rank
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,16 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = LaunchConfig.read(args.launch)
     rank = int(os.environ["RANK"])
-    node = cfg.nodes[rank // cfg.ranks_per_node]
-    os.environ[ENV_NODE] = node
-    os.environ[ENV_INIT_METHOD] = "env://"
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s {node} rank{rank} %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    train(cfg, rank, node)
-    return 0
+    os.environ[ENV_NODE] = cfg.nodes[rank // cfg.ranks_per_node]
+    os.environ[ENV_LAUNCH] = str(args.launch)
+    os.environ[ENV_HEARTBEAT_DIR] = str(cfg.heartbeat_dir)
+    os.environ[ENV_HEARTBEAT_INTERVAL] = str(cfg.heartbeat_interval_seconds)
+    return run_rank(args.launch)
 
 
 if __name__ == "__main__":

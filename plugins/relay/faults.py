@@ -97,9 +97,15 @@ def classify_exit(status: LaunchStatus, node_ranks: dict[str, list[int]]) -> Fau
         if culprit_rank is not None
         else f"node agent failed: {details}"
     )
+    evidence: dict[str, Any] = {"summary": summary, "exit_codes": failed, "agents": details}
+    error = status.errors().get(culprit_rank) if culprit_rank is not None else None
+    if error:
+        last = next((line for line in reversed(error.splitlines()) if line.strip()), "")
+        evidence["summary"] = f"{summary}: {last.strip()}"
+        evidence["log_tail"] = error
     return Fault(
         kind=FaultKind.CRASH,
         culprit_rank=culprit_rank,
         culprit_node=culprit_node,
-        evidence={"summary": summary, "exit_codes": failed, "agents": details},
+        evidence=evidence,
     )

@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from relay.yamlsource import (
     ConfigError,
@@ -23,7 +24,9 @@ from relay.yamlsource import (
     model_problems,
     parse_duration,
 )
+from training.launch import BUILTIN_ENTRYPOINT, Entrypoint
 
+MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 JOB_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 POLICY_SUFFIXES = (".yaml", ".yml")
@@ -78,6 +81,35 @@ class OptimizerSpec(BaseModel):
     weight_decay: float = Field(0.01, strict=True, ge=0)
 
 
+class EntrypointSpec(BaseModel):
+    """The training script each rank runs: a module or a file, with its arguments."""
+
+    model_config = _FROZEN
+
+    module: str | None = Field(None, strict=True, pattern=MODULE_PATTERN)
+    script: str | None = Field(None, strict=True, min_length=1)
+    args: list[str] = Field(default_factory=list, strict=True)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> EntrypointSpec:
+        """Require a module or a script, not both."""
+        if (self.module is None) == (self.script is None):
+            found = "both" if self.module else "neither"
+            raise FieldValueError(
+                "exactly one of entrypoint.module or entrypoint.script", found,
+                "write e.g. entrypoint: {module: mypkg.train, args: [--lr, '3e-4']} or "
+                "entrypoint: {script: train.py}")
+        return self
+
+    def resolved(self, spec_file: Path) -> Entrypoint:
+        """Return it for the launch file, a relative script taken from the spec's folder."""
+        script = None
+        if self.script is not None:
+            path = Path(self.script).expanduser()
+            script = str(path if path.is_absolute() else Path(spec_file).parent / path)
+        return Entrypoint(module=self.module, script=script, args=list(self.args))
+
+
 class JobSpec(BaseModel):
     """One training job: what to train, how to cut it into segments, how to recover."""
 
@@ -99,6 +131,9 @@ class JobSpec(BaseModel):
     retry_delay: float = Field(2.0, ge=0)
     collective_timeout: float = Field(1800.0, gt=0)
     heartbeat_interval: float = Field(0.5, gt=0)
+    entrypoint: EntrypointSpec | None = None
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    deterministic: bool = Field(True, strict=True)
 
     @field_validator("retry_delay", "collective_timeout", "heartbeat_interval", mode="before")
     @classmethod
@@ -148,6 +183,12 @@ class JobSpec(BaseModel):
             for index, start in enumerate(starts)
         ]
 
+    def launch_entrypoint(self, spec_file: Path) -> Entrypoint:
+        """Return what the ranks run: the spec's entrypoint, or the built-in example."""
+        if self.entrypoint is None:
+            return Entrypoint(module=BUILTIN_ENTRYPOINT)
+        return self.entrypoint.resolved(spec_file)
+
     def policy_path(self, spec_file: Path) -> Path:
         """Return the policy file this job uses, relative paths taken from the spec's folder."""
         return resolve_policy(self.policy, spec_file)
@@ -193,6 +234,15 @@ FIXES: dict[str, str] = {
     "collective_timeout": (
         "set collective_timeout to a duration > 0 such as 30m or 1h, e.g. collective_timeout: 30m"
     ),
+    "entrypoint": (
+        "write entrypoint as a mapping with module or script, e.g. entrypoint: "
+        "{module: mypkg.train, args: [--lr, '3e-4']} or entrypoint: {script: train.py}"
+    ),
+    "entrypoint.module": "set entrypoint.module to a dotted module name, e.g. mypkg.train",
+    "entrypoint.script": "set entrypoint.script to a Python file, relative to this spec's folder",
+    "entrypoint.args": "write entrypoint.args as a list of strings, e.g. args: [--lr, '3e-4']",
+    "backend": "set backend to auto (NCCL on GPUs, else gloo), gloo or nccl",
+    "deterministic": "set deterministic to true (bit-exact resume) or false",
     "heartbeat_interval": (
         "set heartbeat_interval to a duration > 0 such as 0.5s or 500ms, "
         "e.g. heartbeat_interval: 0.5s"

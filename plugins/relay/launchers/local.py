@@ -56,6 +56,7 @@ class NodeStatus:
     exit_codes: dict[int, int | None] = field(default_factory=dict)
     detail: str = ""
     last_seen: float | None = None
+    errors: dict[int, str] = field(default_factory=dict)  # failed rank -> the end of its log
 
 
 @dataclass
@@ -64,6 +65,10 @@ class LaunchStatus:
 
     state: LaunchState
     nodes: dict[str, NodeStatus]
+
+    def errors(self) -> dict[int, str]:
+        """Return the end of each failed rank's log (its own error message)."""
+        return {r: t for n in self.nodes.values() for r, t in n.errors.items()}
 
     def failed_ranks(self) -> dict[int, int]:
         """Return exit codes of ranks that ended badly."""
@@ -240,7 +245,8 @@ class LocalLauncher:
             detail = ""
             if state in ("starting", "running") and not alive:
                 state, detail = "failed", "agent died without a final status (killed?)"
-            nodes[node] = NodeStatus(node, state, codes, detail, record.get("wall_clock"))
+            errors = {int(r): str(t) for r, t in (record.get("errors") or {}).items()}
+            nodes[node] = NodeStatus(node, state, codes, detail, record.get("wall_clock"), errors)
         if not nodes:
             return LaunchStatus(LaunchState.FAILED, {})
         states = {n.state for n in nodes.values()}

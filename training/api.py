@@ -1,0 +1,433 @@
+"""Relay's worker-side API: the only part of Relay a training script touches.
+
+A script written for ``torchrun`` runs under Relay with a few added lines::
+
+    import relay_train
+
+    session = relay_train.init()                 # under Relay: this segment's steps
+    dist.init_process_group(session.backend)     # or session.init_process_group()
+    model = DDP(model)
+    model.register_comm_hook(None, session.comm_hook())   # hangs get a culprit
+    session.track(lambda: {"model": model.module.state_dict(),
+                           "optimizer": optimizer.state_dict()})
+    if (state := session.resume_state()) is not None:     # sha256-verified
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    for step in session.steps():                 # [resume step, segment end)
+        loss = ...; loss.backward()
+        with session.update(step):               # weights and step count move together
+            optimizer.step()
+        session.report(step, loss=loss.item(), samples=batch_size)  # heartbeat, checkpoints
+    session.close()
+
+``report`` checkpoints the tracked state on the job's schedule (asynchronously:
+the loop blocks only for an in-memory copy), and answers Relay's rescue and
+drain requests from it, so 0 lost steps after a hang or a dead node holds for
+any script. Imports torch and the standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from training.chaos import ChaosMonkey
+from training.checkpoint import Checkpointer, load_verified, restore_rng, snapshot_state
+from training.heartbeat import ENV_NODE, HeartbeatWriter, Phase
+from training.launch import DRAIN_FILE, ENV_LAUNCH, FIRST_STEP_FILE, RESULT_FILE, LaunchConfig
+from training.manifest import CheckpointRef
+from training.reduce import comm_hook
+from training.rescue import RescueResponder, TrainingState
+from training.timing import Ewma, StartupClock
+
+log = logging.getLogger("relay_train")
+
+# The first steps of an attempt warm up (allocations, DDP's bucket rebuild after step one):
+# they are not the rank's natural pace, which chaos stragglers are scaled by.
+WARMUP_STEPS = 2
+
+StateFn = Callable[[], dict[str, Any]]
+
+
+class NotUnderRelayError(RuntimeError):
+    """The script was started without Relay's environment."""
+
+
+class Session:
+    """This rank's view of one segment attempt; made by :func:`init`."""
+
+    def __init__(self, cfg: LaunchConfig, rank: int, node: str) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.node = node
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.startup = StartupClock()
+        self._state_fn: StateFn | None = None
+        self._chaos = ChaosMonkey(cfg.chaos, segment=cfg.segment, attempt=cfg.attempt,
+                                  rank=rank, node=node, record_dir=cfg.root)
+        self._heartbeat = HeartbeatWriter(cfg.heartbeat_dir, rank, node,
+                                          cfg.heartbeat_interval_seconds, step=cfg.start_step)
+        self._training = TrainingState(cfg.start_step)
+        self._responder = RescueResponder(cfg.root, rank, self._training, self._snapshot)
+        self._drain = DrainRequest(cfg.root / DRAIN_FILE)
+        resume = cfg.resume
+        self._parent = CheckpointRef(resume.run_id, resume.step, resume.sha256) if resume else None
+        self._checkpointer: Checkpointer | None = None
+        self._sink: Any = None
+        self._metrics: list[tuple[int, dict[str, float], int]] = []
+        self._clock: dict[str, float] = {}
+        self._compute, self._natural, self._rate = Ewma(), Ewma(), Ewma()
+        self._injected = 0.0
+        self._last_step = cfg.start_step
+        self._loop_started: float | None = None
+        self._closed = False
+        self._chaos.at_startup()
+        self._heartbeat.start()
+        self._responder.start()
+        if rank == 0:
+            self._publisher()  # opens the tracking store beside the loop, long before a save
+
+    # -- where this segment starts and ends ------------------------------------------
+
+    @property
+    def start_step(self) -> int:
+        """Return the first step this attempt trains (the resume point)."""
+        return self.cfg.start_step
+
+    @property
+    def end_step(self) -> int:
+        """Return the step this segment ends at (exclusive)."""
+        return self.cfg.end_step
+
+    @property
+    def world_size(self) -> int:
+        """Return the number of ranks."""
+        return self.cfg.world_size
+
+    @property
+    def seed(self) -> int:
+        """Return the job's seed (from the spec)."""
+        return self.cfg.seed
+
+    @property
+    def job_config(self) -> dict[str, Any]:
+        """Return the spec's ``model``, ``data`` and ``optimizer`` sections (for examples)."""
+        return {"model": self.cfg.model, "data": self.cfg.data, "optimizer": self.cfg.optimizer}
+
+    @property
+    def backend(self) -> str:
+        """Return the process-group backend to use: ``nccl`` on GPUs, ``gloo`` on CPUs."""
+        from training.device import choose_backend
+
+        return choose_backend(self.cfg.backend)
+
+    def init_process_group(self) -> None:
+        """Join the job's process group (env://, the spec's backend and collective timeout)."""
+        dist.init_process_group(
+            self.backend, init_method="env://", rank=self.rank, world_size=self.world_size,
+            timeout=timedelta(seconds=self.cfg.collective_timeout_seconds),
+        )
+        self.startup.mark("rendezvous")
+
+    # -- state: resume, track, save ----------------------------------------------------
+
+    def resume_state(self, *, restore_rng_state: bool = True) -> dict[str, Any] | None:
+        """Return the verified state to resume from, or None when starting at step 0.
+
+        The file's sha256 is checked against its manifest and it is loaded with
+        ``weights_only=True``. The RNG states saved with it are restored.
+        """
+        resume = self.cfg.resume
+        if resume is None:
+            return None
+        state = load_verified(Path(resume.path), resume.sha256)
+        if int(state["step"]) != self.start_step:
+            raise RuntimeError(
+                f"checkpoint {resume.path}: expected step {self.start_step}, found "
+                f"{state['step']}; the launcher and the checkpoint disagree"
+            )
+        if restore_rng_state and "rng" in state:
+            restore_rng(state)
+        log.info("rank %d resumes from step %d (%s)", self.rank, self.start_step, resume.path)
+        self.startup.mark("restore")
+        return state
+
+    def track(self, state_fn: StateFn) -> None:
+        """Name the state to checkpoint and to hand over in a rescue (a function returning it).
+
+        It is called under the lock :meth:`update` holds, and its tensors are
+        copied at once, so it may return live ``state_dict()`` views.
+        """
+        self._state_fn = state_fn
+
+    def save(self, step: int, state: dict[str, Any] | None = None) -> float:
+        """Checkpoint ``state`` (or the tracked state) as of ``step`` steps; return the stall.
+
+        Rank 0 publishes (DDP replicas are identical); on other ranks this is a
+        no-op. Asynchronous: the loop waits only for an in-memory copy.
+        """
+        if self.rank != 0:
+            return 0.0
+        started = time.perf_counter()
+        if state is None:
+            state = self._tracked()
+        self._heartbeat.enter(Phase.CHECKPOINT)
+        self._publisher().save_state(snapshot_state(state, step))
+        return time.perf_counter() - started
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Return whether the job's schedule (or a drain) checkpoints after ``step`` steps."""
+        return (step % self.cfg.checkpoint_every == 0
+                or step in (self.end_step, self._drain.last))
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def steps(self) -> Iterator[int]:
+        """Yield this attempt's steps; stop early when Relay drains the attempt."""
+        self._heartbeat.beat(step=self.start_step)
+        self._loop_started = time.perf_counter()
+        for step in range(self.start_step, self.end_step):
+            stop_at = self._drain.stop_at()
+            if stop_at is not None and step >= stop_at:
+                log.warning("rank %d drained at step %d", self.rank, step)
+                return
+            self._chaos.before_step(step)
+            self._heartbeat.enter(Phase.COMPUTE)
+            self._clock.clear()
+            self._clock["started"] = time.perf_counter()
+            self._injected = self._chaos.delay(step, self._natural.value or 0.0)
+            yield step
+
+    def comm_hook(self, *, ordered: bool = True) -> Any:  # noqa: ANN401 - DDP's hook type
+        """Return a DDP comm hook that marks the collective phase (and sums in rank order).
+
+        ``ordered=True`` makes the gradient sum independent of DDP's bucket
+        layout, which bit-exact resume needs; ``False`` uses the backend's
+        all-reduce.
+        """
+        return comm_hook(self.enter_collective, ordered=ordered)
+
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """Mark a collective outside DDP (``with session.collective(): dist.all_reduce(t)``)."""
+        self.enter_collective()
+        yield
+
+    def enter_collective(self) -> None:
+        """Mark the end of this step's local compute (once per step)."""
+        if "compute_done" not in self._clock:
+            from training.device import wait_for_compute
+
+            wait_for_compute()  # on CUDA: kernels still queued are compute, not collective
+            self._clock["compute_done"] = time.perf_counter()
+            self._heartbeat.enter(Phase.COLLECTIVE)
+
+    @contextlib.contextmanager
+    def update(self, step: int) -> Iterator[None]:
+        """Hold the rescue lock around the weight update of ``step``."""
+        with self._training.lock:
+            yield
+            self._training.completed = step + 1
+
+    def report(self, step: int, *, loss: float | None = None, samples: int = 0) -> None:
+        """Report ``step`` done: heartbeat, metrics, and a checkpoint when one is due."""
+        if loss is not None:
+            loss = float(self._chaos.corrupt_loss(step, loss))
+        done = time.perf_counter()
+        started = self._clock.get("started", done)
+        computed = self._clock.get("compute_done", done) - started
+        if step >= self.start_step + WARMUP_STEPS:
+            self._natural.add(computed - self._injected)
+        rate = self._rate.add(samples * self.world_size / max(done - started, 1e-9))
+        self._heartbeat.beat(step=step + 1, compute_seconds=self._compute.add(computed),
+                             samples_per_second=rate, loss=loss)
+        self._last_step = step + 1
+        newly_poisoned = loss is not None and not math.isfinite(loss) and self._training.finite
+        if newly_poisoned:
+            self._training.finite = False
+            self._heartbeat.flush_now()  # the first rank to report it is the culprit
+        if step == self.start_step:
+            self._first_step(step)
+        if self.rank != 0:
+            return
+        if loss is not None:
+            self._metrics.append((step + 1, {"loss": loss, "samples_per_second": rate},
+                                  int(time.time() * 1000)))
+        if self._state_fn is not None and self.checkpoint_due(step + 1):
+            self._checkpoint(step + 1, loss)
+
+    def close(self) -> None:
+        """Finish: publish every pending checkpoint, write the result, stop the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        self._responder.close()
+        if self._checkpointer is not None:
+            self._flush_metrics()
+            self._checkpointer.close()
+        if self.rank == 0 and self._loop_started is not None:
+            seconds = time.perf_counter() - self._loop_started
+            steps = self._last_step - self.start_step
+            result = {"steps": steps, "loop_seconds": seconds,
+                      "steps_per_second": steps / seconds if seconds > 0 else 0.0}
+            (self.cfg.root / RESULT_FILE).write_text(json.dumps(result))
+        self._heartbeat.close()
+        _keep_ddp_alive()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def finish_publishing(self, timeout_seconds: float = 10.0) -> None:
+        """After a failure: let checkpoints already saved reach MLflow before the rank dies.
+
+        A peer's crash ends this rank's loop within milliseconds, often while the
+        checkpoint of a few steps ago is still uploading. SIGTERM is ignored
+        meanwhile (the node agent SIGKILLs after its grace period anyway).
+        """
+        if self._checkpointer is None or self._closed:
+            return
+        self._closed = True
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            self._checkpointer.close(timeout_seconds)
+        except Exception:  # noqa: BLE001 - the rank is failing already; say why and go on
+            log.exception("rank %d: checkpoints still unpublished at exit", self.rank)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _first_step(self, step: int) -> None:
+        self.startup.mark("first step")
+        log.info("rank %d productive after %s", self.rank, self.startup.summary())
+        if self.rank == 0:  # when the attempt became productive (time to resume)
+            first = {"step": step + 1, "at": time.time()}
+            (self.cfg.root / FIRST_STEP_FILE).write_text(json.dumps(first))
+
+    def _checkpoint(self, step: int, loss: float | None) -> None:
+        if not self._training.finite:
+            log.error("step %d: loss is not finite; not checkpointing poisoned weights", step)
+            return
+        stall = self.save(step)
+        log.info("step %d loss %s checkpoint stall %.4fs", step,
+                 "-" if loss is None else f"{loss:.4f}", stall)
+        self._flush_metrics()
+
+    def _flush_metrics(self) -> None:
+        batch, self._metrics = self._metrics, []
+        if batch:
+            publisher, sink = self._publisher(), self._sink
+            publisher.submit(lambda: _log_metrics(sink, batch))
+
+    def _tracked(self) -> dict[str, Any]:
+        if self._state_fn is None:
+            raise RuntimeError(
+                "relay_train: nothing to checkpoint. Expected session.track(fn) or "
+                "session.save(step, state); found neither. Call session.track(lambda: "
+                "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}).")
+        return self._state_fn()
+
+    def _snapshot(self, step: int) -> dict[str, Any]:
+        """Rescue: the tracked state after ``step`` steps (called under the update lock)."""
+        return snapshot_state(self._tracked(), step)
+
+    def _publisher(self) -> Checkpointer:
+        if self._checkpointer is None:
+            from training.publish import MlflowCheckpointSink  # rank 0 only
+
+            self._sink = MlflowCheckpointSink(self.cfg.tracking_uri, self.cfg.run_id)
+            self._checkpointer = Checkpointer(
+                self._sink, self.cfg.root / "staging", job=self.cfg.job,
+                world_size=self.cfg.world_size, parent=self._parent)
+            self._checkpointer.submit(self._sink.connect)  # off the loop's thread
+        return self._checkpointer
+
+
+class DrainRequest:
+    """Relay's request to stop at a given step after checkpointing (checkpoint_and_migrate).
+
+    Relay picks a step at least two ahead of the fastest rank; ranks never drift
+    more than one step apart (every step ends in an all-reduce), so every rank
+    reads the request before reaching that step and all stop at the same one.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.last: int | None = None
+
+    def stop_at(self) -> int | None:
+        """Return the step to stop at, once requested (one stat() per step otherwise)."""
+        if self.last is None and self.path.exists():
+            try:
+                self.last = int(json.loads(self.path.read_text())["stop_at"])
+            except (OSError, ValueError, KeyError, TypeError):
+                return None  # being written: read it next step
+        return self.last
+
+
+# Freeing DDP's reducer can deadlock with gloo: ~ProcessGroupGloo waits for a work thread
+# that needs the GIL to free the last all-gather's tensors, while the freeing thread holds
+# it (seen as a rank stuck at exit after its segment). close() keeps every DDP module
+# referenced here, and the rank leaves through os._exit (training.worker) without freeing them.
+_KEEP_ALIVE: list[Any] = []
+
+
+def _keep_ddp_alive() -> None:
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    _KEEP_ALIVE.extend(o for o in gc.get_objects() if isinstance(o, DistributedDataParallel))
+
+
+def _log_metrics(sink: Any, batch: list[tuple[int, dict[str, float], int]]) -> None:  # noqa: ANN401
+    for step, values, timestamp_ms in batch:
+        sink.log_metrics(step, values, timestamp_ms)
+
+
+_SESSION: Session | None = None
+
+
+def init() -> Session:
+    """Return this rank's session (made once per process from Relay's environment)."""
+    global _SESSION
+    if _SESSION is None:
+        launch = os.environ.get(ENV_LAUNCH)
+        if not launch:
+            raise NotUnderRelayError(
+                f"relay_train: expected the {ENV_LAUNCH} environment variable a Relay node "
+                "agent sets; found none. Run this script through a Relay job spec "
+                "(entrypoint: {script: ...}), or run the plain script with torchrun.")
+        _SESSION = Session(LaunchConfig.read(Path(launch)), int(os.environ["RANK"]),
+                           os.environ[ENV_NODE])
+    return _SESSION
+
+
+def current() -> Session | None:
+    """Return the session :func:`init` made in this process, if any."""
+    return _SESSION
+
+
+def seed_step(seed: int, step: int, rank: int) -> int:
+    """Seed torch and Python's RNGs as a function of (seed, step, rank); return the seed.
+
+    Opt-in determinism: data order and dropout that depend only on these three
+    survive any resume unchanged.
+    """
+    import random
+
+    from training.data import mix_seed
+
+    value = mix_seed(seed, step, rank)
+    torch.manual_seed(value)
+    random.seed(value)
+    return value

@@ -1,0 +1,1 @@
+"""Training scripts that use Relay's public worker API, and nothing else of Relay's."""

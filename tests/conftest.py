@@ -20,6 +20,8 @@ os.environ["RELAY_HOME"] = str(_HOME)
 os.environ.pop("RELAY_JOBS_DIR", None)
 os.environ.pop("RELAY_MLFLOW_TRACKING_URI", None)
 
+pytest.register_assert_rewrite("airflow_jobs")
+
 from processes import workload_processes  # noqa: E402
 
 from relay.airflow_env import airflow_env  # noqa: E402 - needs RELAY_HOME set first

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from airflow_jobs import assert_same_bits, fault_records, final_state, prepare_jobs, run_job
 from processes import workload_processes
 
-from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
-from relay.demo import run_dag_test
-from relay.lineage import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, Lineage
+from relay.airflow_env import airflow_bin
+from relay.lineage import TAG_OUTCOME, TAG_SEGMENT, Lineage
 from relay.settings import REPO_ROOT
 
 pytestmark = pytest.mark.integration
@@ -48,50 +46,17 @@ def _workload_processes(home: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def airflow_job(relay_home: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Write the test job spec and prepare the Airflow database; return the environment."""
-    jobs = tmp_path_factory.mktemp("jobs")
-    (jobs / "e2e.yaml").write_text(JOB)
-    os.environ["RELAY_JOBS_DIR"] = str(jobs)
-    env = airflow_env(relay_home)
-    ensure_airflow_db(env, relay_home / "logs" / "airflow-db.log")
-    return env
+    return prepare_jobs(relay_home, tmp_path_factory.mktemp("jobs"), {"e2e": JOB})
 
 
 def _run(env: dict[str, str], relay_home: Path, conf: dict[str, Any], name: str) -> str:
-    """Run one DAG run to the end; return its parent MLflow run id."""
-    log_file = relay_home / "logs" / f"{name}.log"
-    proc = run_dag_test(DAG_ID, conf, env, log_file)
-    try:
-        code = proc.wait(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert code == 0, f"airflow dags test failed; see {log_file}:\n" + log_file.read_text()[-4000:]
-    lineage = Lineage.from_settings()
-    runs = lineage.client.search_runs(
-        [lineage.experiment_id("e2e")], filter_string=f"tags.`{TAG_DAG_ID}` = '{DAG_ID}'",
-        order_by=["attributes.start_time DESC"], max_results=1,
-    )
-    return str(runs[0].info.run_id)
+    return run_job(env, relay_home, "e2e", conf, name)
 
 
 def _final_state(lineage: Lineage, parent: str, where: Path) -> dict[str, Any]:
-    chain = lineage.chain(parent)
-    steps = [m.step for m in chain]
-    assert steps[0] == 90 and steps[-1] == 10, f"chain must run from 90 back to 10: {steps}"
-    assert steps == sorted(steps, reverse=True)
-    assert chain[-1].parent is None
-    verified = lineage.latest_valid_checkpoint(parent, where)
-    assert verified is not None and verified.manifest.step == 90
-    return torch.load(verified.path, weights_only=True)
-
-
-def _assert_same_bits(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert a["model"].keys() == b["model"].keys()
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), f"weights differ at {key}"
-    for pa, pb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(),
-                      strict=True):
-        assert all(torch.equal(pa[k], pb[k]) for k in pa), "optimizer state differs"
+    state = final_state(lineage, parent, where, [90, 10])
+    assert lineage.chain(parent)[-1].parent is None
+    return state
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +89,7 @@ def test_crashed_and_retried_run_equals_uninterrupted_run_bit_for_bit(
     assert fault["culprit_rank"] == 1
     assert fault["culprit_node"] == "node-a"
 
-    _assert_same_bits(clean_run, _final_state(lineage, faulty, tmp_path / "faulty"))
+    assert_same_bits(clean_run, _final_state(lineage, faulty, tmp_path / "faulty"))
     assert _workload_processes(relay_home) == [], "no workload process may outlive its DAG run"
 
     # Re-running a finished segment in the same DAG run is a no-op: the latest
@@ -149,22 +114,12 @@ THREE_FAULTS = [
 ]
 
 
-def _decisions(lineage: Lineage, parent: str, where: Path) -> dict[str, dict[str, Any]]:
-    found = {}
-    for child in lineage.child_runs(parent):
-        if child.data.tags[TAG_OUTCOME] == "fault":
-            path = lineage.client.download_artifacts(child.info.run_id, "decision.json",
-                                                     str(where / child.info.run_id))
-            found[child.data.tags[TAG_SEGMENT]] = json.loads(Path(path).read_text())
-    return found
-
-
 def test_stalled_rank_dead_node_and_straggler_recover_on_healthy_nodes_bit_for_bit(
     airflow_job: dict[str, str], relay_home: Path, tmp_path: Path, clean_run: dict[str, Any]
 ) -> None:
     lineage = Lineage.from_settings()
     faulty = _run(airflow_job, relay_home, {"chaos": THREE_FAULTS}, "three-faults")
-    records = _decisions(lineage, faulty, tmp_path)
+    records = fault_records(lineage, faulty, tmp_path)
     assert sorted(records) == ["0", "1", "2"]
     hang, node, slow = records["0"], records["1"], records["2"]
     policy_sha = hashlib.sha256((REPO_ROOT / "policies" / "default.yaml").read_bytes()).hexdigest()
@@ -211,5 +166,5 @@ def test_stalled_rank_dead_node_and_straggler_recover_on_healthy_nodes_bit_for_b
     assert "Decision by rules.hang" in log
     assert "Segment 1 fault: node_unresponsive (node node-a)" in log
 
-    _assert_same_bits(clean_run, _final_state(lineage, faulty, tmp_path / "faulty"))
+    assert_same_bits(clean_run, _final_state(lineage, faulty, tmp_path / "faulty"))
     assert _workload_processes(relay_home) == [], "stopped (SIGSTOP) processes must not survive"

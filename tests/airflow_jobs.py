@@ -1,0 +1,79 @@
+"""Running a job spec through `airflow dags test` and reading what it left in MLflow."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relay.airflow_env import airflow_env, ensure_airflow_db
+from relay.demo import run_dag_test
+from relay.lineage import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, Lineage
+
+
+def prepare_jobs(relay_home: Path, folder: Path, specs: dict[str, str]) -> dict[str, str]:
+    """Write job specs into ``folder``, point Relay at it, migrate Airflow; return the env."""
+    for name, text in specs.items():
+        (folder / f"{name}.yaml").write_text(text)
+    os.environ["RELAY_JOBS_DIR"] = str(folder)
+    env = airflow_env(relay_home)
+    ensure_airflow_db(env, relay_home / "logs" / "airflow-db.log")
+    return env
+
+
+def run_job(env: dict[str, str], relay_home: Path, job: str, conf: dict[str, Any],
+            name: str, *, expect_success: bool = True) -> str:
+    """Run one DAG run of ``job`` to the end; return its parent MLflow run id."""
+    dag_id = f"relay_{job}"
+    log_file = relay_home / "logs" / f"{name}.log"
+    proc = run_dag_test(dag_id, conf, env, log_file)
+    try:
+        code = proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if expect_success:
+        assert code == 0, f"airflow dags test failed; see {log_file}:\n" + \
+            log_file.read_text()[-4000:]
+    lineage = Lineage.from_settings()
+    runs = lineage.client.search_runs(
+        [lineage.experiment_id(job)], filter_string=f"tags.`{TAG_DAG_ID}` = '{dag_id}'",
+        order_by=["attributes.start_time DESC"], max_results=1,
+    )
+    return str(runs[0].info.run_id)
+
+
+def final_state(lineage: Lineage, parent: str, where: Path, steps: list[int]) -> dict[str, Any]:
+    """Check the checkpoint chain runs through ``steps`` (newest first); load the newest."""
+    chain = [m.step for m in lineage.chain(parent)]
+    assert chain[0] == steps[0] and chain[-1] == steps[-1], f"unexpected chain {chain}"
+    assert chain == sorted(chain, reverse=True)
+    verified = lineage.latest_valid_checkpoint(parent, where)
+    assert verified is not None and verified.manifest.step == steps[0]
+    return torch.load(verified.path, weights_only=True)
+
+
+def assert_same_bits(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Assert two checkpoints hold identical weights and optimizer state."""
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), f"weights differ at {key}"
+    for pa, pb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(),
+                      strict=True):
+        assert all(torch.equal(pa[k], pb[k]) for k in pa), "optimizer state differs"
+
+
+def fault_records(lineage: Lineage, parent: str, where: Path) -> dict[str, dict[str, Any]]:
+    """Return each faulty attempt's decision.json, by segment."""
+    found = {}
+    for child in lineage.child_runs(parent):
+        if child.data.tags[TAG_OUTCOME] == "fault":
+            path = lineage.client.download_artifacts(child.info.run_id, "decision.json",
+                                                     str(where / child.info.run_id))
+            found[child.data.tags[TAG_SEGMENT]] = json.loads(Path(path).read_text())
+    return found
+
+

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from training.chaos import ChaosMonkey
 from training.checkpoint import Checkpointer, load_verified, restore_rng, snapshot
 from training.data import CharStream, load_corpus, mix_seed
+from training.device import setup_rank_device, wait_for_compute
 from training.heartbeat import ENV_NODE, HeartbeatWriter, Phase
 from training.launch import DRAIN_FILE, FIRST_STEP_FILE, LaunchConfig
 from training.manifest import CheckpointRef
@@ -60,10 +61,11 @@ def ordered_allreduce_hook(
     # DDP inspects the hook's annotations at runtime, and with postponed
     # evaluation they are strings it rejects; so this one stays unannotated.
     def hook(_state, bucket):  # noqa: ANN001, ANN202
+        buf = bucket.buffer()
         if "compute_done" not in clock:
+            wait_for_compute(buf.device)  # CUDA: a rank stalled in a kernel stays in "compute"
             clock["compute_done"] = time.perf_counter()
             heartbeat.enter(Phase.COLLECTIVE)
-        buf = bucket.buffer()
         world = dist.get_world_size()
         parts = [torch.empty_like(buf) for _ in range(world)]
         fut = dist.all_gather(parts, buf, async_op=True).get_future()
@@ -127,8 +129,12 @@ def train(
         cfg.heartbeat_dir, rank, node, cfg.heartbeat_interval_seconds, step=cfg.start_step
     )
     heartbeat.start()
+    placed = setup_rank_device(
+        cfg.backend, local_rank=int(os.environ.get("LOCAL_RANK", rank % cfg.ranks_per_node)),
+        local_world_size=cfg.ranks_per_node, deterministic=cfg.deterministic,
+    )
     dist.init_process_group(
-        "gloo",
+        placed.backend,
         # torchrun (the benchmark's baseline) hands out its own rendezvous: env://
         init_method=os.environ.get(ENV_INIT_METHOD) or f"tcp://{cfg.master_addr}:{cfg.master_port}",
         rank=rank,
@@ -137,7 +143,7 @@ def train(
     )
     startup.mark("rendezvous")
     model_cfg = ModelConfig(**cfg.model)
-    model = build_model(model_cfg, cfg.seed)
+    model = build_model(model_cfg, cfg.seed).to(placed.device)
     optimizer = torch.optim.AdamW(model.parameters(), **cfg.optimizer)
     parent: CheckpointRef | None = None
     if cfg.resume is not None:
@@ -158,7 +164,9 @@ def train(
     # One bucket for all gradients, so the hook fires once, when backward is done;
     # no buffer sync in forward (the only buffer is a constant mask), so the forward pass
     # holds no collective and "compute" really is local work.
-    ddp = DistributedDataParallel(model, bucket_cap_mb=1024, forward_sync_buffers=False)
+    ddp = DistributedDataParallel(
+        model, bucket_cap_mb=1024, forward_sync_buffers=False, **placed.ddp_kwargs
+    )
     _KEEP_ALIVE.append(ddp)  # see exit_now()
     ddp.register_comm_hook(None, ordered_allreduce_hook(heartbeat, clock))
     stream = CharStream(
@@ -193,7 +201,7 @@ def train(
             break
         chaos.before_step(step)
         torch.manual_seed(mix_seed(cfg.seed, step, rank))
-        inputs, targets = stream.batch(step, rank)
+        inputs, targets = (t.to(placed.device) for t in stream.batch(step, rank))
         heartbeat.enter(Phase.COMPUTE)
         clock.clear()
         started = time.perf_counter()

@@ -164,6 +164,7 @@ class TrainSegmentOperator(RelayOperator):
             attempt_dir=str(attempt_dir), attempt=try_number, segment=index,
             heartbeat_interval_seconds=spec.heartbeat_interval,
             collective_timeout_seconds=spec.collective_timeout, resume=resume, chaos=chaos,
+            backend=spec.backend, deterministic=spec.deterministic,
         )
         LocalLauncher().launch(cfg, standby_dir=seg_dir / STANDBY_DIR)
         log.info("Segment %d try %d: steps [%d, %d) on %s; MLflow child run %s; attempt folder %s",

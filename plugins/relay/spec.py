@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -99,6 +100,8 @@ class JobSpec(BaseModel):
     retry_delay: float = Field(2.0, ge=0)
     collective_timeout: float = Field(1800.0, gt=0)
     heartbeat_interval: float = Field(0.5, gt=0)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # see training/device.py
+    deterministic: bool = Field(True, strict=True)  # bit-exact resume (deterministic GPU kernels)
 
     @field_validator("retry_delay", "collective_timeout", "heartbeat_interval", mode="before")
     @classmethod
@@ -196,6 +199,13 @@ FIXES: dict[str, str] = {
     "heartbeat_interval": (
         "set heartbeat_interval to a duration > 0 such as 0.5s or 500ms, "
         "e.g. heartbeat_interval: 0.5s"
+    ),
+    "backend": (
+        "set backend to auto (NCCL when every rank of a node gets a GPU, else gloo), "
+        "gloo or nccl, e.g. backend: auto"
+    ),
+    "deterministic": (
+        "set deterministic to true (bit-exact resume; deterministic GPU kernels) or false"
     ),
 }
 

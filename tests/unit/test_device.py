@@ -231,3 +231,61 @@ def test_wait_for_compute_is_a_no_op_on_cpu(monkeypatch: pytest.MonkeyPatch) -> 
     cuda = FakeCuda(2).install(monkeypatch)
     dev.wait_for_compute(torch.device("cpu"))
     assert cuda.synchronized == []
+
+
+# -- the node agent uses both ----------------------------------------------------------
+
+
+class RecordingContext:
+    """A multiprocessing context that records the ranks it would start (nothing runs)."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.envs: list[dict[str, str]] = []
+
+    def Process(self, target: Any, args: tuple, name: str) -> Any:  # noqa: ANN401, N802
+        envs = self.envs
+
+        class Proc:
+            pid = 0
+            exitcode = None
+
+            def start(self) -> None:
+                envs.append(args[0])
+
+        return Proc()
+
+
+@pytest.mark.parametrize(("initialized", "method"), [(False, "fork"), (True, "spawn")])
+def test_agent_starts_ranks_with_the_device_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, initialized: bool, method: str
+) -> None:
+    """FAKE CUDA for the spawn case: an agent with CUDA up spawns; every rank gets FR/NCCL env."""
+    import multiprocessing
+
+    from training.agent import NodeAgent
+    from training.launch import LaunchConfig
+
+    FakeCuda(2, initialized=initialized).install(monkeypatch)
+    contexts: list[RecordingContext] = []
+
+    def get_context(name: str) -> RecordingContext:
+        contexts.append(RecordingContext(name))
+        return contexts[-1]
+
+    monkeypatch.setattr(multiprocessing, "get_context", get_context)
+    cfg = LaunchConfig(
+        job="t", seed=1, model={}, data={}, optimizer={}, start_step=0, end_step=10,
+        checkpoint_every=5, nodes=["node-a", "node-b"], ranks_per_node=2,
+        master_addr="127.0.0.1", master_port=1, tracking_uri="sqlite:///x.db", run_id="r",
+        attempt_dir=str(tmp_path), attempt=1, segment=0, backend="auto", deterministic=True,
+    )
+    NodeAgent(cfg, tmp_path / "launch.json", "node-b").start_ranks()
+    [context] = contexts
+    assert context.method == method
+    assert [e["RANK"] for e in context.envs] == ["2", "3"]
+    for env in context.envs:
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+        assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "flight_recorder" / "rank_")
+    assert (tmp_path / "flight_recorder").is_dir()

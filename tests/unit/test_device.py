@@ -289,3 +289,44 @@ def test_agent_starts_ranks_with_the_device_environment(
         assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
         assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "flight_recorder" / "rank_")
     assert (tmp_path / "flight_recorder").is_dir()
+
+
+def test_comm_hook_fences_compute_before_flipping_to_collective(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Real 1-rank gloo group; the fence is recorded (on CPU it would be a no-op anyway).
+
+    The order is the point: the rank must still say "compute" while it waits for
+    its kernels, and "collective" only after.
+    """
+    from datetime import timedelta
+
+    from relay.launchers.local import free_port
+    from training import worker
+    from training.heartbeat import Phase
+
+    events: list[str] = []
+
+    class Heartbeat:
+        def enter(self, phase: Phase) -> None:
+            events.append(f"enter {phase.value}")
+
+    monkeypatch.setattr(worker, "wait_for_compute",
+                        lambda device: events.append(f"fence {device.type}"))
+
+    class Bucket:
+        def buffer(self) -> torch.Tensor:
+            return torch.tensor([2.0, 4.0])
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1, timeout=timedelta(seconds=30))
+    try:
+        clock: dict[str, float] = {}
+        hook = worker.ordered_allreduce_hook(Heartbeat(), clock)  # type: ignore[arg-type]
+        averaged = hook(None, Bucket()).wait()
+        hook(None, Bucket()).wait()  # a second bucket in the same step: no second fence
+    finally:
+        dist.destroy_process_group()
+    assert events == ["fence cpu", "enter collective"]
+    assert "compute_done" in clock
+    assert averaged.tolist() == [2.0, 4.0]

@@ -10,16 +10,16 @@ fake nvidia-smi: they check the doctor's reasoning, not a GPU.
 from __future__ import annotations
 
 import sqlite3
-import threading
 import time
 from collections.abc import Iterator
 from email.utils import formatdate
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from local_http import serving
 
 from relay import cli, doctor
 from relay.doctor import Check, Status
@@ -134,12 +134,8 @@ def http_server() -> Iterator[tuple[str, dict[str, float]]]:
         def log_message(self, *_: object) -> None:
             pass
 
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}", shift
-    server.shutdown()
-    server.server_close()
+    with serving(Handler) as url:
+        yield url, shift
 
 
 def test_clock_in_step_with_the_mlflow_server(

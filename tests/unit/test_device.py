@@ -330,3 +330,33 @@ def test_comm_hook_fences_compute_before_flipping_to_collective(
     assert events == ["fence cpu", "enter collective"]
     assert "compute_done" in clock
     assert averaged.tolist() == [2.0, 4.0]
+
+
+def test_spawned_rank_refuses_forced_nccl_on_cpu_with_the_fix_in_its_log(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Real: the agent spawns (as it would once CUDA is up) a real rank; no fake CUDA.
+
+    ``backend: nccl`` on this CPU machine must end the rank at once with exit code
+    1 and the expected/found/fix message in its log, never a hang.
+    """
+    from training import agent
+    from training.launch import LaunchConfig
+
+    monkeypatch.setattr(agent, "rank_start_method", lambda: "spawn")
+    cfg = LaunchConfig(
+        job="t", seed=1, model={}, data={}, optimizer={}, start_step=0, end_step=10,
+        checkpoint_every=5, nodes=["node-a"], ranks_per_node=1, master_addr="127.0.0.1",
+        master_port=1, tracking_uri="sqlite:///x.db", run_id="r", attempt_dir=str(tmp_path),
+        attempt=1, segment=0, backend="nccl",
+    )
+    launch = tmp_path / "launch.json"
+    cfg.write(launch)
+    node = agent.NodeAgent(cfg, launch, "node-a")
+    node.start_ranks()
+    [proc] = node.procs.values()
+    proc.join(120)
+    assert proc.exitcode == 1
+    log = (tmp_path / "logs" / "rank-0.log").read_text()
+    assert "backend: nccl: expected a CUDA build of torch with NCCL" in log
+    assert "fix:" in log

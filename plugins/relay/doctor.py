@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import queue
 import shutil
 import socket
 import subprocess
@@ -156,7 +157,7 @@ def check_allreduce(backend: str, world: int = 2,
         while len(answers) < world and time.monotonic() < deadline:
             try:
                 rank, value, error = results.get(timeout=0.5)
-            except Exception:  # noqa: BLE001 - queue.Empty; keep waiting until the deadline
+            except queue.Empty:
                 if all(p.exitcode is not None for p in procs):
                     break
                 continue

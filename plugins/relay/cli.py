@@ -96,7 +96,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from relay import doctor
     from relay.yamlsource import parse_duration
 
-    return doctor.main(gpus=args.gpus, max_skew_seconds=parse_duration(args.max_skew))
+    try:
+        max_skew = parse_duration(args.max_skew)
+    except ValueError as err:
+        print(f"relay doctor --max-skew: {err}", file=sys.stderr)
+        return 2
+    return doctor.main(gpus=args.gpus, max_skew_seconds=max_skew)
 
 
 def _cmd_chaos(args: argparse.Namespace) -> int:

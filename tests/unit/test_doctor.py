@@ -199,3 +199,8 @@ def test_master_addr(monkeypatch: pytest.MonkeyPatch) -> None:
     assert doctor.check_master_addr().status is Status.OK
     bad = doctor.check_master_addr("no-such-host.invalid")
     assert bad.status is Status.FAIL and "does not resolve" in bad.detail
+
+
+def test_bad_max_skew_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["doctor", "--max-skew", "soon"]) == 2
+    assert "relay doctor --max-skew: expected a duration" in capsys.readouterr().err

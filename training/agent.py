@@ -26,6 +26,7 @@ import traceback
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+from training.device import FLIGHT_RECORDER_DIR, rank_environment, rank_start_method
 from training.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE, write_atomically
 from training.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
 from training.standby import STANDBY_TTL_SECONDS, announce_ready, wait_for_launch
@@ -60,9 +61,13 @@ class NodeAgent:
         return time.perf_counter() - started
 
     def start_ranks(self) -> None:
-        """Fork one worker process per local rank."""
+        """Fork one worker process per local rank (spawn if preloading touched CUDA)."""
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
-        context = multiprocessing.get_context("fork")
+        (self.cfg.root / FLIGHT_RECORDER_DIR).mkdir(parents=True, exist_ok=True)
+        context = multiprocessing.get_context(rank_start_method())
+        device_env = rank_environment(
+            self.cfg.backend, self.cfg.root, deterministic=self.cfg.deterministic
+        )
         for local_rank in range(self.cfg.ranks_per_node):
             rank = self.cfg.global_rank(self.node, local_rank)
             env = {
@@ -71,6 +76,7 @@ class NodeAgent:
                 ENV_NODE: self.node,
                 ENV_HEARTBEAT_DIR: str(self.cfg.heartbeat_dir),
                 ENV_HEARTBEAT_INTERVAL: str(self.cfg.heartbeat_interval_seconds),
+                **device_env,
             }
             log_file = self.cfg.log_dir / f"rank-{rank}.log"
             sys.stdout.flush()

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from training.chaos import ChaosMonkey
 from training.checkpoint import Checkpointer, load_verified, restore_rng, snapshot_state
+from training.device import RankDevice, setup_rank_device, wait_for_compute
 from training.heartbeat import ENV_NODE, HeartbeatWriter, Phase
 from training.launch import DRAIN_FILE, ENV_LAUNCH, FIRST_STEP_FILE, RESULT_FILE, LaunchConfig
 from training.manifest import CheckpointRef
@@ -75,6 +76,7 @@ class Session:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.startup = StartupClock()
         self._state_fn: StateFn | None = None
+        self._placement: RankDevice | None = None
         self._chaos = ChaosMonkey(cfg.chaos, segment=cfg.segment, attempt=cfg.attempt,
                                   rank=rank, node=node, record_dir=cfg.root)
         self._heartbeat = HeartbeatWriter(cfg.heartbeat_dir, rank, node,
@@ -127,11 +129,28 @@ class Session:
         return {"model": self.cfg.model, "data": self.cfg.data, "optimizer": self.cfg.optimizer}
 
     @property
+    def placement(self) -> RankDevice:
+        """Return where this rank computes: backend, device, DDP arguments (set up once)."""
+        if self._placement is None:
+            self._placement = setup_rank_device(
+                self.cfg.backend, local_rank=self.local_rank,
+                local_world_size=self.cfg.ranks_per_node, deterministic=self.cfg.deterministic)
+        return self._placement
+
+    @property
     def backend(self) -> str:
         """Return the process-group backend to use: ``nccl`` on GPUs, ``gloo`` on CPUs."""
-        from training.device import choose_backend
+        return self.placement.backend
 
-        return choose_backend(self.cfg.backend)
+    @property
+    def device(self) -> torch.device:
+        """Return this rank's device: ``cuda:LOCAL_RANK`` with NCCL, else the CPU."""
+        return self.placement.device
+
+    @property
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """Return the DDP arguments for this rank's device (``device_ids`` on CUDA)."""
+        return dict(self.placement.ddp_kwargs)
 
     def init_process_group(self) -> None:
         """Join the job's process group (env://, the spec's backend and collective timeout)."""
@@ -228,9 +247,7 @@ class Session:
     def enter_collective(self) -> None:
         """Mark the end of this step's local compute (once per step)."""
         if "compute_done" not in self._clock:
-            from training.device import wait_for_compute
-
-            wait_for_compute()  # on CUDA: kernels still queued are compute, not collective
+            wait_for_compute(self.device)  # on CUDA: queued kernels are compute, not collective
             self._clock["compute_done"] = time.perf_counter()
             self._heartbeat.enter(Phase.COLLECTIVE)
 
@@ -384,9 +401,9 @@ _KEEP_ALIVE: list[Any] = []
 def _keep_ddp_alive() -> None:
     import gc
 
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import DistributedDataParallel as Ddp
 
-    _KEEP_ALIVE.extend(o for o in gc.get_objects() if isinstance(o, DistributedDataParallel))
+    _KEEP_ALIVE.extend(o for o in gc.get_objects() if isinstance(o, Ddp))
 
 
 def _log_metrics(sink: Any, batch: list[tuple[int, dict[str, float], int]]) -> None:  # noqa: ANN401

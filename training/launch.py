@@ -66,6 +66,8 @@ class LaunchConfig:
     segment: int
     heartbeat_interval_seconds: float = 0.5
     collective_timeout_seconds: float = 1800.0
+    backend: str = "auto"  # auto | gloo | nccl, resolved per rank by training.device
+    deterministic: bool = True
     resume: ResumeFrom | None = None
     chaos: list[dict[str, Any]] = field(default_factory=list)
     entrypoint: Entrypoint = field(default_factory=lambda: Entrypoint(BUILTIN_ENTRYPOINT))

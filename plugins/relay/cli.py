@@ -92,6 +92,18 @@ def _cmd_bench_watcher(args: argparse.Namespace) -> int:
     return bench_main(ranks=args.ranks, seconds=args.seconds)
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from relay import doctor
+    from relay.yamlsource import parse_duration
+
+    try:
+        max_skew = parse_duration(args.max_skew)
+    except ValueError as err:
+        print(f"relay doctor --max-skew: {err}", file=sys.stderr)
+        return 2
+    return doctor.main(gpus=args.gpus, max_skew_seconds=max_skew)
+
+
 def _cmd_chaos(args: argparse.Namespace) -> int:
     from relay import chaos
 
@@ -254,6 +266,15 @@ def build_parser() -> argparse.ArgumentParser:
         target.add_argument("--dag", help="newest running attempt of this DAG (default: any)")
         target.add_argument("--attempt-dir", help="the attempt folder to act on")
         cmd.set_defaults(func=_cmd_chaos)
+
+    doctor = sub.add_parser("doctor", help="check this machine: GPUs, NCCL, a 2-rank all-reduce, "
+                            "clock skew, the rendezvous address; exit 1 if something is broken")
+    doctor.add_argument("--gpus", type=int, default=0,
+                        help="fail unless at least this many GPUs are usable (default 0)")
+    doctor.add_argument("--max-skew", default="2s",
+                        help="largest clock difference to the MLflow server / Airflow DB "
+                        "(default %(default)s)")
+    doctor.set_defaults(func=_cmd_doctor)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     ckpt = bench.add_parser("checkpoint", help="loop stall per checkpoint, async vs sync")

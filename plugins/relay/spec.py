@@ -132,8 +132,8 @@ class JobSpec(BaseModel):
     collective_timeout: float = Field(1800.0, gt=0)
     heartbeat_interval: float = Field(0.5, gt=0)
     entrypoint: EntrypointSpec | None = None
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    deterministic: bool = Field(True, strict=True)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # see training/device.py
+    deterministic: bool = Field(True, strict=True)  # bit-exact resume (deterministic GPU kernels)
 
     @field_validator("retry_delay", "collective_timeout", "heartbeat_interval", mode="before")
     @classmethod
@@ -241,11 +241,16 @@ FIXES: dict[str, str] = {
     "entrypoint.module": "set entrypoint.module to a dotted module name, e.g. mypkg.train",
     "entrypoint.script": "set entrypoint.script to a Python file, relative to this spec's folder",
     "entrypoint.args": "write entrypoint.args as a list of strings, e.g. args: [--lr, '3e-4']",
-    "backend": "set backend to auto (NCCL on GPUs, else gloo), gloo or nccl",
-    "deterministic": "set deterministic to true (bit-exact resume) or false",
     "heartbeat_interval": (
         "set heartbeat_interval to a duration > 0 such as 0.5s or 500ms, "
         "e.g. heartbeat_interval: 0.5s"
+    ),
+    "backend": (
+        "set backend to auto (NCCL when every rank of a node gets a GPU, else gloo), "
+        "gloo or nccl, e.g. backend: auto"
+    ),
+    "deterministic": (
+        "set deterministic to true (bit-exact resume; deterministic GPU kernels) or false"
     ),
 }
 

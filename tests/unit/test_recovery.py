@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
+from local_http import serving
 
 from relay.decide import Decision
 from relay.recovery import notify
@@ -37,12 +37,8 @@ def webhook() -> Any:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}/hook", received
-    server.shutdown()
-    server.server_close()
+    with serving(Handler) as url:
+        yield f"{url}/hook", received
 
 
 def test_escalation_posts_the_decision_to_the_webhook(

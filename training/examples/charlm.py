@@ -25,7 +25,7 @@ def main() -> None:
     session.init_process_group()
     config = session.job_config
     model_cfg = ModelConfig(**config["model"])
-    model = build_model(model_cfg, session.seed)
+    model = build_model(model_cfg, session.seed).to(session.device)
     optimizer = torch.optim.AdamW(model.parameters(), **config["optimizer"])
     session.track(lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
     state = session.resume_state()
@@ -34,13 +34,14 @@ def main() -> None:
         optimizer.load_state_dict(state["optimizer"])
     # One bucket for all gradients, so the hook fires once, when backward is done; no buffer
     # sync in forward (the only buffer is a constant mask), so "compute" is local work only.
-    ddp = DistributedDataParallel(model, bucket_cap_mb=1024, forward_sync_buffers=False)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1024, forward_sync_buffers=False,
+                                  **session.ddp_kwargs)
     ddp.register_comm_hook(None, session.comm_hook(ordered=True))
     stream = CharStream(load_corpus(config["data"]["corpus"]), model_cfg.context,
                         config["data"]["batch_size"], session.seed)
     for step in session.steps():
         relay_train.seed_step(session.seed, step, session.rank)
-        inputs, targets = stream.batch(step, session.rank)
+        inputs, targets = (t.to(session.device) for t in stream.batch(step, session.rank))
         logits = ddp(inputs)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
         optimizer.zero_grad(set_to_none=True)

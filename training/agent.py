@@ -26,6 +26,7 @@ import traceback
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+from training.evidence import flight_recorder_environment
 from training.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE, write_atomically
 from training.launch import LaunchConfig
 from training.standby import STANDBY_TTL_SECONDS, announce_ready, wait_for_launch
@@ -72,6 +73,7 @@ class NodeAgent:
                 ENV_NODE: self.node,
                 ENV_HEARTBEAT_DIR: str(self.cfg.heartbeat_dir),
                 ENV_HEARTBEAT_INTERVAL: str(self.cfg.heartbeat_interval_seconds),
+                **flight_recorder_environment(),  # read by init_process_group
             }
             log_file = self.cfg.log_dir / f"rank-{rank}.log"
             sys.stdout.flush()

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from training.chaos import ChaosMonkey
 from training.checkpoint import Checkpointer, load_verified, restore_rng, snapshot
 from training.data import CharStream, load_corpus, mix_seed
+from training.evidence import EvidenceResponder
 from training.heartbeat import ENV_NODE, HeartbeatWriter, Phase
 from training.launch import DRAIN_FILE, FIRST_STEP_FILE, LaunchConfig
 from training.manifest import CheckpointRef
@@ -127,6 +128,8 @@ def train(
         cfg.heartbeat_dir, rank, node, cfg.heartbeat_interval_seconds, step=cfg.start_step
     )
     heartbeat.start()
+    evidence = EvidenceResponder(cfg.root, rank, node)  # stacks + collective trace, on request
+    evidence.start()
     dist.init_process_group(
         "gloo",
         # torchrun (the benchmark's baseline) hands out its own rendezvous: env://
@@ -250,6 +253,7 @@ def train(
 
     loop_seconds = time.perf_counter() - loop_started
     responder.close()
+    evidence.close()
     if checkpointer is not None:
         checkpointer.close()
         steps = end_step - cfg.start_step

@@ -72,6 +72,15 @@ def armed_path(folder: Path, rank: int) -> Path:
     return folder / f"faulthandler-rank-{rank}.armed.json"
 
 
+def process_start(pid: int) -> str | None:
+    """Return when process ``pid`` started (clock ticks since boot), to tell a reused pid apart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the name before ")" may hold spaces
+
+
 def flight_recorder_environment() -> dict[str, str]:
     """Return the environment a rank needs for the Flight Recorder (a user's own value wins)."""
     return {ENV_FR_BUFFER: os.environ.get(ENV_FR_BUFFER, str(FR_BUFFER_ENTRIES))}
@@ -98,9 +107,8 @@ def thread_stacks(skip_current: bool = True) -> list[dict[str, Any]]:
 
 def flight_recorder_dumps() -> tuple[dict[str, Any] | None, bytes | None]:
     """Return this process's Flight Recorder trace as parsed JSON and as torch's pickle."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
+    dist = sys.modules.get("torch.distributed")  # never imported: no group (and no import)
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
         return None, None
     from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
 
@@ -176,7 +184,8 @@ class EvidenceResponder:
                               all_threads=True, chain=False)
         # Armed: who may signal (this pid, from this host only; the default action kills).
         write_atomically(armed_path(self.dir, self.rank), json.dumps(
-            {"pid": os.getpid(), "host": socket.gethostname(), "signal": FAULTHANDLER_SIGNAL}))
+            {"pid": os.getpid(), "started": process_start(os.getpid()),
+             "host": socket.gethostname(), "signal": FAULTHANDLER_SIGNAL}))
 
     def _request(self) -> str | None:
         try:

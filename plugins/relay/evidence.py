@@ -37,6 +37,7 @@ from training.evidence import (
     answer_path,
     armed_path,
     faulthandler_path,
+    process_start,
     trace_path,
 )
 from training.heartbeat import write_atomically
@@ -92,13 +93,16 @@ def _answer(request: EvidenceRequest, rank: int) -> dict[str, Any] | None:
     return record if record.get("request") == request.request_id else None
 
 
-def _signal_faulthandler(folder: Path, rank: int) -> bool:
+def signal_faulthandler(folder: Path, rank: int) -> bool:
     """Ask a silent rank's faulthandler for its stacks; only a local, armed process."""
     try:
         armed = json.loads(armed_path(folder, rank).read_text())
+        pid = int(armed["pid"])
         if armed["host"] != socket.gethostname():
             return False  # another machine's pid: the node agent's job, not ours
-        os.kill(int(armed["pid"]), int(armed["signal"]))
+        if armed["started"] is None or process_start(pid) != armed["started"]:
+            return False  # gone, and the pid may be someone else's now: its default is to die
+        os.kill(pid, int(armed["signal"]))
     except (OSError, ValueError, KeyError, TypeError):
         return False
     return True
@@ -120,7 +124,7 @@ def collect_evidence(request: EvidenceRequest, timeout_seconds: float) -> Eviden
             break
         if now >= fallback_at:
             signalled |= {r for r in silent if r not in signalled
-                          and _signal_faulthandler(request.folder, r)}
+                          and signal_faulthandler(request.folder, r)}
         time.sleep(POLL_SECONDS)
     traces = {}
     for rank in answers:

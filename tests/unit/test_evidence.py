@@ -20,7 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from relay.evidence import ask_for_evidence, collect_evidence, evidence_summary
+from relay.evidence import (
+    ask_for_evidence,
+    collect_evidence,
+    evidence_summary,
+    signal_faulthandler,
+)
 from relay.faults import Fault, FaultKind
 from training.evidence import (
     EVIDENCE_DIR,
@@ -29,6 +34,7 @@ from training.evidence import (
     answer_path,
     armed_path,
     flight_recorder_environment,
+    process_start,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -220,3 +226,15 @@ def test_flight_recorder_shows_the_collective_a_rank_waits_in(tmp_path: Path) ->
          str(tmp_path / EVIDENCE_DIR / FR_DIR)], capture_output=True, text=True, timeout=300)
     assert analyzer.returncode == 0, analyzer.stderr[-3000:]
     assert "missing ranks: {1}" in analyzer.stdout + analyzer.stderr
+
+
+def test_a_pid_that_may_have_been_reused_is_never_signalled(tmp_path: Path) -> None:
+    folder = tmp_path / EVIDENCE_DIR
+    folder.mkdir()
+    armed = {"pid": os.getpid(), "host": socket.gethostname(), "signal": int(signal.SIGUSR2)}
+    for started in ("0", None):  # another process's start time, or none known
+        armed_path(folder, 0).write_text(json.dumps({**armed, "started": started}))
+        assert not signal_faulthandler(folder, 0)  # SIGUSR2's default action would end us
+    armed_path(folder, 0).write_text(json.dumps({**armed, "host": "elsewhere",
+                                                 "started": process_start(os.getpid())}))
+    assert not signal_faulthandler(folder, 0)

@@ -187,6 +187,11 @@ def test_stalled_rank_dead_node_and_straggler_recover_on_healthy_nodes_bit_for_b
     assert hang["rescued"]["rank"] != 2
     assert node["rescued"]["rank"] not in (0, 1)  # node-a's ranks were frozen
 
+    # Before each stop the ranks said where they were; a frozen node's ranks were skipped.
+    assert "chaos_hang_forever" in hang["fault"]["evidence"]["stacks"][0]["threads"]["main"][-1]
+    assert node["fault"]["evidence"]["stacks_missing_ranks"] == [0, 1]
+    assert sorted(s["rank"] for s in node["fault"]["evidence"]["stacks"]) == [2, 3]
+
     assert slow["fault"]["kind"] == "straggler"
     assert slow["fault"]["culprit_rank"] == 3
     assert slow["decision"]["action"] == "checkpoint_and_migrate"

@@ -8,16 +8,12 @@ stacks and Flight Recorder trace are collected into ``fault.json``.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Any
 
 import pytest
+from airflow_jobs import run_job, use_jobs
 
-from relay.airflow_env import airflow_env, ensure_airflow_db
-from relay.demo import run_dag_test
-from relay.lineage import TAG_DAG_ID, TAG_OUTCOME, Lineage
-from relay.nodes import NodePool
+from relay.lineage import TAG_OUTCOME, Lineage
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +30,6 @@ data: {corpus: "builtin:python_docs", batch_size: 8}
 retries: 2
 retry_delay: 1s
 """
-DAG_ID = "relay_evidence"
 HANG = {"kind": "hang", "segment": 0, "step": 12, "rank": 1, "attempt": 1}
 
 
@@ -42,40 +37,20 @@ HANG = {"kind": "hang", "segment": 0, "step": 12, "rank": 1, "attempt": 1}
 def env(relay_home: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     jobs = tmp_path_factory.mktemp("evidence-jobs")
     (jobs / "evidence.yaml").write_text(JOB)
-    os.environ["RELAY_JOBS_DIR"] = str(jobs)
-    pool = NodePool()
-    for node in pool.quarantines():  # earlier tests' quarantines: start from a healthy pool
-        pool.release(node)
-    environment = airflow_env(relay_home)
-    ensure_airflow_db(environment, relay_home / "logs" / "airflow-db.log")
-    return environment
-
-
-def _fault_run(lineage: Lineage) -> Any:  # noqa: ANN401 - an MLflow Run
-    runs = lineage.client.search_runs(
-        [lineage.experiment_id("evidence")], filter_string=f"tags.`{TAG_DAG_ID}` = '{DAG_ID}'",
-        order_by=["attributes.start_time DESC"], max_results=1,
-    )
-    children = lineage.child_runs(str(runs[0].info.run_id))
-    faulty = [c for c in children if c.data.tags[TAG_OUTCOME] == "fault"]
-    assert len(faulty) == 1, [c.data.tags for c in children]
-    return faulty[0]
+    return use_jobs(relay_home, jobs)
 
 
 def test_the_hang_fault_carries_the_culprits_stack_and_the_collective_trace(
     env: dict[str, str], relay_home: Path, tmp_path: Path
 ) -> None:
-    log_file = relay_home / "logs" / "hang-evidence.log"
-    proc = run_dag_test(DAG_ID, {"chaos": [HANG]}, env, log_file)
-    try:
-        code = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert code == 0, f"airflow dags test failed; see {log_file}:\n" + log_file.read_text()[-4000:]
+    code, parent = run_job(env, relay_home, "evidence", {"chaos": [HANG]}, "hang-evidence")
+    log = (relay_home / "logs" / "hang-evidence.log").read_text()
+    assert code == 0, f"airflow dags test failed:\n{log[-4000:]}"
     lineage = Lineage.from_settings()
-    run = _fault_run(lineage)
-    run_id = run.info.run_id
+    children = lineage.child_runs(parent)
+    faulty = [c for c in children if c.data.tags[TAG_OUTCOME] == "fault"]
+    assert len(faulty) == 1, [c.data.tags for c in children]
+    run_id = faulty[0].info.run_id
     fault = json.loads(Path(lineage.client.download_artifacts(
         run_id, "fault.json", str(tmp_path))).read_text())
     assert (fault["kind"], fault["culprit_rank"]) == ("hang", 1)
@@ -100,4 +75,4 @@ def test_the_hang_fault_carries_the_culprits_stack_and_the_collective_trace(
     # The raw files are in the run too, for the stacks of every thread and torch's analyzer.
     listed = {a.path for a in lineage.client.list_artifacts(run_id, "evidence")}
     assert {"evidence/rank-1.json", "evidence/fr-rank-0.json", "evidence/fr"} <= listed
-    assert "Where it stopped: rank 1 in chaos_hang_forever" in log_file.read_text()
+    assert "Where it stopped: rank 1 in chaos_hang_forever" in log

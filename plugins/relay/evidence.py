@@ -77,11 +77,16 @@ def ask_for_evidence(attempt_dir: Path, fault: Fault, world_size: int) -> Eviden
     if fault.kind not in EVIDENCE_KINDS:
         return None
     folder = attempt_dir / EVIDENCE_DIR
-    folder.mkdir(parents=True, exist_ok=True)
     request = EvidenceRequest(folder, uuid.uuid4().hex, list(range(world_size)))
-    write_atomically(folder / REQUEST_FILE, json.dumps(
-        {"id": request.request_id, "fault": fault.kind.value,
-         "culprit_rank": fault.culprit_rank, "at": time.time()}))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomically(folder / REQUEST_FILE, json.dumps(
+            {"id": request.request_id, "fault": fault.kind.value,
+             "culprit_rank": fault.culprit_rank, "at": time.time()}))
+    except OSError as exc:  # evidence helps the on-call engineer; it never holds up recovery
+        log.warning("Could not ask the ranks for their stacks in %s (%s); going on without",
+                    folder, exc)
+        return None
     return request
 
 
@@ -235,12 +240,17 @@ def evidence_summary(evidence: Evidence, culprit: int | None) -> dict[str, Any]:
 def attach_evidence(fault_record: dict[str, Any], evidence: Evidence,
                     lineage: Any, run_id: str) -> None:  # noqa: ANN401
     """Add the summary to a fault record's evidence; log the ranks' files to its MLflow run."""
-    culprit = fault_record.get("culprit_rank")
-    summary = evidence_summary(evidence, culprit)
+    try:
+        summary = evidence_summary(evidence, fault_record.get("culprit_rank"))
+    except (KeyError, TypeError, AttributeError) as exc:  # a rank's record not as expected
+        summary = {"evidence_error": f"unreadable rank record ({exc!r}); see {EVIDENCE_DIR}/"}
     fault_record["evidence"].update(summary)
-    log.warning("Where it stopped: %s (evidence from %d of %d ranks in %.2fs)", summary["where"],
-                len(evidence.answers) + len(evidence.fallback_stacks),
-                len(evidence.answers) + len(evidence.fallback_stacks) + len(evidence.missing),
+    answered = len(evidence.answers) + len(evidence.fallback_stacks)
+    log.warning("Where it stopped: %s (evidence from %d of %d ranks in %.2fs)",
+                summary.get("where", "unknown"), answered, answered + len(evidence.missing),
                 evidence.seconds)
-    # Everything the ranks wrote, under evidence/ in the attempt's run.
-    lineage.log_folder(run_id, evidence.folder, EVIDENCE_DIR)
+    try:  # everything the ranks wrote, under evidence/ in the attempt's run
+        lineage.log_folder(run_id, evidence.folder, EVIDENCE_DIR)
+    except Exception as exc:  # noqa: BLE001 - the fault record must still be written
+        log.warning("Could not log %s to MLflow run %s (%s); the files stay there",
+                    evidence.folder, run_id, exc)

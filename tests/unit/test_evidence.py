@@ -22,11 +22,13 @@ import pytest
 
 from relay.evidence import (
     ask_for_evidence,
+    attach_evidence,
     collect_evidence,
     evidence_summary,
     signal_faulthandler,
 )
 from relay.faults import Fault, FaultKind
+from relay.lineage import Lineage
 from training.evidence import (
     EVIDENCE_DIR,
     FR_DIR,
@@ -36,6 +38,7 @@ from training.evidence import (
     flight_recorder_environment,
     process_start,
 )
+from training.publish import mlflow_retrying
 
 REPO = Path(__file__).resolve().parents[2]
 # Generous: the machine is shared; a bound only matters for ranks that never answer.
@@ -238,3 +241,20 @@ def test_a_pid_that_may_have_been_reused_is_never_signalled(tmp_path: Path) -> N
     armed_path(folder, 0).write_text(json.dumps({**armed, "host": "elsewhere",
                                                  "started": process_start(os.getpid())}))
     assert not signal_faulthandler(folder, 0)
+
+
+def test_an_mlflow_failure_never_loses_the_fault_record(tmp_path: Path) -> None:
+    responder = EvidenceResponder(tmp_path, 0, "node-a", poll_seconds=0.02)
+    responder.start()
+    try:
+        evidence = collect_evidence(ask_for_evidence(tmp_path, _hang(0), 1), ANSWER_TIMEOUT)
+    finally:
+        responder.close()
+    (tmp_path / "not-a-folder").write_text("")  # the store's folder cannot be created
+    lineage = Lineage(f"sqlite:///{tmp_path}/not-a-folder/mlflow.db", tmp_path / "artifacts",
+                      retrying=mlflow_retrying(attempts=1))
+    record = _hang(0).to_event()["fault"]
+    attach_evidence(record, evidence, lineage, "run-id")
+    assert record["evidence"]["summary"] == "stuck"
+    assert record["evidence"]["stacks"][0]["rank"] == 0
+    assert answer_path(tmp_path / EVIDENCE_DIR, 0).exists()  # the files stay for the on-call

@@ -98,37 +98,52 @@ def _answer(request: EvidenceRequest, rank: int) -> dict[str, Any] | None:
     return record if record.get("request") == request.request_id else None
 
 
-def signal_faulthandler(folder: Path, rank: int) -> bool:
-    """Ask a silent rank's faulthandler for its stacks; only a local, armed process."""
+def _local_rank(folder: Path, rank: int) -> dict[str, Any] | None:
+    """Return the armed record of a rank on this host (pid, start time, signal), if any."""
     try:
         armed = json.loads(armed_path(folder, rank).read_text())
-        pid = int(armed["pid"])
-        if armed["host"] != socket.gethostname():
-            return False  # another machine's pid: the node agent's job, not ours
-        if armed["started"] is None or process_start(pid) != armed["started"]:
-            return False  # gone, and the pid may be someone else's now: its default is to die
-        os.kill(pid, int(armed["signal"]))
+    except (OSError, ValueError):
+        return None
+    local = isinstance(armed, dict) and armed.get("host") == socket.gethostname()
+    return armed if local and armed.get("started") is not None else None
+
+
+def _exited(folder: Path, rank: int) -> bool:
+    """Return whether a rank on this host is gone (it can answer nothing: never wait for it)."""
+    armed = _local_rank(folder, rank)
+    return armed is not None and process_start(int(armed["pid"])) != armed["started"]
+
+
+def signal_faulthandler(folder: Path, rank: int) -> bool:
+    """Ask a silent rank's faulthandler for its stacks; only a local, armed, living process."""
+    armed = _local_rank(folder, rank)  # another host's pid is its node agent's business
+    if armed is None or _exited(folder, rank):
+        return False  # gone, and the pid may be someone else's now: SIGUSR2's default kills
+    try:
+        os.kill(int(armed["pid"]), int(armed["signal"]))
     except (OSError, ValueError, KeyError, TypeError):
         return False
     return True
 
 
 def collect_evidence(request: EvidenceRequest, timeout_seconds: float) -> Evidence:
-    """Gather the answers until all ranks answered or ``timeout_seconds`` after the request."""
+    """Gather the answers until every living rank answered, or ``timeout_seconds`` passed."""
     deadline = request.asked_at + timeout_seconds
     fallback_at = request.asked_at + timeout_seconds / 2
     answers: dict[int, dict[str, Any]] = {}
     signalled: set[int] = set()
+    exited: set[int] = set()
     while True:
         for rank in request.ranks:
             if rank not in answers and (record := _answer(request, rank)) is not None:
                 answers[rank] = record
         silent = [r for r in request.ranks if r not in answers]
+        exited = {r for r in silent if _exited(request.folder, r)}
         now = time.monotonic()
-        if not silent or now >= deadline:
+        if not set(silent) - exited or now >= deadline:
             break
         if now >= fallback_at:
-            signalled |= {r for r in silent if r not in signalled
+            signalled |= {r for r in silent if r not in signalled | exited
                           and signal_faulthandler(request.folder, r)}
         time.sleep(POLL_SECONDS)
     traces = {}
@@ -143,6 +158,8 @@ def collect_evidence(request: EvidenceRequest, timeout_seconds: float) -> Eviden
         if text.strip():
             fallback[rank] = text
     missing = [r for r in request.ranks if r not in answers and r not in fallback]
+    if exited:
+        log.info("Rank(s) %s had exited: no stacks to ask them for", sorted(exited))
     seconds = time.monotonic() - request.asked_at
     if missing:
         log.warning("No stacks from rank(s) %s within %.1fs (stopped or frozen?); skipped",

@@ -258,3 +258,13 @@ def test_an_mlflow_failure_never_loses_the_fault_record(tmp_path: Path) -> None:
     assert record["evidence"]["summary"] == "stuck"
     assert record["evidence"]["stacks"][0]["rank"] == 0
     assert answer_path(tmp_path / EVIDENCE_DIR, 0).exists()  # the files stay for the on-call
+
+
+def test_a_rank_that_has_exited_is_not_waited_for(tmp_path: Path) -> None:
+    proc = _start_rank(tmp_path, 0, "sleep")
+    proc.kill()
+    proc.wait()
+    request = ask_for_evidence(tmp_path, _hang(0), world_size=1)
+    evidence = collect_evidence(request, timeout_seconds=120)
+    assert evidence.answers == {} and evidence.missing == [0]
+    assert evidence.seconds < 120, "a rank that is gone must not be waited for"

@@ -139,7 +139,7 @@ def test_a_stopped_rank_is_skipped_within_the_bound(tmp_path: Path) -> None:
     try:
         request = ask_for_evidence(tmp_path, Fault(FaultKind.RANK_UNRESPONSIVE, 1, "node-b", {}),
                                    world_size=2)
-        evidence = collect_evidence(request, timeout_seconds=1.0)
+        evidence = collect_evidence(request, timeout_seconds=3.0)  # rank 0 answers meanwhile
     finally:
         responder.close()
         proc.kill()

@@ -30,7 +30,9 @@ data: {corpus: "builtin:python_docs", batch_size: 8}
 retries: 2
 retry_delay: 1s
 """
-HANG = {"kind": "hang", "segment": 0, "step": 12, "rank": 1, "attempt": 1}
+# Whichever attempt first reaches step 12: on a loaded machine an earlier attempt may end
+# in a false alarm (a straggler) before it gets there.
+HANG = {"kind": "hang", "segment": 0, "step": 12, "rank": 1, "attempt": None, "once": True}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,8 @@ def test_the_hang_fault_carries_the_culprits_stack_and_the_collective_trace(
     assert code == 0, f"airflow dags test failed:\n{log[-4000:]}"
     lineage = Lineage.from_settings()
     children = lineage.child_runs(parent)
-    faulty = [c for c in children if c.data.tags[TAG_OUTCOME] == "fault"]
+    faulty = [c for c in children if c.data.tags[TAG_OUTCOME] == "fault"
+              and c.data.tags["relay.fault_kind"] == "hang"]
     assert len(faulty) == 1, [c.data.tags for c in children]
     run_id = faulty[0].info.run_id
     fault = json.loads(Path(lineage.client.download_artifacts(

@@ -136,6 +136,8 @@ def test_a_stopped_rank_is_skipped_within_the_bound(tmp_path: Path) -> None:
     responder = EvidenceResponder(tmp_path, 0, "node-a", poll_seconds=0.02)
     responder.start()
     os.kill(proc.pid, signal.SIGSTOP)
+    while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.01)  # the signal is delivered when the process next runs: wait for it
     try:
         request = ask_for_evidence(tmp_path, Fault(FaultKind.RANK_UNRESPONSIVE, 1, "node-b", {}),
                                    world_size=2)

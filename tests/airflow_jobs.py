@@ -1,4 +1,4 @@
-"""Running a job spec through `airflow dags test` and reading what it left in MLflow."""
+"""Running job specs through `airflow dags test` and reading what they left in MLflow."""
 
 from __future__ import annotations
 
@@ -12,38 +12,53 @@ import torch
 from relay.airflow_env import airflow_env, ensure_airflow_db
 from relay.demo import run_dag_test
 from relay.lineage import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, Lineage
+from relay.nodes import NodePool
 
 
-def prepare_jobs(relay_home: Path, folder: Path, specs: dict[str, str]) -> dict[str, str]:
-    """Write job specs into ``folder``, point Relay at it, migrate Airflow; return the env."""
-    for name, text in specs.items():
-        (folder / f"{name}.yaml").write_text(text)
-    os.environ["RELAY_JOBS_DIR"] = str(folder)
+def use_jobs(relay_home: Path, jobs_dir: Path) -> dict[str, str]:
+    """Point the DAG file at ``jobs_dir``, start from a healthy pool, prepare Airflow's DB."""
+    os.environ["RELAY_JOBS_DIR"] = str(jobs_dir)
+    pool = NodePool()
+    for node in pool.quarantines():  # earlier tests' quarantines: start from a healthy pool
+        pool.release(node)
     env = airflow_env(relay_home)
     ensure_airflow_db(env, relay_home / "logs" / "airflow-db.log")
     return env
 
 
 def run_job(env: dict[str, str], relay_home: Path, job: str, conf: dict[str, Any],
-            name: str, *, expect_success: bool = True) -> str:
-    """Run one DAG run of ``job`` to the end; return its parent MLflow run id."""
+            name: str, timeout_seconds: float = 300) -> tuple[int, str]:
+    """Run a DAG run of ``job`` (log ``logs/<name>.log``); return its exit code and MLflow run."""
     dag_id = f"relay_{job}"
-    log_file = relay_home / "logs" / f"{name}.log"
-    proc = run_dag_test(dag_id, conf, env, log_file)
+    proc = run_dag_test(dag_id, conf, env, relay_home / "logs" / f"{name}.log")
     try:
-        code = proc.wait(timeout=400)
+        code = proc.wait(timeout=timeout_seconds)
     finally:
         if proc.poll() is None:
             proc.kill()
-    if expect_success:
-        assert code == 0, f"airflow dags test failed; see {log_file}:\n" + \
-            log_file.read_text()[-4000:]
     lineage = Lineage.from_settings()
     runs = lineage.client.search_runs(
         [lineage.experiment_id(job)], filter_string=f"tags.`{TAG_DAG_ID}` = '{dag_id}'",
         order_by=["attributes.start_time DESC"], max_results=1,
     )
-    return str(runs[0].info.run_id)
+    return code, str(runs[0].info.run_id)
+
+
+def prepare_jobs(relay_home: Path, folder: Path, specs: dict[str, str]) -> dict[str, str]:
+    """Write job specs (name -> YAML) into ``folder`` and :func:`use_jobs` it."""
+    for name, text in specs.items():
+        (folder / f"{name}.yaml").write_text(text)
+    return use_jobs(relay_home, folder)
+
+
+def run_job_ok(env: dict[str, str], relay_home: Path, job: str, conf: dict[str, Any],
+               name: str) -> str:
+    """Run a DAG run of ``job`` that must succeed; return its parent MLflow run id."""
+    code, parent = run_job(env, relay_home, job, conf, name, timeout_seconds=400)
+    log_file = relay_home / "logs" / f"{name}.log"
+    assert code == 0, f"airflow dags test failed; see {log_file}:\n" + \
+        log_file.read_text()[-4000:]
+    return parent
 
 
 def final_state(lineage: Lineage, parent: str, where: Path, steps: list[int]) -> dict[str, Any]:

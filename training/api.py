@@ -46,6 +46,7 @@ import torch.distributed as dist
 from training.chaos import ChaosMonkey
 from training.checkpoint import Checkpointer, load_verified, restore_rng, snapshot_state
 from training.device import RankDevice, setup_rank_device, wait_for_compute
+from training.evidence import EvidenceResponder
 from training.heartbeat import ENV_NODE, HeartbeatWriter, Phase
 from training.launch import DRAIN_FILE, ENV_LAUNCH, FIRST_STEP_FILE, RESULT_FILE, LaunchConfig
 from training.manifest import CheckpointRef
@@ -83,6 +84,7 @@ class Session:
                                           cfg.heartbeat_interval_seconds, step=cfg.start_step)
         self._training = TrainingState(cfg.start_step)
         self._responder = RescueResponder(cfg.root, rank, self._training, self._snapshot)
+        self._evidence = EvidenceResponder(cfg.root, rank, node)  # stacks + collective trace
         self._drain = DrainRequest(cfg.root / DRAIN_FILE)
         resume = cfg.resume
         self._parent = CheckpointRef(resume.run_id, resume.step, resume.sha256) if resume else None
@@ -98,6 +100,7 @@ class Session:
         self._chaos.at_startup()
         self._heartbeat.start()
         self._responder.start()
+        self._evidence.start()
         if rank == 0:
             self._publisher()  # opens the tracking store beside the loop, long before a save
 
@@ -291,6 +294,7 @@ class Session:
             return
         self._closed = True
         self._responder.close()
+        self._evidence.close()
         if self._checkpointer is not None:
             self._flush_metrics()
             self._checkpointer.close()

@@ -97,6 +97,15 @@ class Fault:
         return step >= self.step if self.kind in LASTING else step == self.step
 
 
+def chaos_hang_forever() -> None:
+    """Stay alive (heartbeats keep coming) but never finish the step.
+
+    Its own function, so that a hang's evidence names it: the culprit's stack ends here.
+    """
+    while True:
+        time.sleep(3600)
+
+
 class ChaosMonkey:
     """Apply the faults planned for this rank as its steps go by."""
 
@@ -182,8 +191,7 @@ class ChaosMonkey:
         for index, fault in self._due(step, ("hang", "straggler", "jitter", "pace")):
             self._record(index, fault, step)
             if fault.kind == "hang":
-                while True:  # alive (heartbeats keep coming) but never finishing the step
-                    time.sleep(3600)
+                chaos_hang_forever()
             elif fault.kind == "straggler":
                 extra += max(fault.factor - 1.0, 0.0) * compute_estimate
             elif fault.kind == "pace":

@@ -180,6 +180,10 @@ class Lineage:
         """Log ``payload`` as a JSON artifact."""
         self._call(self.client.log_text, run_id, json.dumps(payload, indent=2), artifact_file)
 
+    def log_folder(self, run_id: str, folder: Path, artifact_path: str) -> None:
+        """Log every file under ``folder`` as artifacts under ``artifact_path``."""
+        self._call(self.client.log_artifacts, run_id, str(folder), artifact_path)
+
     def child_runs(self, parent_run_id: str) -> list[Any]:
         """Return the segment-attempt runs of a DAG run, oldest first."""
         parent = self._call(self.client.get_run, parent_run_id)

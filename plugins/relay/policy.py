@@ -19,6 +19,7 @@ from relay.yamlsource import ConfigError, Duration, load_yaml_with_lines, valida
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _DURATIONS = (
     "poll_interval", "startup_timeout", "heartbeat_timeout", "hang_timeout", "checkpoint_timeout",
+    "evidence_timeout",
 )
 
 
@@ -52,6 +53,7 @@ class Detection(BaseModel):
     heartbeat_timeout: Duration = 2.0
     hang_timeout: Duration = 3.0
     checkpoint_timeout: Duration = 120.0
+    evidence_timeout: Duration = 2.0  # ranks' stacks and collective trace; silent ones skipped
     straggler: StragglerDetection | None = StragglerDetection()
     throughput: ThroughputDetection | None = ThroughputDetection()
     nan_loss: bool = True

@@ -19,6 +19,7 @@ from typing import Any
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay.decide import Decision, decide
+from relay.evidence import ask_for_evidence, attach_evidence, collect_evidence
 from relay.faults import RESCUABLE, Fault, FaultKind
 from relay.launchers.local import STANDBY_DIR, LocalLauncher, free_port
 from relay.nodes import NodePool, NotEnoughNodesError
@@ -231,12 +232,17 @@ class TrainSegmentOperator(RelayOperator):
             self._prestart(spec, decision, attempt_dir.parent)
         beats = read_heartbeats(attempt_dir / "heartbeats")
         progress = max((b.step for b in beats.values()), default=cfg.start_step)
+        # Where is it stuck? Ask every rank now (after the stop nobody answers); the
+        # answers arrive while the rescue runs and are gathered, bounded, before the stop.
+        asked = ask_for_evidence(attempt_dir, fault, cfg.world_size)
         drained = rescued = None
         if decision.checkpoint_first:
             drained = drain(attempt_dir, policy.policy.detection.checkpoint_timeout)
         elif decision.retry and not decision.rollback and fault.kind in RESCUABLE:
             rescued = request_rescue(attempt_dir, cfg, fault,
                                      policy.policy.detection.checkpoint_timeout)
+        evidence = (collect_evidence(asked, policy.policy.detection.evidence_timeout)
+                    if asked else None)
         survivors = LocalLauncher().stop(attempt_dir)
         quarantine(decision, fault, f"{spec.dag_id}/{context['dag_run'].run_id}")
         parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id)
@@ -259,6 +265,8 @@ class TrainSegmentOperator(RelayOperator):
                   "lost_steps": lost, "drained_at_step": drained, "rescued": rescue_record,
                   "survivors": survivors,
                   "policy_file": str(policy.path)}
+        if evidence is not None:  # into fault.json only: the task log's message stays one line
+            attach_evidence(record["fault"], evidence, lineage, cfg.run_id)
         # Next to the attempt's logs for whoever is on call, and in MLflow for the record.
         write_atomically(attempt_dir / "decision.json", json.dumps(record, indent=2, default=str))
         lineage.log_json(cfg.run_id, "fault.json", record["fault"])

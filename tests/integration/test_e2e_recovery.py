@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from airflow_jobs import assert_same_bits, fault_records, final_state, prepare_jobs, run_job
+from airflow_jobs import assert_same_bits, fault_records, final_state, prepare_jobs, run_job_ok
 from processes import workload_processes
 
 from relay.airflow_env import airflow_bin
@@ -50,7 +50,7 @@ def airflow_job(relay_home: Path, tmp_path_factory: pytest.TempPathFactory) -> d
 
 
 def _run(env: dict[str, str], relay_home: Path, conf: dict[str, Any], name: str) -> str:
-    return run_job(env, relay_home, "e2e", conf, name)
+    return run_job_ok(env, relay_home, "e2e", conf, name)
 
 
 def _final_state(lineage: Lineage, parent: str, where: Path) -> dict[str, Any]:
@@ -141,6 +141,11 @@ def test_stalled_rank_dead_node_and_straggler_recover_on_healthy_nodes_bit_for_b
         assert record["next_resume_step"] == record["progress_step"] == record["rescued"]["step"]
     assert hang["rescued"]["rank"] != 2
     assert node["rescued"]["rank"] not in (0, 1)  # node-a's ranks were frozen
+
+    # Before each stop the ranks said where they were; a frozen node's ranks were skipped.
+    assert "chaos_hang_forever" in hang["fault"]["evidence"]["stacks"][0]["threads"]["main"][-1]
+    assert node["fault"]["evidence"]["stacks_missing_ranks"] == [0, 1]
+    assert sorted(s["rank"] for s in node["fault"]["evidence"]["stacks"]) == [2, 3]
 
     assert slow["fault"]["kind"] == "straggler"
     assert slow["fault"]["culprit_rank"] == 3

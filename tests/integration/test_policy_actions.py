@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -11,11 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from airflow_jobs import run_job, use_jobs
 
-from relay.airflow_env import airflow_env, ensure_airflow_db
-from relay.demo import run_dag_test
-from relay.lineage import TAG_DAG_ID, TAG_OUTCOME, TAG_REJECTED, TAG_SEGMENT, Lineage
-from relay.nodes import NodePool
+from relay.lineage import TAG_OUTCOME, TAG_REJECTED, TAG_SEGMENT, Lineage
 
 pytestmark = pytest.mark.integration
 
@@ -74,31 +71,13 @@ def env(
     (root / "policies").mkdir()
     (root / "jobs" / "actions.yaml").write_text(JOB)
     (root / "policies" / "actions.yaml").write_text(_policy(webhook[0]))
-    os.environ["RELAY_JOBS_DIR"] = str(root / "jobs")
-    pool = NodePool()
-    for node in pool.quarantines():  # earlier tests' quarantines: start from a healthy pool
-        pool.release(node)
-    environment = airflow_env(relay_home)
-    ensure_airflow_db(environment, relay_home / "logs" / "airflow-db.log")
-    return environment
+    return use_jobs(relay_home, root / "jobs")
 
 
 def _run(
     env: dict[str, str], home: Path, chaos: list[dict[str, Any]], name: str
 ) -> tuple[int, str]:
-    log_file = home / "logs" / f"{name}.log"
-    proc = run_dag_test("relay_actions", {"chaos": chaos}, env, log_file)
-    try:
-        code = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    lineage = Lineage.from_settings()
-    runs = lineage.client.search_runs(
-        [lineage.experiment_id("actions")], filter_string=f"tags.`{TAG_DAG_ID}` = 'relay_actions'",
-        order_by=["attributes.start_time DESC"], max_results=1,
-    )
-    return code, str(runs[0].info.run_id)
+    return run_job(env, home, "actions", {"chaos": chaos}, name)
 
 
 def test_nan_rolls_back_to_the_checkpoint_before_the_newest(

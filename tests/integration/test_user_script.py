@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from airflow_jobs import assert_same_bits, fault_records, final_state, prepare_jobs, run_job
+from airflow_jobs import assert_same_bits, fault_records, final_state, prepare_jobs, run_job_ok
 from processes import workload_processes
 
 from relay.bench.common import Store, launch_config, launched, watch
@@ -56,9 +56,9 @@ def test_user_script_recovers_from_hang_node_and_crash_bit_for_bit(
     user_job: dict[str, str], relay_home: Path, tmp_path: Path
 ) -> None:
     lineage = Lineage.from_settings()
-    clean = run_job(user_job, relay_home, "user", {"chaos": []}, "user-clean")
+    clean = run_job_ok(user_job, relay_home, "user", {"chaos": []}, "user-clean")
     reference = final_state(lineage, clean, tmp_path / "clean", [90, 10])
-    faulty = run_job(user_job, relay_home, "user", {"chaos": FAULTS}, "user-faults")
+    faulty = run_job_ok(user_job, relay_home, "user", {"chaos": FAULTS}, "user-faults")
     records = fault_records(lineage, faulty, tmp_path)
     assert sorted(records) == ["0", "1", "2"], records
     hang, node, crash = records["0"], records["1"], records["2"]

@@ -1,0 +1,273 @@
+"""Evidence from the culprit before it is killed: every rank's stacks and collective trace.
+
+On a hang, or a silent rank or node, Relay asks every rank of the attempt
+where it is (see :mod:`training.evidence`) *before* it stops the workload:
+after the stop there is nothing left to ask. The request goes out first, the
+rescue runs meanwhile, and the answers are gathered for at most
+``detection.evidence_timeout`` from the request (2 s by default). A rank that
+has not answered by half that time and armed its faulthandler is signalled
+for a C-level stack dump instead (a main thread stuck in C holding the GIL);
+a rank that answers nothing at all (SIGSTOPped, a frozen node) is skipped,
+never waited on.
+
+The fault record gets a compact summary: a one-line ``where``, the culprit's
+stack first then the others' main threads, and per rank the last collectives
+of each process group from the Flight Recorder (sequence id, op, state).
+Everything the ranks wrote (all threads, the raw trace as JSON and as the
+pickle torch's analyzer reads) goes to the attempt's MLflow run under
+``evidence/``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relay.faults import RESCUABLE, Fault
+from training.evidence import (
+    EVIDENCE_DIR,
+    REQUEST_FILE,
+    answer_path,
+    armed_path,
+    faulthandler_path,
+    process_start,
+    trace_path,
+)
+from training.heartbeat import write_atomically
+
+log = logging.getLogger(__name__)
+
+# The faults where "where is it stuck?" is the question (the same ones a rescue follows).
+EVIDENCE_KINDS = RESCUABLE
+LAST_COLLECTIVES = 3  # per rank and process group, in the summary
+POLL_SECONDS = 0.05
+
+
+@dataclass
+class EvidenceRequest:
+    """A request sent to the ranks of an attempt, to be collected later."""
+
+    folder: Path
+    request_id: str
+    ranks: list[int]
+    asked_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Evidence:
+    """What the ranks answered within the bound."""
+
+    folder: Path
+    answers: dict[int, dict[str, Any]]  # rank -> its stacks record
+    traces: dict[int, dict[str, Any]]  # rank -> its Flight Recorder dump (JSON)
+    fallback_stacks: dict[int, str]  # rank -> faulthandler text, for ranks that did not answer
+    missing: list[int]
+    seconds: float
+
+
+def ask_for_evidence(attempt_dir: Path, fault: Fault, world_size: int) -> EvidenceRequest | None:
+    """Ask every rank for its stacks and trace, if ``fault`` is one that needs them."""
+    if fault.kind not in EVIDENCE_KINDS:
+        return None
+    folder = attempt_dir / EVIDENCE_DIR
+    request = EvidenceRequest(folder, uuid.uuid4().hex, list(range(world_size)))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomically(folder / REQUEST_FILE, json.dumps(
+            {"id": request.request_id, "fault": fault.kind.value,
+             "culprit_rank": fault.culprit_rank, "at": time.time()}))
+    except OSError as exc:  # evidence helps the on-call engineer; it never holds up recovery
+        log.warning("Could not ask the ranks for their stacks in %s (%s); going on without",
+                    folder, exc)
+        return None
+    return request
+
+
+def _answer(request: EvidenceRequest, rank: int) -> dict[str, Any] | None:
+    try:
+        record = json.loads(answer_path(request.folder, rank).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if record.get("request") == request.request_id else None
+
+
+def _local_rank(folder: Path, rank: int) -> dict[str, Any] | None:
+    """Return the armed record of a rank on this host (pid, start time, signal), if any."""
+    try:
+        armed = json.loads(armed_path(folder, rank).read_text())
+    except (OSError, ValueError):
+        return None
+    local = isinstance(armed, dict) and armed.get("host") == socket.gethostname()
+    return armed if local and armed.get("started") is not None else None
+
+
+def _exited(folder: Path, rank: int) -> bool:
+    """Return whether a rank on this host is gone (it can answer nothing: never wait for it)."""
+    armed = _local_rank(folder, rank)
+    return armed is not None and process_start(int(armed["pid"])) != armed["started"]
+
+
+def signal_faulthandler(folder: Path, rank: int) -> bool:
+    """Ask a silent rank's faulthandler for its stacks; only a local, armed, living process."""
+    armed = _local_rank(folder, rank)  # another host's pid is its node agent's business
+    if armed is None or _exited(folder, rank):
+        return False  # gone, and the pid may be someone else's now: SIGUSR2's default kills
+    try:
+        os.kill(int(armed["pid"]), int(armed["signal"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def collect_evidence(request: EvidenceRequest, timeout_seconds: float) -> Evidence:
+    """Gather the answers until every living rank answered, or ``timeout_seconds`` passed."""
+    deadline = request.asked_at + timeout_seconds
+    fallback_at = request.asked_at + timeout_seconds / 2
+    answers: dict[int, dict[str, Any]] = {}
+    signalled: set[int] = set()
+    exited: set[int] = set()
+    while True:
+        for rank in request.ranks:
+            if rank not in answers and (record := _answer(request, rank)) is not None:
+                answers[rank] = record
+        silent = [r for r in request.ranks if r not in answers]
+        exited = {r for r in silent if _exited(request.folder, r)}
+        now = time.monotonic()
+        if not set(silent) - exited or now >= deadline:
+            break
+        if now >= fallback_at:
+            signalled |= {r for r in silent if r not in signalled | exited
+                          and signal_faulthandler(request.folder, r)}
+        time.sleep(POLL_SECONDS)
+    traces = {}
+    for rank in answers:
+        try:
+            traces[rank] = json.loads(trace_path(request.folder, rank).read_text())
+        except (OSError, ValueError):
+            pass  # the rank said why in its record (flight_recorder_error), or it had no group
+    fallback = {}
+    for rank in sorted(signalled - set(answers)):
+        text = _read_text(faulthandler_path(request.folder, rank))
+        if text.strip():
+            fallback[rank] = text
+    missing = [r for r in request.ranks if r not in answers and r not in fallback]
+    if exited:
+        log.info("Rank(s) %s had exited: no stacks to ask them for", sorted(exited))
+    seconds = time.monotonic() - request.asked_at
+    if missing:
+        log.warning("No stacks from rank(s) %s within %.1fs (stopped or frozen?); skipped",
+                    missing, timeout_seconds)
+    return Evidence(request.folder, answers, traces, fallback, missing, seconds)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _frame_lines(thread: dict[str, Any]) -> list[str]:
+    """Return ``file:line in function: code`` lines, innermost last (like a traceback)."""
+    return [f"{f['file']}:{f['line']} in {f['function']}: {f['code']}".rstrip(": ")
+            for f in thread["frames"]]
+
+
+def _stacks(record: dict[str, Any], all_threads: bool) -> dict[str, list[str]]:
+    threads = record["threads"] if all_threads else [t for t in record["threads"] if t["main"]]
+    return {("main" if t["main"] else t["thread"]): _frame_lines(t) for t in threads}
+
+
+def summarize_trace(trace: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Return per process group the last collectives: sequence id, op, state, finished."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for entry in trace.get("entries", []):
+        group = entry.get("process_group", ["?", "?"])
+        name = f"{group[1]} ({group[0]})" if isinstance(group, list) and len(group) == 2 else "?"
+        groups.setdefault(name, []).append({
+            "seq": entry.get("collective_seq_id"), "op": entry.get("profiling_name"),
+            "state": entry.get("state"), "finished": bool(entry.get("retired")),
+            "sizes": entry.get("input_sizes"),
+        })
+    return {name: entries[-LAST_COLLECTIVES:] for name, entries in groups.items()}
+
+
+def _innermost(record: dict[str, Any]) -> str:
+    main = next((t for t in record["threads"] if t["main"]), None)
+    if main is None or not main["frames"]:
+        return "an unknown place"
+    frame = main["frames"][-1]
+    return f"{frame['function']} ({Path(frame['file']).name}:{frame['line']})"
+
+
+def _waiting_in(trace: dict[str, Any] | None) -> str | None:
+    unfinished = [e for e in (trace or {}).get("entries", []) if not e.get("retired")]
+    if not unfinished:
+        return None
+    first = unfinished[0]
+    return f"{first.get('profiling_name')} #{first.get('collective_seq_id')}"
+
+
+def where(evidence: Evidence, culprit: int | None) -> str:
+    """Return one line: where the culprit is, and what the others wait in."""
+    parts = []
+    if culprit is not None:
+        if culprit in evidence.answers:
+            parts.append(f"rank {culprit} in {_innermost(evidence.answers[culprit])}")
+        elif culprit in evidence.fallback_stacks:
+            parts.append(f"rank {culprit}: C-level stack only (see stacks)")
+        else:
+            parts.append(f"rank {culprit} did not answer (stopped or frozen)")
+    for rank in sorted(evidence.answers):
+        if rank == culprit:
+            continue
+        waiting = _waiting_in(evidence.traces.get(rank))
+        parts.append(f"rank {rank} " + (f"waits in {waiting}" if waiting
+                                        else f"in {_innermost(evidence.answers[rank])}"))
+    return "; ".join(parts)
+
+
+def evidence_summary(evidence: Evidence, culprit: int | None) -> dict[str, Any]:
+    """Return the fault evidence to add: culprit's stack first, others', the collectives."""
+    order = sorted(evidence.answers, key=lambda r: (r != culprit, r))
+    stacks = [{"rank": r, "node": evidence.answers[r].get("node"), "culprit": r == culprit,
+               "threads": _stacks(evidence.answers[r], all_threads=r == culprit)} for r in order]
+    stacks += [{"rank": r, "culprit": r == culprit, "faulthandler": text.splitlines()}
+               for r, text in evidence.fallback_stacks.items()]
+    stacks.sort(key=lambda s: not s["culprit"])
+    return {
+        "where": where(evidence, culprit),
+        "stacks": stacks,
+        "collectives": {str(r): summarize_trace(t) for r, t in sorted(evidence.traces.items())},
+        "stacks_missing_ranks": evidence.missing,
+        "evidence_seconds": round(evidence.seconds, 3),
+        "evidence_artifacts": f"{EVIDENCE_DIR}/ (all threads: rank-N.json; Flight Recorder: "
+                              "fr-rank-N.json, and fr/ for python -m "
+                              "torch.distributed.flight_recorder.fr_trace)",
+    }
+
+
+def attach_evidence(fault_record: dict[str, Any], evidence: Evidence,
+                    lineage: Any, run_id: str) -> None:  # noqa: ANN401
+    """Add the summary to a fault record's evidence; log the ranks' files to its MLflow run."""
+    try:
+        summary = evidence_summary(evidence, fault_record.get("culprit_rank"))
+    except (KeyError, TypeError, AttributeError) as exc:  # a rank's record not as expected
+        summary = {"evidence_error": f"unreadable rank record ({exc!r}); see {EVIDENCE_DIR}/"}
+    fault_record["evidence"].update(summary)
+    answered = len(evidence.answers) + len(evidence.fallback_stacks)
+    log.warning("Where it stopped: %s (evidence from %d of %d ranks in %.2fs)",
+                summary.get("where", "unknown"), answered, answered + len(evidence.missing),
+                evidence.seconds)
+    try:  # everything the ranks wrote, under evidence/ in the attempt's run
+        lineage.log_folder(run_id, evidence.folder, EVIDENCE_DIR)
+    except Exception as exc:  # noqa: BLE001 - the fault record must still be written
+        log.warning("Could not log %s to MLflow run %s (%s); the files stay there",
+                    evidence.folder, run_id, exc)

@@ -72,6 +72,11 @@ def snapshot(
 
 def load_verified(path: Path, expected_sha256: str) -> dict[str, Any]:
     """Load a checkpoint after checking its sha256; never unpickle arbitrary objects."""
+    if path.is_dir():
+        raise ValueError(
+            f"checkpoint {path}: expected one checkpoint file, found a folder (a DCP "
+            "checkpoint); load it with training.dcp.load_dcp"
+        )
     actual = file_sha256(path)
     if actual != expected_sha256:
         raise CorruptCheckpointError(

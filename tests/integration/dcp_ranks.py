@@ -23,7 +23,6 @@ from torch.distributed.tensor import DTensor
 from training.checkpoint import Checkpointer, CorruptCheckpointError
 from training.dcp import DcpCheckpointer, load_model
 from training.launch import ResumeFrom
-from training.publish import MlflowCheckpointSink
 
 WORLD_SIZE = 2
 JOB = "dcp-test"
@@ -79,6 +78,8 @@ def save_ranks(rank: int, port: int, work: str, tracking_uri: str, run_id: str) 
     model, optimizer = _model(seed=0)
     publisher = None
     if rank == 0:
+        from training.publish import MlflowCheckpointSink  # only rank 0 talks to MLflow
+
         sink = MlflowCheckpointSink(tracking_uri, run_id)
         publisher = Checkpointer(sink, out / "staging", job=JOB, world_size=WORLD_SIZE,
                                  parent=None)

@@ -20,7 +20,16 @@ from typing import Any, Protocol
 
 import torch
 
-from training.manifest import CHECKPOINT_FILE, CheckpointManifest, CheckpointRef, file_sha256
+from training.manifest import (
+    CHECKPOINT_FILE,
+    FORMAT_DCP,
+    FORMAT_TORCH,
+    CheckpointManifest,
+    CheckpointRef,
+    file_sha256,
+    files_digest,
+    tree_sha256s,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +44,7 @@ class CheckpointSink(Protocol):
     run_id: str
 
     def publish(self, checkpoint: Path, manifest: CheckpointManifest) -> None:
-        """Store ``checkpoint``, then its manifest; raise if either fails."""
+        """Store ``checkpoint`` (a file or a DCP folder), then its manifest; raise on failure."""
 
 
 def _clone(obj: Any) -> Any:
@@ -74,6 +83,11 @@ def snapshot(
 
 def load_verified(path: Path, expected_sha256: str) -> dict[str, Any]:
     """Load a checkpoint after checking its sha256; never unpickle arbitrary objects."""
+    if path.is_dir():
+        raise ValueError(
+            f"checkpoint {path}: expected one checkpoint file, found a folder (a DCP "
+            "checkpoint); load it with training.dcp.load_dcp"
+        )
     actual = file_sha256(path)
     if actual != expected_sha256:
         raise CorruptCheckpointError(
@@ -189,19 +203,35 @@ class Checkpointer:
         path = self._staging / f"step-{step:08d}" / CHECKPOINT_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, path)
+        self.publish_written(path, step)
+
+    def publish_written(self, path: Path, step: int) -> CheckpointManifest:
+        """Hash a checkpoint already written (a file or a DCP folder), then publish it.
+
+        Run it through :meth:`submit` so it stays in order with the other checkpoints.
+        """
+        if path.is_dir():
+            files = tree_sha256s(path)
+            fmt, sha256 = FORMAT_DCP, files_digest(files)
+            size = sum((path / name).stat().st_size for name in files)
+        else:
+            files, fmt, sha256, size = {}, FORMAT_TORCH, file_sha256(path), path.stat().st_size
         manifest = CheckpointManifest(
             step=step,
-            sha256=file_sha256(path),
-            size_bytes=path.stat().st_size,
+            sha256=sha256,
+            size_bytes=size,
             world_size=self._world_size,
             job=self._job,
             run_id=self._sink.run_id,
             parent=self._parent,
             created_at=time.time(),
+            format=fmt,
+            files=files,
         )
         self._sink.publish(path, manifest)
         self._parent = manifest.ref
         self.published.append(manifest)
-        log.info("Checkpoint at step %d published (%d bytes)", step, manifest.size_bytes)
+        log.info("Checkpoint at step %d published (%s, %d bytes)", step, fmt, size)
         if self._on_published is not None:
             self._on_published(manifest)
+        return manifest

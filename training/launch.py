@@ -35,12 +35,19 @@ class Entrypoint:
 
 @dataclass(frozen=True)
 class ResumeFrom:
-    """The verified checkpoint a segment attempt starts from."""
+    """The verified checkpoint a segment attempt starts from.
+
+    ``format`` ``torch``: ``path`` is one file with ``sha256``; ``dcp``: ``path`` is a
+    ``torch.distributed.checkpoint`` folder whose files ``files`` lists (relative path:
+    sha256), and ``sha256`` is the digest of that table (see ``training.manifest``).
+    """
 
     path: str
     sha256: str
     run_id: str
     step: int
+    format: str = "torch"
+    files: dict[str, str] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)

@@ -3,19 +3,29 @@
 Stdlib only: the Airflow side reads manifests without importing torch. A
 checkpoint counts only once its manifest is logged, and the manifest is always
 logged after the checkpoint file it describes.
+
+Two formats: ``torch`` (one ``checkpoint.pt``, its sha256 in ``sha256``) and
+``dcp`` (a ``torch.distributed.checkpoint`` folder ``dcp/``, a sha256 per file in
+``files`` and, in ``sha256``, the digest of that table, so a parent reference
+still names the checkpoint's exact bytes).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 CHECKPOINT_ROOT = "checkpoints"
 CHECKPOINT_FILE = "checkpoint.pt"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
+FORMAT_TORCH = "torch"  # one torch.save file, CHECKPOINT_FILE
+FORMAT_DCP = "dcp"  # a torch.distributed.checkpoint folder, DCP_DIR
+FORMATS = (FORMAT_TORCH, FORMAT_DCP)
+DCP_DIR = "dcp"
 
 
 def step_dir(step: int) -> str:
@@ -30,6 +40,60 @@ def file_sha256(path: Path, chunk_bytes: int = 1 << 20) -> str:
         while chunk := fh.read(chunk_bytes):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def tree_sha256s(directory: Path) -> dict[str, str]:
+    """Return the sha256 of every file under ``directory``, keyed by relative POSIX path."""
+    return {
+        path.relative_to(directory).as_posix(): file_sha256(path)
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+def files_digest(files: Mapping[str, str]) -> str:
+    """Return one sha256 naming a whole table of ``{relative path: sha256}``."""
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(f"{name}\0{files[name]}\n".encode())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class FileMismatch:
+    """One file of a checkpoint folder that differs from its manifest."""
+
+    path: str
+    expected: str | None  # None: a file the manifest does not list
+    found: str | None  # None: a listed file that is missing
+
+    def __str__(self) -> str:
+        if self.found is None:
+            return f"{self.path}: missing (expected sha256 {self.expected})"
+        if self.expected is None:
+            return f"{self.path}: not in the manifest (found sha256 {self.found})"
+        return f"{self.path}: expected sha256 {self.expected}, found {self.found}"
+
+
+def tree_mismatches(
+    directory: Path, files: Mapping[str, str], share: tuple[int, int] = (0, 1)
+) -> list[FileMismatch]:
+    """Compare a folder with its manifest's ``files`` (missing, extra or changed files).
+
+    ``share=(i, n)`` checks only every n-th name from the i-th, so n ranks can split
+    the hashing of one folder between them.
+    """
+    present = {
+        p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()
+    } if directory.is_dir() else set()
+    index, count = share
+    problems = []
+    for name in sorted(present | set(files))[index::count]:
+        expected = files.get(name)
+        found = file_sha256(directory / name) if name in present else None
+        if found != expected:
+            problems.append(FileMismatch(name, expected, found))
+    return problems
 
 
 @dataclass(frozen=True)
@@ -65,6 +129,9 @@ class CheckpointManifest:
     # "periodic": the training loop's own (its schedule, or a drain); otherwise how it was
     # made, e.g. "rescued from rank 2 after hang": a healthy rank's state after a fault.
     origin: str = "periodic"
+    format: str = FORMAT_TORCH
+    # dcp only: {path relative to the dcp folder: sha256}; sha256 above is files_digest(files)
+    files: dict[str, str] = field(default_factory=dict, hash=False)
 
     @property
     def ref(self) -> CheckpointRef:
@@ -94,6 +161,24 @@ class CheckpointManifest:
                 created_at=float(raw["created_at"]),
                 version=int(raw.get("version", MANIFEST_VERSION)),
                 origin=str(raw.get("origin", "periodic")),
+                **_format_fields(raw),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a Relay checkpoint manifest: {exc}") from exc
+
+
+def _format_fields(raw: dict[str, object]) -> dict[str, object]:
+    """Parse ``format`` and ``files`` (absent in manifests older than DCP support)."""
+    fmt = str(raw.get("format", FORMAT_TORCH))
+    if fmt not in FORMATS:
+        raise ValueError(f"field format: expected one of {', '.join(FORMATS)}, found {fmt!r}")
+    table = raw.get("files") or {}
+    if not isinstance(table, dict):
+        raise TypeError(f"field files: expected an object, found {type(table).__name__}")
+    files = {str(k): str(v) for k, v in table.items()}
+    if fmt == FORMAT_DCP:
+        if not files:
+            raise ValueError("field files: a dcp checkpoint must list its files")
+        if files_digest(files) != raw["sha256"]:
+            raise ValueError("field sha256: does not match the digest of field files")
+    return {"format": fmt, "files": files}

@@ -17,7 +17,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from training.manifest import MANIFEST_FILE, CheckpointManifest, step_dir
+from training.manifest import DCP_DIR, FORMAT_DCP, MANIFEST_FILE, CheckpointManifest, step_dir
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,16 @@ class MlflowCheckpointSink:
         self._retrying(lambda: self._client.get_run(self.run_id))
 
     def publish(self, checkpoint: Path, manifest: CheckpointManifest) -> None:
-        """Log the checkpoint file, then (only then) the manifest that makes it count."""
+        """Log the checkpoint file, then (only then) the manifest that makes it count.
+
+        A DCP checkpoint is a folder: all its files go under ``DCP_DIR`` first.
+        """
         folder = step_dir(manifest.step)
-        self._retrying(self._client.log_artifact, self.run_id, str(checkpoint), folder)
+        if manifest.format == FORMAT_DCP:
+            self._retrying(self._client.log_artifacts, self.run_id, str(checkpoint),
+                           f"{folder}/{DCP_DIR}")
+        else:
+            self._retrying(self._client.log_artifact, self.run_id, str(checkpoint), folder)
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / MANIFEST_FILE
             path.write_text(manifest.to_json())

@@ -21,12 +21,18 @@ from mlflow.tracking import MlflowClient
 from tenacity import Retrying
 
 from relay import settings
+from training.launch import ResumeFrom
 from training.manifest import (
     CHECKPOINT_FILE,
     CHECKPOINT_ROOT,
+    DCP_DIR,
+    FORMAT_DCP,
     MANIFEST_FILE,
     CheckpointManifest,
     file_sha256,
+    files_digest,
+    tree_mismatches,
+    tree_sha256s,
 )
 from training.publish import mlflow_retrying
 
@@ -45,10 +51,16 @@ TAG_REJECTED = "relay.rejected."  # + step dir name, on the run that logged the 
 
 @dataclass(frozen=True)
 class VerifiedCheckpoint:
-    """A checkpoint whose file matched its manifest's sha256, on local disk."""
+    """A checkpoint whose file (or every file of its DCP folder) matched, on local disk."""
 
     manifest: CheckpointManifest
     path: Path
+
+    def resume_from(self) -> ResumeFrom:
+        """Return the resume point a segment attempt's workers load."""
+        m = self.manifest
+        return ResumeFrom(path=str(self.path), sha256=m.sha256, run_id=m.run_id, step=m.step,
+                          format=m.format, files=dict(m.files))
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,7 @@ class CorruptCheckpoint:
 
     manifest: CheckpointManifest
     actual_sha256: str
+    detail: str = ""  # DCP: which files differ
 
 
 class Lineage:
@@ -242,23 +255,32 @@ class Lineage:
         for manifest in self.manifests(parent_run_id):
             target = download_dir / f"step-{manifest.step:08d}"
             target.mkdir(parents=True, exist_ok=True)
-            local = Path(
-                self._call(
-                    self.client.download_artifacts,
-                    manifest.run_id,
-                    f"{manifest.ref.artifact_dir}/{CHECKPOINT_FILE}",
-                    str(target),
-                )
-            )
-            actual = file_sha256(local)
-            if actual == manifest.sha256:
+            local, bad = self._download_verified(manifest, target)
+            if bad is None:
                 return VerifiedCheckpoint(manifest=manifest, path=local), corrupt
             log.error(
-                "Corrupt checkpoint %s: expected sha256 %s, found %s; trying the previous one",
-                manifest.ref, manifest.sha256, actual,
+                "Corrupt checkpoint %s: expected sha256 %s, found %s%s; trying the previous one",
+                manifest.ref, manifest.sha256, bad.actual_sha256,
+                f" ({bad.detail})" if bad.detail else "",
             )
-            corrupt.append(CorruptCheckpoint(manifest, actual))
+            corrupt.append(bad)
         return None, corrupt
+
+    def _download_verified(
+        self, manifest: CheckpointManifest, target: Path
+    ) -> tuple[Path, CorruptCheckpoint | None]:
+        """Download one checkpoint (file or DCP folder) and check it against its manifest."""
+        name = DCP_DIR if manifest.format == FORMAT_DCP else CHECKPOINT_FILE
+        local = Path(self._call(self.client.download_artifacts, manifest.run_id,
+                                f"{manifest.ref.artifact_dir}/{name}", str(target)))
+        if manifest.format != FORMAT_DCP:
+            actual = file_sha256(local)
+            return local, None if actual == manifest.sha256 else CorruptCheckpoint(manifest, actual)
+        problems = tree_mismatches(local, manifest.files)
+        if not problems:
+            return local, None
+        actual = files_digest(tree_sha256s(local))
+        return local, CorruptCheckpoint(manifest, actual, "; ".join(map(str, problems)))
 
     def reject_checkpoint(self, manifest: CheckpointManifest, reason: str) -> None:
         """Keep a checkpoint from ever being resumed from again (a rollback)."""

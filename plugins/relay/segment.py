@@ -31,7 +31,7 @@ from relay.spec import JobSpec
 from relay.triggers import SegmentWatchTrigger
 from training.chaos import Fault as ChaosFault
 from training.heartbeat import read_heartbeats, write_atomically
-from training.launch import LAUNCH_FILE, LaunchConfig, ResumeFrom
+from training.launch import LAUNCH_FILE, LaunchConfig
 from training.standby import STANDBY_TTL_SECONDS
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,8 @@ class TrainSegmentOperator(RelayOperator):
         for bad in corrupt:
             fault = Fault(FaultKind.CORRUPT_CHECKPOINT, None, None, {
                 "summary": f"checkpoint at step {bad.manifest.step} has sha256 "
-                f"{bad.actual_sha256[:12]}, its manifest says {bad.manifest.sha256[:12]}",
+                f"{bad.actual_sha256[:12]}, its manifest says {bad.manifest.sha256[:12]}"
+                + (f" ({bad.detail})" if bad.detail else ""),
                 "checkpoint": str(bad.manifest.ref)})
             decision = decide(fault, history, policy.policy, policy.sha256)
             lineage.reject_checkpoint(bad.manifest, f"corrupt: {fault.evidence['summary']}")
@@ -151,11 +152,7 @@ class TrainSegmentOperator(RelayOperator):
         })
         history = [FaultKind(k) for k in lineage.segment_faults(parent, index)]
         self._corrupt(lineage, run_id, corrupt, policy, history)
-        resume = None
-        if latest is not None:
-            m = latest.manifest
-            resume = ResumeFrom(path=str(latest.path), sha256=m.sha256, run_id=m.run_id,
-                                step=m.step)
+        resume = latest.resume_from() if latest is not None else None
         cfg = LaunchConfig(
             job=spec.job, seed=spec.seed, model=spec.model.model_dump(),
             data=spec.data.model_dump(), optimizer=spec.optimizer.model_dump(),

@@ -89,6 +89,7 @@ class Session:
         resume = cfg.resume
         self._parent = CheckpointRef(resume.run_id, resume.step, resume.sha256) if resume else None
         self._checkpointer: Checkpointer | None = None
+        self._dcp: Any = None  # training.dcp.DcpCheckpointer, made on the first sharded save
         self._sink: Any = None
         self._metrics: list[tuple[int, dict[str, float], int]] = []
         self._clock: dict[str, float] = {}
@@ -174,6 +175,10 @@ class Session:
         resume = self.cfg.resume
         if resume is None:
             return None
+        if resume.format == "dcp":
+            raise RuntimeError(
+                f"relay_train: the resume checkpoint {resume.path} is a sharded "
+                "torch.distributed.checkpoint folder; expected session.resume_sharded(state).")
         state = load_verified(Path(resume.path), resume.sha256)
         if int(state["step"]) != self.start_step:
             raise RuntimeError(
@@ -208,6 +213,41 @@ class Session:
         self._heartbeat.enter(Phase.CHECKPOINT)
         self._publisher().save_state(snapshot_state(state, step))
         return time.perf_counter() - started
+
+    def save_sharded(self, step: int, state: dict[str, Any]) -> float:
+        """Checkpoint a sharded state (FSDP2/DTensor) as a ``torch.distributed.checkpoint``
+        folder, from every rank; return the stall. Call it on every rank at the same step.
+
+        The folder is published with a sha256 per file in its manifest, and is
+        verified file by file before any resume (:meth:`resume_sharded`).
+        """
+        if self._dcp is None:
+            from training.dcp import DcpCheckpointer
+
+            self._dcp = DcpCheckpointer(self.cfg.root / "staging",
+                                        self._publisher() if self.rank == 0 else None)
+        self._heartbeat.enter(Phase.CHECKPOINT)
+        return self._dcp.save(state, step).stall_seconds
+
+    def resume_sharded(self, state: dict[str, Any]) -> bool:
+        """Load the resume checkpoint into ``state`` in place; return False at step 0.
+
+        Every file is checked against its manifest's sha256 first (all ranks
+        refuse a folder with any damaged, missing or extra file).
+        """
+        resume = self.cfg.resume
+        if resume is None:
+            return False
+        if resume.format != "dcp":
+            raise RuntimeError(
+                f"relay_train: expected a torch.distributed.checkpoint folder to resume "
+                f"from; found a {resume.format!r} checkpoint at {resume.path}. Use "
+                "session.resume_state() for checkpoints made by session.save().")
+        from training.dcp import load_dcp
+
+        load_dcp(resume, state)
+        self.startup.mark("restore")
+        return True
 
     def checkpoint_due(self, step: int) -> bool:
         """Return whether the job's schedule (or a drain) checkpoints after ``step`` steps."""
@@ -295,6 +335,8 @@ class Session:
         self._closed = True
         self._responder.close()
         self._evidence.close()
+        if self._dcp is not None:
+            self._dcp.close()
         if self._checkpointer is not None:
             self._flush_metrics()
             self._checkpointer.close()

@@ -175,6 +175,8 @@ class EvidenceResponder:
     def close(self) -> None:
         """Stop watching (the segment ended normally)."""
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)
 
     def _arm_faulthandler(self) -> None:
         """Have the C signal handler write all stacks to a file; announce it once armed."""

@@ -337,6 +337,8 @@ def test_comm_hook_fences_compute_before_flipping_to_collective(
         hook(None, Bucket()).wait()  # a second bucket in the same step: no second fence
     finally:
         dist.destroy_process_group()
+        session._responder.close()
+        session._evidence.close()
     assert events == ["fence cpu", "enter collective"]
     assert "compute_done" in session._clock
     assert averaged.tolist() == [2.0, 4.0]

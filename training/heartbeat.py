@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from training.pids import start_time
+
 log = logging.getLogger(__name__)
 
 # Environment variables set by a launcher for every rank.
@@ -48,6 +50,7 @@ class Heartbeat:
     rank: int
     node: str
     pid: int
+    pid_started: int | None = None  # the rank's start time (training.pids): who may signal it
     step: int = 0
     phase: str = Phase.STARTING.value
     phase_started_at: float = field(default_factory=time.time)
@@ -111,7 +114,8 @@ class HeartbeatWriter:
     ) -> None:
         self._path = heartbeat_path(directory, rank)
         directory.mkdir(parents=True, exist_ok=True)
-        self._beat = Heartbeat(rank=rank, node=node, pid=os.getpid(), step=step)
+        self._beat = Heartbeat(rank=rank, node=node, pid=os.getpid(),
+                               pid_started=start_time(os.getpid()), step=step)
         self._lock = threading.Lock()
         self._interval = interval_seconds
         self._stop = threading.Event()

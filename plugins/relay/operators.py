@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay import settings
+from relay.chaosconf import ChaosConfError, chaos_faults
 from relay.nodes import NodePool
 from relay.policy import LoadedPolicy, load_policy
 from relay.spec import JobSpec, load_job_spec
@@ -72,6 +73,10 @@ class PreflightOperator(RelayOperator):
         """Return the parent MLflow run id."""
         spec = self.spec()
         policy = self.policy(spec)
+        try:  # before any MLflow run exists: a refused conf leaves nothing RUNNING behind
+            chaos = chaos_faults(context["dag_run"].conf, spec, Path(self.spec_file))
+        except ChaosConfError as exc:
+            raise AirflowFailException(str(exc)) from exc
         lineage = lineage_store()
         nodes = NodePool().healthy()
         params = {
@@ -84,7 +89,7 @@ class PreflightOperator(RelayOperator):
             "policy_file": str(policy.path),
             "policy_sha256": policy.sha256,
             "spec_sha256": hashlib.sha256(Path(self.spec_file).read_bytes()).hexdigest(),
-            "chaos": json.dumps((context["dag_run"].conf or {}).get("chaos", []), sort_keys=True),
+            "chaos": json.dumps(chaos, sort_keys=True),
         }
         parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id, params)
         log.info(

@@ -18,6 +18,7 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from relay.chaosconf import ChaosConfError, chaos_faults
 from relay.decide import Decision, decide
 from relay.faults import RESCUABLE, Fault, FaultKind
 from relay.launchers.local import STANDBY_DIR, LocalLauncher, free_port
@@ -28,7 +29,6 @@ from relay.recovery import SegmentFaultError, drain, notify, quarantine
 from relay.rescue import publish_rescue, request_rescue
 from relay.spec import JobSpec
 from relay.triggers import SegmentWatchTrigger
-from training.chaos import Fault as ChaosFault
 from training.heartbeat import read_heartbeats, write_atomically
 from training.launch import LAUNCH_FILE, LaunchConfig, ResumeFrom
 from training.standby import STANDBY_TTL_SECONDS
@@ -67,16 +67,11 @@ class TrainSegmentOperator(RelayOperator):
 
     # -- launch ------------------------------------------------------------------
 
-    def _chaos(self, dag_run: Any) -> list[dict[str, Any]]:  # noqa: ANN401
-        chaos = list((dag_run.conf or {}).get("chaos", []))
-        for fault in chaos:
-            try:
-                ChaosFault.from_dict(fault)
-            except (ValueError, TypeError, AttributeError) as exc:
-                raise AirflowFailException(
-                    f"DAG run conf `chaos`: {exc} in {fault!r}. Fix the conf and trigger again."
-                ) from exc
-        return chaos
+    def _chaos(self, dag_run: Any, spec: JobSpec) -> list[dict[str, Any]]:  # noqa: ANN401
+        try:
+            return chaos_faults(dag_run.conf, spec, Path(self.spec_file))
+        except ChaosConfError as exc:
+            raise AirflowFailException(str(exc)) from exc
 
     def _nodes(self, spec: JobSpec, policy: LoadedPolicy) -> list[str]:
         rules = policy.policy.nodes
@@ -115,7 +110,7 @@ class TrainSegmentOperator(RelayOperator):
         index, start, end = spec.segments[self.segment]
         dag_run = context["dag_run"]
         try_number = int(context["ti"].try_number)
-        chaos = self._chaos(dag_run)
+        chaos = self._chaos(dag_run, spec)
         lineage = lineage_store()
         parent = lineage.parent_run(spec.job, spec.dag_id, dag_run.run_id)
         seg_dir = segment_dir(spec, dag_run.run_id, index)

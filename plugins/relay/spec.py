@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -99,6 +100,7 @@ class JobSpec(BaseModel):
     retry_delay: float = Field(2.0, ge=0)
     collective_timeout: float = Field(1800.0, gt=0)
     heartbeat_interval: float = Field(0.5, gt=0)
+    chaos: Literal["allowed", "forbidden"] = "forbidden"
 
     @field_validator("retry_delay", "collective_timeout", "heartbeat_interval", mode="before")
     @classmethod
@@ -128,6 +130,11 @@ class JobSpec(BaseModel):
         if value.endswith(POLICY_SUFFIXES) or POLICY_NAME.fullmatch(value):
             return value
         raise FieldValueError("a policy name such as default, or a path ending in .yaml", value)
+
+    @property
+    def chaos_allowed(self) -> bool:
+        """Return whether DAG runs of this job may inject faults (run conf ``chaos``)."""
+        return self.chaos == "allowed"
 
     @property
     def dag_id(self) -> str:
@@ -196,6 +203,10 @@ FIXES: dict[str, str] = {
     "heartbeat_interval": (
         "set heartbeat_interval to a duration > 0 such as 0.5s or 500ms, "
         "e.g. heartbeat_interval: 0.5s"
+    ),
+    "chaos": (
+        "set chaos: allowed to let DAG runs inject faults (test and demo jobs only), or remove "
+        "the line (the default, forbidden)"
     ),
 }
 

@@ -28,6 +28,7 @@ checkpoint_every: 10
 model: {context: 32, d_model: 32, n_layers: 1, n_heads: 4, dropout: 0.1}
 data: {corpus: "builtin:python_docs", batch_size: 8}
 policy: ../policies/actions.yaml
+chaos: allowed
 """
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from relay.decide import ordinal
 from relay.faults import RESCUABLE, FaultKind
+from relay.notify import redact
 from relay.policy import Detection, LoadedPolicy
-from relay.rules import JOB_WIDE, Action, Rule
+from relay.rules import JOB_WIDE, Action, Escalation, Rule
 
 _UNITS = ((86400, "day"), (3600, "hour"), (60, "minute"), (1, "second"))
 
@@ -91,6 +92,17 @@ def _backoff_sentence(rule: Rule) -> str:
             f"after each repeat, at most {humanize(b.max)}.")
 
 
+def _channel_sentence(e: Escalation) -> str:
+    if e.connection:
+        where = f" and are POSTed to Airflow connection {e.connection}"
+    elif e.webhook:
+        where = f" and are POSTed to {redact(e.webhook)}"
+    else:
+        return "Notifications go to the task log."
+    return (f"Notifications go to the task log{where} (up to {e.attempts} tries; a failed "
+            "delivery is recorded with the decision, never stops it).")
+
+
 def explain(loaded: LoadedPolicy) -> str:
     """Return the whole policy in plain sentences."""
     p = loaded.policy
@@ -127,7 +139,6 @@ def explain(loaded: LoadedPolicy) -> str:
     else:
         lines.append("When fewer healthy nodes are left than a segment needs, Relay stops and "
                      f"notifies {p.escalation.target} at once.")
-    hook = p.escalation.webhook
-    lines.append("Notifications go to the task log" + (f" and to {hook}." if hook else "."))
+    lines.append(_channel_sentence(p.escalation))
     lines.append(f"Every decision records this policy's sha256 ({loaded.sha256}).")
     return "\n".join(lines)

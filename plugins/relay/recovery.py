@@ -1,4 +1,4 @@
-"""Apply a decision: drain a checkpoint, stop, quarantine, roll back, record, notify.
+"""Apply a decision: drain a checkpoint, stop, quarantine, roll back, record.
 
 Retries go through Airflow's own machinery: :class:`SegmentFaultError` carries
 the decision and :class:`PolicyRetry` (the segment tasks' ``retry_policy``)
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import urllib.request
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -98,20 +97,3 @@ def quarantine(decision: Decision, fault: Fault, where: str) -> None:
             reason=f"{fault.kind.value}: {fault.evidence.get('summary', '')}",
             by=f"{decision.rule} (policy {decision.policy_sha256[:12]}) in {where}",
         )
-
-
-def notify(decision: Decision, message: str, webhook: str | None) -> None:
-    """Tell the escalation target: always a log line, and a webhook POST when configured."""
-    log.error("ESCALATION to %s: %s", decision.notify, message)
-    if not webhook:
-        return
-    body = json.dumps({"target": decision.notify, "message": message,
-                       "decision": decision.to_dict()}).encode()
-    request = urllib.request.Request(
-        webhook, data=body, headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
-            log.info("Escalation webhook answered %s", response.status)
-    except OSError as exc:  # the failure must still reach the task log and fail the task
-        log.error("Escalation webhook %s failed: %s", webhook, exc)

@@ -23,9 +23,10 @@ from relay.decide import Decision, decide
 from relay.faults import RESCUABLE, Fault, FaultKind
 from relay.launchers.local import STANDBY_DIR, LocalLauncher, free_port
 from relay.nodes import NodePool, NotEnoughNodesError
+from relay.notify import escalate
 from relay.operators import RelayOperator, lineage_store, segment_dir
 from relay.policy import LoadedPolicy
-from relay.recovery import SegmentFaultError, drain, notify, quarantine
+from relay.recovery import SegmentFaultError, drain, quarantine
 from relay.rescue import publish_rescue, request_rescue
 from relay.spec import JobSpec
 from relay.triggers import SegmentWatchTrigger
@@ -79,9 +80,10 @@ class TrainSegmentOperator(RelayOperator):
         try:
             return NodePool().select(spec.nodes, wait_up_to=wait)
         except NotEnoughNodesError as exc:
-            target = policy.policy.escalation.target
-            log.error("ESCALATION to %s: %s", target, exc)
-            raise AirflowFailException(f"Segment {self.segment}: {exc}") from exc
+            message = f"Segment {self.segment} of {spec.dag_id}: {exc}"
+            escalate(policy.policy.escalation.target, message, policy.policy.escalation,
+                     {"reason": "not_enough_nodes", "policy_sha256": policy.sha256})
+            raise AirflowFailException(message) from exc
 
     def _corrupt(self, lineage: Any, run_id: str, corrupt: list[Any],  # noqa: ANN401
                  policy: LoadedPolicy, history: list[FaultKind]) -> None:
@@ -99,7 +101,8 @@ class TrainSegmentOperator(RelayOperator):
             if not decision.retry:
                 message = f"Segment {self.segment}: {fault.describe()}; {decision.reason}"
                 if decision.notify:
-                    notify(decision, message, policy.policy.escalation.webhook)
+                    escalate(decision.notify, message, policy.policy.escalation,
+                             {"decision": decision.to_dict()})
                 lineage.finish_run(run_id, "fault", {"relay.fault_kind": fault.kind.value})
                 raise AirflowFailException(message)
 
@@ -247,10 +250,15 @@ class TrainSegmentOperator(RelayOperator):
                              "sha256": manifest.sha256, "seconds": round(rescued.seconds, 3),
                              "checkpoint": str(manifest.ref)}
         lost = max(progress - next_resume, 0)
+        message = _fault_message(self.segment, fault, decision, lost)
+        delivery = None
+        if decision.notify:
+            delivery = escalate(decision.notify, message, policy.policy.escalation,
+                                {"decision": decision.to_dict()}).to_dict()
         record = {"fault": fault.to_event()["fault"], "decision": decision.to_dict(),
                   "progress_step": progress, "next_resume_step": next_resume,
                   "lost_steps": lost, "drained_at_step": drained, "rescued": rescue_record,
-                  "survivors": survivors,
+                  "survivors": survivors, "notification": delivery,
                   "policy_file": str(policy.path)}
         # Next to the attempt's logs for whoever is on call, and in MLflow for the record.
         write_atomically(attempt_dir / "decision.json", json.dumps(record, indent=2, default=str))
@@ -262,10 +270,7 @@ class TrainSegmentOperator(RelayOperator):
             "relay.culprit_node": str(fault.culprit_node), "relay.lost_steps": str(lost),
             "relay.culprit_rank": str(fault.culprit_rank),
         })
-        message = _fault_message(self.segment, fault, decision, lost)
         log.error("%s Logs: %s", message, attempt_dir / "logs")
         if decision.retry:
             raise SegmentFaultError(message, decision)
-        if decision.notify:
-            notify(decision, message, policy.policy.escalation.webhook)
         raise AirflowFailException(message)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from relay.decide import ordinal
+from relay.decide import ordinal, rule_mode
 from relay.faults import RESCUABLE, FaultKind
 from relay.notify import redact
 from relay.policy import Detection, LoadedPolicy
-from relay.rules import JOB_WIDE, Action, Escalation, Rule
+from relay.rules import JOB_WIDE, Action, Escalation, Mode, Rule
 
 _UNITS = ((86400, "day"), (3600, "hour"), (60, "minute"), (1, "second"))
 
@@ -109,11 +109,19 @@ def explain(loaded: LoadedPolicy) -> str:
     lines = [f"Policy {loaded.path} (sha256 {loaded.sha256[:12]}, version {p.version})"]
     if p.description:
         lines.append(p.description)
+    observing = [k.value for k in FaultKind if rule_mode(p, k) is Mode.OBSERVE]
+    if observing:
+        lines.append(f"OBSERVE MODE for {', '.join(observing)}: for these faults Relay only "
+                     "records the decision below and notifies; it does not act (a crash still "
+                     "ends the job).")
     lines.append("")
     for kind in FaultKind:
         rule = p.rules.for_kind(kind)
         target = rule.escalate_to or p.escalation.target
         lines.append(f"When {fault_sentence(kind, p.detection)}:")
+        if rule_mode(p, kind) is Mode.OBSERVE:
+            lines.append(f"  OBSERVE ONLY: Relay records what it would do and notifies {target}; "
+                         "the job keeps running. It would do this:")
         lines.append("  " + _action_sentence(kind, rule).format(target=target))
         if rule.action not in (Action.ESCALATE, Action.ABORT):
             lines.append("  " + _backoff_sentence(rule))

@@ -11,6 +11,8 @@ Read by governance owners, so every field has a plain meaning:
   (``null``: never).
 - ``escalate_to``: who is told when Relay gives up (default: the policy's
   ``escalation.target``).
+- ``mode``: ``observe`` records and notifies what the rule would do without
+  doing it; ``enforce`` acts (default: the policy's ``mode``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ from relay.yamlsource import DURATION_JSON_SCHEMA, Duration, FieldValueError, pa
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _OPTIONAL_SECONDS: dict[str, Any] = {"anyOf": [*DURATION_JSON_SCHEMA["anyOf"], {"type": "null"}],
                                      "description": "a duration such as 30m, or null for none"}
+
+
+class Mode(StrEnum):
+    """Whether a rule acts on its decisions or only records them."""
+
+    ENFORCE = "enforce"  # apply the decision: stop, quarantine, retry, escalate
+    OBSERVE = "observe"  # record the decision Relay would make and notify; leave the job alone
 
 
 class Action(StrEnum):
@@ -96,6 +105,7 @@ class Rule(BaseModel):
     ] = Backoff()
     quarantine: Annotated[float | None, WithJsonSchema(_OPTIONAL_SECONDS)] = None
     escalate_to: str | None = None
+    mode: Mode | None = None  # None: the policy's mode
 
     @field_validator("backoff", mode="before")
     @classmethod

@@ -21,9 +21,10 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from relay.chaosconf import ChaosConfError, chaos_faults
 from relay.decide import Decision, decide
 from relay.faults import RESCUABLE, Fault, FaultKind
-from relay.launchers.local import STANDBY_DIR, LocalLauncher, free_port
+from relay.launchers.local import STANDBY_DIR, LaunchState, LocalLauncher, free_port
 from relay.nodes import NodePool, NotEnoughNodesError
 from relay.notify import escalate
+from relay.observe import ENDS_ATTEMPT, log_observations, record_observation, watched_kinds
 from relay.operators import RelayOperator, lineage_store, segment_dir
 from relay.policy import LoadedPolicy
 from relay.recovery import SegmentFaultError, drain, quarantine
@@ -166,7 +167,14 @@ class TrainSegmentOperator(RelayOperator):
         LocalLauncher().launch(cfg, standby_dir=seg_dir / STANDBY_DIR)
         log.info("Segment %d try %d: steps [%d, %d) on %s; MLflow child run %s; attempt folder %s",
                  index, try_number, resume_step, end, ", ".join(nodes), run_id, attempt_dir)
-        node_ranks = {n: [cfg.global_rank(n, r) for r in range(spec.ranks_per_node)] for n in nodes}
+        self._watch(attempt_dir, cfg, policy)
+        return None
+
+    def _watch(self, attempt_dir: Path, cfg: LaunchConfig, policy: LoadedPolicy,
+               kinds: list[str] | None = None) -> None:
+        """Defer to the watcher (``kinds``: the fault kinds to watch; None: all)."""
+        node_ranks = {n: [cfg.global_rank(n, r) for r in range(cfg.ranks_per_node)]
+                      for n in cfg.nodes}
         detection = policy.policy.detection
         # Only the trigger's own arguments survive deferral reliably (``dag.test``
         # drops defer kwargs); execute_complete re-reads the rest from the attempt folder.
@@ -174,12 +182,11 @@ class TrainSegmentOperator(RelayOperator):
             trigger=SegmentWatchTrigger(
                 attempt_dir=str(attempt_dir), node_ranks=node_ranks,
                 detection=detection.model_dump(),
-                heartbeat_interval_seconds=spec.heartbeat_interval,
-                poll_interval_seconds=detection.poll_interval,
+                heartbeat_interval_seconds=cfg.heartbeat_interval_seconds,
+                poll_interval_seconds=detection.poll_interval, kinds=kinds,
             ),
             method_name="execute_complete",
         )
-        return None
 
     # -- decide --------------------------------------------------------------------
 
@@ -200,6 +207,7 @@ class TrainSegmentOperator(RelayOperator):
         status = event.get("status")
         if status == "completed":
             survivors = LocalLauncher().stop(attempt_dir)
+            log_observations(lineage, cfg.run_id, attempt_dir)
             if not survivors:
                 lineage.finish_run(cfg.run_id, "completed")
                 log.info("Segment %d trained steps [%d, %d) in %.1fs", self.segment,
@@ -223,6 +231,8 @@ class TrainSegmentOperator(RelayOperator):
         # Decide, drain and stop before touching MLflow: a frozen rank may hold the
         # tracking store's lock (SQLite) until its process is gone.
         decision = decide(fault, _local_history(attempt_dir), policy.policy, policy.sha256)
+        if decision.observe:
+            return self._observe(context, fault, decision, attempt_dir, cfg, lineage, policy)
         if decision.retry:
             self._prestart(spec, decision, attempt_dir.parent)
         beats = read_heartbeats(attempt_dir / "heartbeats")
@@ -262,6 +272,7 @@ class TrainSegmentOperator(RelayOperator):
                   "policy_file": str(policy.path)}
         # Next to the attempt's logs for whoever is on call, and in MLflow for the record.
         write_atomically(attempt_dir / "decision.json", json.dumps(record, indent=2, default=str))
+        log_observations(lineage, cfg.run_id, attempt_dir)
         lineage.log_json(cfg.run_id, "fault.json", record["fault"])
         lineage.log_json(cfg.run_id, "decision.json", record)
         lineage.finish_run(cfg.run_id, "fault", {
@@ -273,4 +284,31 @@ class TrainSegmentOperator(RelayOperator):
         log.error("%s Logs: %s", message, attempt_dir / "logs")
         if decision.retry:
             raise SegmentFaultError(message, decision)
+        raise AirflowFailException(message)
+
+    def _observe(self, context: Any, fault: Fault, decision: Decision,  # noqa: ANN401
+                 attempt_dir: Path, cfg: LaunchConfig, lineage: Any,  # noqa: ANN401
+                 policy: LoadedPolicy) -> dict[str, Any]:
+        """Record and notify what Relay would do; keep watching unless the job has ended."""
+        message = "OBSERVE MODE (not applied): " + _fault_message(self.segment, fault, decision,
+                                                                  None)
+        record = record_observation(attempt_dir, fault, decision, policy, message)
+        state = LocalLauncher().status(attempt_dir).state
+        if state is LaunchState.RUNNING and fault.kind not in ENDS_ATTEMPT:
+            self._watch(attempt_dir, cfg, policy, kinds=watched_kinds(attempt_dir))
+        if state is LaunchState.SUCCEEDED:
+            return self.execute_complete(context, {"status": "completed",
+                                                   "attempt_dir": str(attempt_dir)})
+        # The processes are gone (a crash ends the job, observed or not): record and fail.
+        survivors = LocalLauncher().stop(attempt_dir)
+        write_atomically(attempt_dir / "decision.json", json.dumps(
+            {**record, "survivors": survivors}, indent=2, default=str))
+        log_observations(lineage, cfg.run_id, attempt_dir)
+        lineage.log_json(cfg.run_id, "decision.json", record)
+        lineage.finish_run(cfg.run_id, "fault", {
+            "relay.fault_kind": fault.kind.value, "relay.decision": decision.action,
+            "relay.rule": decision.rule, "relay.policy_sha256": decision.policy_sha256,
+            "relay.mode": "observe", "relay.culprit_node": str(fault.culprit_node),
+            "relay.culprit_rank": str(fault.culprit_rank),
+        })
         raise AirflowFailException(message)

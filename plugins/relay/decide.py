@@ -64,7 +64,7 @@ def decide(
     escalation target, so the applying side records and notifies it instead of acting.
     """
     decision = _enforced(fault, history, policy, policy_sha256)
-    if rule_mode(policy, fault.kind) is not Mode.OBSERVE:
+    if rule_mode(policy, fault.kind) != Mode.OBSERVE:
         return decision
     rule = policy.rules.for_kind(fault.kind)
     return replace(

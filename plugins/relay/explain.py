@@ -109,7 +109,7 @@ def explain(loaded: LoadedPolicy) -> str:
     lines = [f"Policy {loaded.path} (sha256 {loaded.sha256[:12]}, version {p.version})"]
     if p.description:
         lines.append(p.description)
-    observing = [k.value for k in FaultKind if rule_mode(p, k) is Mode.OBSERVE]
+    observing = [k.value for k in FaultKind if rule_mode(p, k) == Mode.OBSERVE]
     if observing:
         lines.append(f"OBSERVE MODE for {', '.join(observing)}: for these faults Relay only "
                      "records the decision below and notifies; it does not act (a crash still "
@@ -119,7 +119,7 @@ def explain(loaded: LoadedPolicy) -> str:
         rule = p.rules.for_kind(kind)
         target = rule.escalate_to or p.escalation.target
         lines.append(f"When {fault_sentence(kind, p.detection)}:")
-        if rule_mode(p, kind) is Mode.OBSERVE:
+        if rule_mode(p, kind) == Mode.OBSERVE:
             lines.append(f"  OBSERVE ONLY: Relay records what it would do and notifies {target}; "
                          "the job keeps running. It would do this:")
         lines.append("  " + _action_sentence(kind, rule).format(target=target))

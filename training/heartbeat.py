@@ -11,10 +11,12 @@ launcher and the worker never disagree on a spelling.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -80,11 +82,31 @@ def heartbeat_path(directory: Path, rank: int) -> Path:
     return directory / f"rank-{rank}.json"
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers never see a partial file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def write_atomically(path: Path, text: str, *, durable: bool = False) -> None:
+    """Write ``text`` to ``path`` so that readers never see a partial file.
+
+    The temporary file has a unique name (two writers, even threads of one process,
+    never share it). ``durable`` also fsyncs the file and its folder, so state that
+    must survive a power cut (the node pool, decisions) is on disk once this returns.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
 
 
 def read_heartbeats(directory: Path) -> dict[int, Heartbeat]:

@@ -85,7 +85,8 @@ class NodePool:
             before = json.dumps(state, sort_keys=True)
             yield state
             if json.dumps(state, sort_keys=True) != before:
-                write_atomically(self.state_file, json.dumps(state, indent=2, sort_keys=True))
+                write_atomically(self.state_file, json.dumps(state, indent=2, sort_keys=True),
+                                 durable=True)
 
     def quarantines(self, now: float | None = None) -> dict[str, Quarantine]:
         """Return the quarantines in force at ``now``."""

@@ -42,7 +42,7 @@ def record_observation(attempt_dir: Path, fault: Fault, decision: Decision,
               "mode": "observe", "notification": delivery.to_dict(),
               "policy_file": str(policy.path)}
     write_atomically(attempt_dir / f"observed-{number:03d}.json",
-                     json.dumps(record, indent=2, default=str))
+                     json.dumps(record, indent=2, default=str), durable=True)
     log.warning("%s (recorded in %s)", message, attempt_dir / f"observed-{number:03d}.json")
     return record
 

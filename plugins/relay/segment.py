@@ -271,7 +271,8 @@ class TrainSegmentOperator(RelayOperator):
                   "survivors": survivors, "notification": delivery,
                   "policy_file": str(policy.path)}
         # Next to the attempt's logs for whoever is on call, and in MLflow for the record.
-        write_atomically(attempt_dir / "decision.json", json.dumps(record, indent=2, default=str))
+        write_atomically(attempt_dir / "decision.json", json.dumps(record, indent=2, default=str),
+                         durable=True)
         log_observations(lineage, cfg.run_id, attempt_dir)
         lineage.log_json(cfg.run_id, "fault.json", record["fault"])
         lineage.log_json(cfg.run_id, "decision.json", record)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 from airflow.sdk.definitions.retry_policy import RetryDecision, RetryPolicy
 
 from relay.decide import Decision
-from relay.faults import Fault
+from relay.faults import Fault, FaultKind
 from relay.launchers.local import LaunchState, LocalLauncher
 from relay.nodes import NodePool
 from training.heartbeat import read_heartbeats, write_atomically
@@ -26,6 +27,33 @@ from training.launch import DRAIN_FILE
 
 log = logging.getLogger(__name__)
 DRAIN_LEAD_STEPS = 2
+ATTEMPT_DIR = re.compile(r"try-(\d+)")  # an attempt folder; renamed stale ones never match
+
+
+def attempt_dirs(segment_dir: Path) -> list[Path]:
+    """Return a segment's attempt folders (``try-N`` exactly), in attempt order."""
+    found = [(int(m.group(1)), p) for p in segment_dir.glob("try-*")
+             if (m := ATTEMPT_DIR.fullmatch(p.name)) and p.is_dir()]
+    return [p for _n, p in sorted(found)]
+
+
+def fault_history(segment_dir: Path, exclude: Path | None = None) -> list[FaultKind]:
+    """Return the fault kinds earlier attempts of a segment ended in, oldest first.
+
+    The one source every decision counts from: each attempt folder's ``decision.json``
+    (written, fsynced, before anything else records the decision). A folder set aside
+    as ``try-N.stale-T`` (the same try launched again) is never counted.
+    """
+    kinds = []
+    for folder in attempt_dirs(segment_dir):
+        record = folder / "decision.json"
+        if folder == exclude or not record.exists():
+            continue
+        try:
+            kinds.append(FaultKind(json.loads(record.read_text())["fault"]["kind"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("Unreadable earlier decision %s; not counted", record)
+    return kinds
 
 
 class SegmentFaultError(Exception):

@@ -27,7 +27,7 @@ from relay.notify import escalate
 from relay.observe import ENDS_ATTEMPT, log_observations, record_observation, watched_kinds
 from relay.operators import RelayOperator, lineage_store, segment_dir
 from relay.policy import LoadedPolicy
-from relay.recovery import SegmentFaultError, drain, quarantine
+from relay.recovery import SegmentFaultError, drain, fault_history, quarantine
 from relay.rescue import publish_rescue, request_rescue
 from relay.spec import JobSpec
 from relay.triggers import SegmentWatchTrigger
@@ -46,18 +46,6 @@ def _fault_message(segment: int, fault: Fault, decision: Decision, lost: int | N
         f"Decision by {decision.rule} (policy sha256 {decision.policy_sha256[:12]}): "
         f"{decision.action} - {decision.reason}. Lost steps: {lost_text}."
     )
-
-
-def _local_history(attempt_dir: Path) -> list[FaultKind]:
-    """Return the fault kinds earlier attempts of this segment ended in (their decision.json)."""
-    kinds = []
-    for other in sorted(attempt_dir.parent.glob("try-*/decision.json")):
-        if other.parent != attempt_dir:
-            try:
-                kinds.append(FaultKind(json.loads(other.read_text())["fault"]["kind"]))
-            except (OSError, ValueError, KeyError):
-                log.warning("Unreadable earlier decision %s; not counted", other)
-    return kinds
 
 
 class TrainSegmentOperator(RelayOperator):
@@ -147,7 +135,7 @@ class TrainSegmentOperator(RelayOperator):
             "resume_checkpoint": str(latest.manifest.ref) if latest else "none (step 0)",
             "policy_sha256": policy.sha256, "attempt_dir": str(attempt_dir),
         })
-        history = [FaultKind(k) for k in lineage.segment_faults(parent, index)]
+        history = fault_history(seg_dir, exclude=attempt_dir)
         self._corrupt(lineage, run_id, corrupt, policy, history)
         resume = None
         if latest is not None:
@@ -230,7 +218,8 @@ class TrainSegmentOperator(RelayOperator):
         policy = self.policy(spec)
         # Decide, drain and stop before touching MLflow: a frozen rank may hold the
         # tracking store's lock (SQLite) until its process is gone.
-        decision = decide(fault, _local_history(attempt_dir), policy.policy, policy.sha256)
+        history = fault_history(attempt_dir.parent, exclude=attempt_dir)
+        decision = decide(fault, history, policy.policy, policy.sha256)
         if decision.observe:
             return self._observe(context, fault, decision, attempt_dir, cfg, lineage, policy)
         if decision.retry:

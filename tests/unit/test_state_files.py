@@ -62,3 +62,24 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(
         write_atomically(target, "new")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_fault_history_comes_from_attempt_folders_and_skips_stale_ones(tmp_path: Path) -> None:
+    import json
+
+    from relay.recovery import fault_history
+
+    def decided(folder: str, kind: str) -> Path:
+        path = tmp_path / folder
+        path.mkdir()
+        (path / "decision.json").write_text(json.dumps({"fault": {"kind": kind}}))
+        return path
+
+    decided("try-1", "crash")
+    decided("try-1.stale-1764700000", "crash")  # the same try launched again: not an attempt
+    decided("try-2", "hang")
+    decided("try-10", "straggler")
+    current = decided("try-11", "nan_loss")
+    (tmp_path / "try-3").mkdir()  # an attempt that has not decided anything
+    assert [k.value for k in fault_history(tmp_path, exclude=current)] == [
+        "crash", "hang", "straggler"]

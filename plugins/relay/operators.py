@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +17,16 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from relay import settings
 from relay.chaosconf import ChaosConfError, chaos_faults
 from relay.nodes import NodePool
+from relay.paths import safe_name
 from relay.policy import LoadedPolicy, load_policy
 from relay.spec import JobSpec, load_job_spec
 
 log = logging.getLogger(__name__)
 
 
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-
-
 def segment_dir(spec: JobSpec, dag_run_id: str, segment: int) -> Path:
     """Return the folder that holds every attempt of one segment of one DAG run."""
-    return settings.runs_dir() / spec.dag_id / _safe(dag_run_id) / f"segment-{segment:03d}"
+    return settings.runs_dir() / spec.dag_id / safe_name(dag_run_id) / f"segment-{segment:03d}"
 
 
 def lineage_store():  # noqa: ANN201 - imported lazily: DAG parsing must not import MLflow

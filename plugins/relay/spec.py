@@ -69,6 +69,16 @@ class DataSpec(BaseModel):
     corpus: str = Field("builtin:python_docs", strict=True, min_length=1)
     batch_size: int = Field(16, strict=True, ge=1)
 
+    @field_validator("corpus")
+    @classmethod
+    def _builtin_name(cls, value: str) -> str:
+        """A builtin corpus is a name, never a path out of the corpus folder."""
+        if value.startswith("builtin:") and not re.fullmatch(r"builtin:[A-Za-z0-9_-]+", value):
+            raise FieldValueError("builtin:<name> of letters, digits, '_' or '-'", value,
+                                  "name a builtin corpus (e.g. builtin:python_docs), or give "
+                                  "a path to a text file without the builtin: prefix")
+        return value
+
 
 class OptimizerSpec(BaseModel):
     """AdamW settings."""

@@ -57,15 +57,20 @@ class Endpoint:
     shown: str
 
 
-def redact(url: str) -> str:
-    """Return ``url`` without user, password, query or fragment (safe to log)."""
+def redact(url: str, *, keep_query: bool = False) -> str:
+    """Return ``url`` without user, password, fragment and (unless kept) query: safe to log.
+
+    A URL with none of them comes back unchanged (``sqlite:////abs/mlflow.db`` too).
+    """
     try:
         parts = urlsplit(url)
         host = parts.hostname or ""
         port = f":{parts.port}" if parts.port else ""
     except ValueError:
         return "<unreadable URL>"
-    query = "?..." if parts.query else ""
+    if "@" not in parts.netloc and not parts.fragment and (keep_query or not parts.query):
+        return url
+    query = ("?" + parts.query if keep_query else "?...") if parts.query else ""
     return urlunsplit((parts.scheme, f"{host}{port}", parts.path, "", "")) + query
 
 

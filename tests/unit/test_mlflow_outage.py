@@ -1,0 +1,67 @@
+"""A failed MLflow metric write never fails a checkpoint, a rank or a recorded decision."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+from tenacity import Retrying, stop_after_attempt, wait_none
+
+from training.checkpoint import Checkpointer
+from training.publish import MlflowCheckpointSink
+
+
+def no_wait(attempts: int) -> Retrying:
+    return Retrying(stop=stop_after_attempt(attempts), wait=wait_none(), reraise=True)
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> tuple[str, str]:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("outage", (tmp_path / "artifacts").as_uri())
+    return uri, client.create_run(exp).info.run_id
+
+
+def test_metrics_that_mlflow_refuses_are_dropped_and_checkpoints_still_publish(
+    run: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    uri, run_id = run
+    tries: list[int] = []
+
+    def outage(self: MlflowClient, *args: object, **kwargs: object) -> None:
+        tries.append(1)
+        raise MlflowException("connection reset by peer")
+
+    monkeypatch.setattr(MlflowClient, "log_batch", outage)
+    sink = MlflowCheckpointSink(uri, run_id, retrying=no_wait(3), optional_retrying=no_wait(3))
+    checkpointer = Checkpointer(sink, tmp_path / "staging", job="outage", world_size=1,
+                                parent=None, asynchronous=True)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="training.publish"):
+        for step in (1, 2):  # two metric batches fail, each retried three times, then dropped
+            checkpointer.submit(lambda step=step: sink.log_metrics(step, {"loss": 1.0}, 0))
+        checkpointer.save(model, optimizer, 2, {})
+        checkpointer.close(timeout_seconds=60)  # raises if anything in the queue failed
+    assert len(tries) == 6 and sink.dropped == 2
+    assert caplog.text.count("Dropped metrics") == 1  # logged once, then counted
+    names = [a.path for a in MlflowClient(uri).list_artifacts(run_id, "checkpoints")]
+    assert names, "the checkpoint was published despite the metric outage"
+
+
+def test_an_unreachable_store_at_start_up_does_not_fail_the_rank(
+    run: tuple[str, str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    uri, run_id = run
+
+    def down(self: MlflowClient, *args: object) -> None:
+        raise MlflowException("503 Service Unavailable")
+
+    monkeypatch.setattr(MlflowClient, "get_run", down)
+    MlflowCheckpointSink(uri, run_id, optional_retrying=no_wait(2)).connect()  # no raise

@@ -27,6 +27,7 @@ from relay.notify import escalate
 from relay.observe import ENDS_ATTEMPT, log_observations, record_observation, watched_kinds
 from relay.operators import RelayOperator, lineage_store, segment_dir
 from relay.policy import LoadedPolicy
+from relay.record import best_effort, record_fault
 from relay.recovery import SegmentFaultError, drain, fault_history, quarantine
 from relay.rescue import publish_rescue, request_rescue
 from relay.spec import JobSpec
@@ -195,7 +196,8 @@ class TrainSegmentOperator(RelayOperator):
         status = event.get("status")
         if status == "completed":
             survivors = LocalLauncher().stop(attempt_dir)
-            log_observations(lineage, cfg.run_id, attempt_dir)
+            best_effort("log the observations",
+                        lambda: log_observations(lineage, cfg.run_id, attempt_dir))
             if not survivors:
                 lineage.finish_run(cfg.run_id, "completed")
                 log.info("Segment %d trained steps [%d, %d) in %.1fs", self.segment,
@@ -234,21 +236,22 @@ class TrainSegmentOperator(RelayOperator):
                                      policy.policy.detection.checkpoint_timeout)
         survivors = LocalLauncher().stop(attempt_dir)
         quarantine(decision, fault, f"{spec.dag_id}/{context['dag_run'].run_id}")
-        parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id)
-        with tempfile.TemporaryDirectory() as tmp:
-            latest, _ = lineage.resume_point(parent, Path(tmp))
-            if decision.rollback and latest is not None:
-                lineage.reject_checkpoint(latest.manifest, f"rollback after {fault.describe()}")
-                latest, _ = lineage.resume_point(parent, Path(tmp))
-        next_resume = drained if drained is not None else (latest.manifest.step if latest else 0)
+        found = best_effort("find the resume point", lambda: self._resume_point(
+            context, spec, decision, fault, lineage))
+        latest = found[0] if found else None
+        next_resume = drained if drained is not None else (
+            None if found is None else latest.manifest.step if latest else 0)
         rescue_record = None
-        if rescued is not None and rescued.step is not None and rescued.step > next_resume:
-            manifest = publish_rescue(rescued, cfg, fault, latest.manifest.ref if latest else None)
-            next_resume = manifest.step
-            rescue_record = {"rank": rescued.rank, "step": manifest.step,
-                             "sha256": manifest.sha256, "seconds": round(rescued.seconds, 3),
-                             "checkpoint": str(manifest.ref)}
-        lost = max(progress - next_resume, 0)
+        if rescued is not None and rescued.step is not None and found is not None and (
+                next_resume is None or rescued.step > next_resume):
+            manifest = best_effort("publish the rescued weights", lambda: publish_rescue(
+                rescued, cfg, fault, latest.manifest.ref if latest else None))
+            if manifest is not None:
+                next_resume = manifest.step
+                rescue_record = {"rank": rescued.rank, "step": manifest.step,
+                                 "sha256": manifest.sha256, "seconds": round(rescued.seconds, 3),
+                                 "checkpoint": str(manifest.ref)}
+        lost = None if next_resume is None else max(progress - next_resume, 0)
         message = _fault_message(self.segment, fault, decision, lost)
         delivery = None
         if decision.notify:
@@ -262,10 +265,7 @@ class TrainSegmentOperator(RelayOperator):
         # Next to the attempt's logs for whoever is on call, and in MLflow for the record.
         write_atomically(attempt_dir / "decision.json", json.dumps(record, indent=2, default=str),
                          durable=True)
-        log_observations(lineage, cfg.run_id, attempt_dir)
-        lineage.log_json(cfg.run_id, "fault.json", record["fault"])
-        lineage.log_json(cfg.run_id, "decision.json", record)
-        lineage.finish_run(cfg.run_id, "fault", {
+        record_fault(lineage, cfg.run_id, attempt_dir, record, {
             "relay.fault_kind": fault.kind.value, "relay.decision": decision.action,
             "relay.rule": decision.rule, "relay.policy_sha256": decision.policy_sha256,
             "relay.culprit_node": str(fault.culprit_node), "relay.lost_steps": str(lost),
@@ -275,6 +275,17 @@ class TrainSegmentOperator(RelayOperator):
         if decision.retry:
             raise SegmentFaultError(message, decision)
         raise AirflowFailException(message)
+
+    def _resume_point(self, context: Any, spec: JobSpec, decision: Decision,  # noqa: ANN401
+                      fault: Fault, lineage: Any) -> tuple[Any, list[Any]]:  # noqa: ANN401
+        """Return where the next attempt resumes, rolling back first if the decision says so."""
+        parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id)
+        with tempfile.TemporaryDirectory() as tmp:
+            latest, corrupt = lineage.resume_point(parent, Path(tmp))
+            if decision.rollback and latest is not None:
+                lineage.reject_checkpoint(latest.manifest, f"rollback after {fault.describe()}")
+                latest, corrupt = lineage.resume_point(parent, Path(tmp))
+        return latest, corrupt
 
     def _observe(self, context: Any, fault: Fault, decision: Decision,  # noqa: ANN401
                  attempt_dir: Path, cfg: LaunchConfig, lineage: Any,  # noqa: ANN401
@@ -292,10 +303,8 @@ class TrainSegmentOperator(RelayOperator):
         # The processes are gone (a crash ends the job, observed or not): record and fail.
         survivors = LocalLauncher().stop(attempt_dir)
         write_atomically(attempt_dir / "decision.json", json.dumps(
-            {**record, "survivors": survivors}, indent=2, default=str))
-        log_observations(lineage, cfg.run_id, attempt_dir)
-        lineage.log_json(cfg.run_id, "decision.json", record)
-        lineage.finish_run(cfg.run_id, "fault", {
+            {**record, "survivors": survivors}, indent=2, default=str), durable=True)
+        record_fault(lineage, cfg.run_id, attempt_dir, record, {
             "relay.fault_kind": fault.kind.value, "relay.decision": decision.action,
             "relay.rule": decision.rule, "relay.policy_sha256": decision.policy_sha256,
             "relay.mode": "observe", "relay.culprit_node": str(fault.culprit_node),

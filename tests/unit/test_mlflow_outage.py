@@ -65,3 +65,46 @@ def test_an_unreachable_store_at_start_up_does_not_fail_the_rank(
 
     monkeypatch.setattr(MlflowClient, "get_run", down)
     MlflowCheckpointSink(uri, run_id, optional_retrying=no_wait(2)).connect()  # no raise
+
+
+def test_an_mlflow_outage_never_turns_the_policys_decision_into_a_default_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+) -> None:
+    import json
+    from types import SimpleNamespace
+
+    from relay.faults import Fault, FaultKind
+    from relay.lineage import Lineage
+    from relay.recovery import SegmentFaultError
+    from relay.segment import TrainSegmentOperator
+    from relay.settings import REPO_ROOT
+    from training.launch import LAUNCH_FILE, LaunchConfig
+
+    monkeypatch.setenv("RELAY_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RELAY_NODES", "node-a")  # too few for a warm standby: nothing spawned
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    (tmp_path / "p.yaml").write_text((REPO_ROOT / "policies" / "default.yaml").read_text())
+    spec = tmp_path / "job.yaml"
+    spec.write_text("job: outage\ntotal_steps: 20\nsteps_per_segment: 20\ncheckpoint_every: 10\n"
+                    "policy: p.yaml\n")
+    attempt = tmp_path / "runs" / "segment-000" / "try-1"
+    attempt.mkdir(parents=True)
+    cfg = LaunchConfig(
+        job="outage", seed=0, model={}, data={}, optimizer={}, start_step=0, end_step=20,
+        checkpoint_every=10, nodes=["node-a", "node-b"], ranks_per_node=1,
+        master_addr="127.0.0.1", master_port=1, tracking_uri="http://127.0.0.1:9",
+        run_id="r1", attempt_dir=str(attempt), attempt=1, segment=0)
+    cfg.write(attempt / LAUNCH_FILE)
+    down = Lineage("http://127.0.0.1:9", tmp_path / "artifacts", retrying=no_wait(2))
+    op = TrainSegmentOperator(task_id="segment_000", segment=0, spec_file=str(spec))
+    context = {"dag_run": SimpleNamespace(run_id="manual__1", conf={})}
+    crash = Fault(FaultKind.CRASH, 1, "node-b", {"summary": "exit -9"}, 1000.0)
+    with pytest.raises(SegmentFaultError) as raised:  # the policy's retry, not MLflow's error
+        op._on_fault(context, crash, attempt, cfg, down)
+    assert raised.value.decision.action == "retry"
+    assert "Lost steps: unknown" in str(raised.value)
+    record = json.loads((attempt / "decision.json").read_text())
+    assert record["decision"]["action"] == "retry" and record["lost_steps"] is None
+    logged = capfd.readouterr()  # Airflow's structured logging writes to the console
+    assert "Could not log decision.json in MLflow after retries" in logged.out + logged.err

@@ -13,6 +13,7 @@ from pathlib import Path
 from airflow.sdk import DAG, Param, chain
 
 from relay import settings
+from relay.callbacks import CloseParentRunOnFailure
 from relay.chaosconf import CHAOS_EXAMPLE, CHAOS_ITEMS
 from relay.operators import FinalizeOperator, PreflightOperator
 from relay.policy import load_policy
@@ -37,6 +38,7 @@ def build_dag(spec: JobSpec, spec_file: Path) -> DAG:
         f"- recovery policy `{policy.path}` (sha256 `{policy.sha256[:12]}`): "
         "`relay policy explain` tells what it does\n"
     )
+    close_parent = CloseParentRunOnFailure(spec.job)
     with DAG(
         dag_id=spec.dag_id,
         description=spec.description or f"Relay training job {spec.job}",
@@ -51,7 +53,9 @@ def build_dag(spec: JobSpec, spec_file: Path) -> DAG:
         default_args={
             "retries": spec.retries,
             "retry_delay": timedelta(seconds=spec.retry_delay),
+            "on_failure_callback": close_parent,
         },
+        on_failure_callback=close_parent,
     ) as dag:
         common = {"spec_file": str(spec_file)}
         preflight = PreflightOperator(task_id="preflight", retries=0, **common)

@@ -134,3 +134,8 @@ def test_escalate_fails_the_task_for_good_and_calls_the_webhook(
     assert "Segment 0 fault: crash (node node-b, rank 3)" in received[0]["message"]
     log = (relay_home / "logs" / "escalate.log").read_text()
     assert "ESCALATION to test-oncall" in log
+    # The DAG run ended badly: its MLflow run is closed as FAILED with the reason.
+    closed = lineage.client.get_run(parent)
+    assert closed.info.status == "FAILED"
+    assert "Segment 0 fault: crash" in closed.data.tags["relay.failure_reason"]
+    assert closed.data.tags["relay.failed_task"] == "segment_000"

@@ -181,12 +181,14 @@ def _cmd_nodes(args: argparse.Namespace) -> int:
 
     pool = NodePool()
     if args.nodes_cmd == "list":
-        held = pool.quarantines()
+        held, leases = pool.quarantines(), pool.leases()
         for node in pool.nodes:
             q = held.get(node)
             state = "healthy" if q is None else (
                 f"quarantined until {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(q.until))}"
                 f" - {q.reason} (by {q.by})")
+            if node in leases:
+                state += f"; in use by {leases[node]['holder']}"
             print(f"{node:10} {state}")
         return 0
     if args.node not in pool.nodes:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
 
 from relay.chaosconf import ChaosConfError, chaos_faults
 from relay.decide import Decision, decide
@@ -37,6 +37,11 @@ from training.launch import LAUNCH_FILE, LaunchConfig, ResumeFrom
 from training.standby import STANDBY_TTL_SECONDS
 
 log = logging.getLogger(__name__)
+
+
+def _lease_holder(dag_id: str, dag_run_id: str) -> str:
+    """Return who holds a DAG run's node leases."""
+    return f"{dag_id}/{dag_run_id}"
 
 
 def _fault_message(segment: int, fault: Fault, decision: Decision, lost: int | None) -> str:
@@ -64,11 +69,11 @@ class TrainSegmentOperator(RelayOperator):
         except ChaosConfError as exc:
             raise AirflowFailException(str(exc)) from exc
 
-    def _nodes(self, spec: JobSpec, policy: LoadedPolicy) -> list[str]:
+    def _nodes(self, spec: JobSpec, policy: LoadedPolicy, holder: str | None = None) -> list[str]:
         rules = policy.policy.nodes
         wait = rules.wait_up_to if rules.when_too_few == "wait" else 0.0
         try:
-            return NodePool().select(spec.nodes, wait_up_to=wait)
+            return NodePool().select(spec.nodes, wait_up_to=wait, holder=holder)
         except NotEnoughNodesError as exc:
             message = f"Segment {self.segment} of {spec.dag_id}: {exc}"
             escalate(policy.policy.escalation.target, message, policy.policy.escalation,
@@ -129,7 +134,7 @@ class TrainSegmentOperator(RelayOperator):
         if resume_step != start:
             log.warning("Segment %d starts at step %d; resuming from the latest valid checkpoint "
                         "at step %d", index, start, resume_step)
-        nodes = self._nodes(spec, policy)
+        nodes = self._nodes(spec, policy, holder=_lease_holder(spec.dag_id, dag_run.run_id))
         run_id = lineage.attempt_run(parent, index, try_number, {
             "segment": index, "attempt": try_number, "nodes": ",".join(nodes),
             "resume_step": resume_step, "end_step": end, "world_size": spec.world_size,
@@ -179,17 +184,32 @@ class TrainSegmentOperator(RelayOperator):
 
     # -- decide --------------------------------------------------------------------
 
-    def _prestart(self, spec: JobSpec, decision: Decision, seg_dir: Path) -> None:
+    def _prestart(self, spec: JobSpec, decision: Decision, seg_dir: Path, holder: str) -> None:
         """Have the retry's node agents preload while this attempt is wound down."""
         out = {decision.quarantine_node} if decision.quarantine_node else set()
-        nodes = [n for n in NodePool().healthy() if n not in out][: spec.nodes]
+        nodes = [n for n in NodePool().available(holder) if n not in out][: spec.nodes]
         if len(nodes) == spec.nodes:  # else the retry waits for nodes: nothing to warm up
             # They wait out the backoff too, and leave by themselves if the retry never comes.
             ttl = decision.backoff_seconds + STANDBY_TTL_SECONDS
             LocalLauncher().prestart(seg_dir / STANDBY_DIR, nodes, ttl)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401
-        """Stop the workload, decide per policy, record, and succeed or raise."""
+        """Stop the workload, decide per policy, record, and succeed or raise.
+
+        However the attempt ends, its nodes' lease ends with it (not when it defers again).
+        """
+        watching = False
+        try:
+            return self._complete(context, event)
+        except TaskDeferred:
+            watching = True
+            raise
+        finally:
+            if not watching:
+                NodePool().release_lease(_lease_holder(self.spec().dag_id,
+                                                       context["dag_run"].run_id))
+
+    def _complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401
         attempt_dir = Path(event["attempt_dir"])
         cfg = LaunchConfig.read(attempt_dir / LAUNCH_FILE)
         lineage = lineage_store()
@@ -225,7 +245,8 @@ class TrainSegmentOperator(RelayOperator):
         if decision.observe:
             return self._observe(context, fault, decision, attempt_dir, cfg, lineage, policy)
         if decision.retry:
-            self._prestart(spec, decision, attempt_dir.parent)
+            self._prestart(spec, decision, attempt_dir.parent,
+                           _lease_holder(spec.dag_id, context["dag_run"].run_id))
         beats = read_heartbeats(attempt_dir / "heartbeats")
         progress = max((b.step for b in beats.values()), default=cfg.start_step)
         drained = rescued = None
@@ -298,8 +319,8 @@ class TrainSegmentOperator(RelayOperator):
         if state is LaunchState.RUNNING and fault.kind not in ENDS_ATTEMPT:
             self._watch(attempt_dir, cfg, policy, kinds=watched_kinds(attempt_dir))
         if state is LaunchState.SUCCEEDED:
-            return self.execute_complete(context, {"status": "completed",
-                                                   "attempt_dir": str(attempt_dir)})
+            return self._complete(context, {"status": "completed",
+                                            "attempt_dir": str(attempt_dir)})
         # The processes are gone (a crash ends the job, observed or not): record and fail.
         survivors = LocalLauncher().stop(attempt_dir)
         write_atomically(attempt_dir / "decision.json", json.dumps(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -76,21 +77,21 @@ def _refuse(what: str, pid: int, started: int | None, sig: int) -> bool:
 
 def signal_process(pid: int, started: int | None, sig: int) -> bool:
     """Send ``sig`` to ``pid`` if it is the recorded process; return whether it was sent."""
-    if not is_same_process(pid, started):
-        return _refuse("process", pid, started, sig)
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        return False
-    return True
+    return _send(os.kill, "process", pid, started, sig, is_same_process(pid, started))
 
 
 def signal_group(pgid: int, leader_started: int | None, sig: int) -> bool:
     """Send ``sig`` to process group ``pgid`` if it is still the group Relay started."""
-    if not group_is_ours(pgid, leader_started):
-        return _refuse("process group", pgid, leader_started, sig)
+    return _send(os.killpg, "process group", pgid, leader_started, sig,
+                 group_is_ours(pgid, leader_started))
+
+
+def _send(kill: Callable[[int, int], None], what: str, pid: int, started: int | None,
+          sig: int, ours: bool) -> bool:
+    if not ours:
+        return _refuse(what, pid, started, sig)
     try:
-        os.killpg(pgid, sig)
+        kill(pid, sig)
     except ProcessLookupError:
         return False
     return True

@@ -8,13 +8,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+from webhook import LocalWebhook
 
 from relay.airflow_env import airflow_env, ensure_airflow_db
 from relay.demo import run_dag_test
@@ -62,22 +61,9 @@ STRAGGLER = {"kind": "straggler", "step": 30, "rank": 1, "factor": 3.0}
 
 @pytest.fixture(scope="module")
 def webhook() -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    received: list[dict[str, Any]] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
-            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(204)
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}/hook", received
-    server.shutdown()
-    server.server_close()
+    hook = LocalWebhook()
+    yield hook.url(), hook.received
+    hook.close()
 
 
 def test_an_observed_straggler_is_recorded_and_notified_and_the_job_runs_on(

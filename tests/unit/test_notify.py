@@ -5,57 +5,26 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
+from webhook import LocalWebhook
 
 from relay.notify import escalate, redact
 from relay.rules import Escalation
 
 
-class Hook:
-    """A local webhook that answers with the given statuses, then 204."""
-
-    def __init__(self) -> None:
-        self.received: list[dict[str, Any]] = []
-        self.headers: list[dict[str, str]] = []
-        self.statuses: list[int] = []
-        hook = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                hook.received.append(json.loads(body))
-                hook.headers.append(dict(self.headers))
-                self.send_response(hook.statuses.pop(0) if hook.statuses else 204)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = HTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_port
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def url(self, userinfo: str = "") -> str:
-        return f"http://{userinfo}127.0.0.1:{self.port}/hook"
-
-
 @pytest.fixture
-def hook() -> Iterator[Hook]:
-    h = Hook()
+def hook() -> Iterator[LocalWebhook]:
+    h = LocalWebhook()
     yield h
-    h.server.shutdown()
-    h.server.server_close()
+    h.close()
 
 
 def test_a_webhook_gets_the_payload_and_the_credentials_only_as_a_header(
-    hook: Hook, caplog: pytest.LogCaptureFixture
+    hook: LocalWebhook, caplog: pytest.LogCaptureFixture
 ) -> None:
     esc = Escalation(webhook=hook.url("bot:hunter2@") + "?token=s3cret")
     with caplog.at_level(logging.INFO):
@@ -71,7 +40,7 @@ def test_a_webhook_gets_the_payload_and_the_credentials_only_as_a_header(
 
 
 def test_an_airflow_connection_keeps_the_token_out_of_the_policy(
-    hook: Hook, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    hook: LocalWebhook, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("AIRFLOW_CONN_RELAY_ONCALL", json.dumps({
         "conn_type": "http", "host": "127.0.0.1", "port": hook.port, "schema": "http",
@@ -90,14 +59,14 @@ def test_a_missing_connection_is_recorded_with_the_fix_not_raised() -> None:
     assert "AIRFLOW_CONN_RELAY_NOWHERE" in (delivery.error or "")
 
 
-def test_server_errors_are_retried_and_a_later_success_counts(hook: Hook) -> None:
+def test_server_errors_are_retried_and_a_later_success_counts(hook: LocalWebhook) -> None:
     hook.statuses = [500, 503]
     delivery = escalate("oncall", "m", Escalation(webhook=hook.url()), wait_seconds=0)
     assert delivery.delivered and delivery.attempts == 3
     assert len(hook.received) == 3
 
 
-def test_a_client_error_is_not_retried(hook: Hook) -> None:
+def test_a_client_error_is_not_retried(hook: LocalWebhook) -> None:
     hook.statuses = [403]
     delivery = escalate("oncall", "m", Escalation(webhook=hook.url()), wait_seconds=0)
     assert not delivery.delivered and delivery.attempts == 1
@@ -120,7 +89,7 @@ def test_redact_drops_user_password_and_query() -> None:
 
 
 def test_running_out_of_nodes_escalates_through_the_same_notifier(
-    hook: Hook, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    hook: LocalWebhook, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from relay.nodes import NodePool
     from relay.policy import LoadedPolicy, Policy

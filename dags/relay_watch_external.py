@@ -2,14 +2,17 @@
 
 The job writes heartbeats with training.heartbeat.HeartbeatWriter into one
 folder; trigger this DAG with {"heartbeat_dir": "/path/to/heartbeats",
-"world_size": 4}. It succeeds when every rank reports done and fails, naming
-the fault, culprit and evidence, when the heartbeats show a fault.
+"world_size": 4}; the folder must be under $RELAY_WATCH_ROOTS (default
+$RELAY_HOME) and a policy_file in the policies folder. It succeeds when every
+rank reports done and fails, naming the fault, culprit and evidence, when the
+heartbeats show a fault.
 """
 
 from datetime import datetime
 
 from airflow.sdk import DAG, Param
 
+from relay.paths import watch_roots
 from relay.sensors import HeartbeatSensor, ThroughputSensor
 
 with DAG(
@@ -29,6 +32,7 @@ with DAG(
         "heartbeat_dir": "{{ params.heartbeat_dir }}",
         "world_size": "{{ params.world_size }}",
         "policy_file": "{{ params.policy_file }}",
+        "confine_to": [str(root) for root in watch_roots()],  # the paths come from run conf
         "poke_interval": 1,
         "timeout": 6 * 3600,
     }

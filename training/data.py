@@ -7,6 +7,7 @@ data position is simply the step.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 BUILTIN_PREFIX = "builtin:"
+BUILTIN_NAME = re.compile(r"[A-Za-z0-9_-]+")
 VOCAB_SIZE = 128  # 7-bit ASCII; the corpus is filtered to it
 
 
@@ -32,6 +34,9 @@ def load_corpus(source: str) -> torch.Tensor:
     """Return the corpus as a 1-D uint8 tensor of ASCII codes."""
     if source.startswith(BUILTIN_PREFIX):
         name = source.removeprefix(BUILTIN_PREFIX)
+        if not BUILTIN_NAME.fullmatch(name):  # never a path out of the corpus folder
+            raise ValueError(f"corpus {source!r}: expected builtin:<name> of letters, digits, "
+                             "'_' or '-', e.g. builtin:python_docs")
         text = resources.files("training").joinpath(f"corpus/{name}.txt").read_text()
     else:
         text = Path(source).read_text(errors="replace")

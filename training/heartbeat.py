@@ -11,15 +11,19 @@ launcher and the worker never disagree on a spelling.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
+
+from training.pids import start_time
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,7 @@ class Heartbeat:
     rank: int
     node: str
     pid: int
+    pid_started: int | None = None  # the rank's start time (training.pids): who may signal it
     step: int = 0
     phase: str = Phase.STARTING.value
     phase_started_at: float = field(default_factory=time.time)
@@ -77,11 +82,31 @@ def heartbeat_path(directory: Path, rank: int) -> Path:
     return directory / f"rank-{rank}.json"
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers never see a partial file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def write_atomically(path: Path, text: str, *, durable: bool = False) -> None:
+    """Write ``text`` to ``path`` so that readers never see a partial file.
+
+    The temporary file has a unique name (two writers, even threads of one process,
+    never share it). ``durable`` also fsyncs the file and its folder, so state that
+    must survive a power cut (the node pool, decisions) is on disk once this returns.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
 
 
 def read_heartbeats(directory: Path) -> dict[int, Heartbeat]:
@@ -111,7 +136,8 @@ class HeartbeatWriter:
     ) -> None:
         self._path = heartbeat_path(directory, rank)
         directory.mkdir(parents=True, exist_ok=True)
-        self._beat = Heartbeat(rank=rank, node=node, pid=os.getpid(), step=step)
+        self._beat = Heartbeat(rank=rank, node=node, pid=os.getpid(),
+                               pid_started=start_time(os.getpid()), step=step)
         self._lock = threading.Lock()
         self._interval = interval_seconds
         self._stop = threading.Event()

@@ -7,6 +7,7 @@ and ``training.worker``. Stdlib only, like the heartbeat module.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,8 +112,12 @@ class LaunchConfig:
         return self.nodes.index(node) * self.ranks_per_node + local_rank
 
     def write(self, path: Path) -> None:
-        """Write the launch file."""
-        path.write_text(json.dumps(asdict(self), indent=2, sort_keys=True))
+        """Write the launch file, readable by its owner only (it holds the tracking URI,
+        which may carry credentials)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode otherwise
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(json.dumps(asdict(self), indent=2, sort_keys=True))
 
     @classmethod
     def read(cls, path: Path) -> LaunchConfig:

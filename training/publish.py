@@ -1,4 +1,10 @@
-"""Publish checkpoints and metrics to an MLflow run, retrying at the I/O edge."""
+"""Publish checkpoints and metrics to an MLflow run, retrying at the I/O edge.
+
+A checkpoint must reach MLflow (its manifest is what makes it count), so its
+failure is raised. Metrics are only a view: a write that still fails after a
+short bounded retry is dropped, logged once (then counted), and never fails the
+checkpoint queue, the rank or the job.
+"""
 
 from __future__ import annotations
 
@@ -33,14 +39,27 @@ def mlflow_retrying(attempts: int = 5, max_wait_seconds: float = 8.0) -> Retryin
     )
 
 
+def metrics_retrying(attempts: int = 3, max_wait_seconds: float = 2.0) -> Retrying:
+    """Return the short, quiet retry for writes that may be dropped (metrics)."""
+    return Retrying(
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=0.25, max=max_wait_seconds),
+        retry=retry_if_exception_type(Exception),
+        reraise=True,
+    )
+
+
 class MlflowCheckpointSink:
     """Log checkpoint files, then manifests, as artifacts of one MLflow run."""
 
-    def __init__(self, tracking_uri: str, run_id: str, retrying: Retrying | None = None) -> None:
+    def __init__(self, tracking_uri: str, run_id: str, retrying: Retrying | None = None,
+                 optional_retrying: Retrying | None = None) -> None:
         self.run_id = run_id
         self._tracking_uri = tracking_uri
         self._client_instance: MlflowClient | None = None
         self._retrying = retrying or mlflow_retrying()
+        self._optional = optional_retrying or metrics_retrying()
+        self.dropped = 0  # metric batches given up on
 
     @property
     def _client(self) -> MlflowClient:
@@ -52,8 +71,13 @@ class MlflowCheckpointSink:
         return self._client_instance
 
     def connect(self) -> None:
-        """Open the tracking store now (call it off the training loop's thread)."""
-        self._retrying(lambda: self._client.get_run(self.run_id))
+        """Open the tracking store now (off the loop's thread); a failure waits for the
+        first checkpoint, which retries on its own."""
+        try:
+            self._optional(lambda: self._client.get_run(self.run_id))
+        except Exception as exc:  # noqa: BLE001 - a warm-up, not a write
+            log.warning("MLflow run %s not reachable yet (%s); the first checkpoint will retry",
+                        self.run_id, exc)
 
     def publish(self, checkpoint: Path, manifest: CheckpointManifest) -> None:
         """Log the checkpoint file, then (only then) the manifest that makes it count.
@@ -74,4 +98,10 @@ class MlflowCheckpointSink:
     def log_metrics(self, step: int, values: Mapping[str, float], timestamp_ms: int) -> None:
         """Log a set of metrics at ``step``."""
         metrics = [Metric(k, float(v), timestamp_ms, step) for k, v in values.items()]
-        self._retrying(self._client.log_batch, self.run_id, metrics=metrics)
+        try:
+            self._optional(self._client.log_batch, self.run_id, metrics=metrics)
+        except Exception as exc:  # noqa: BLE001 - metrics are dropped, never fatal
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning("Dropped metrics at step %d: MLflow run %s refused them after "
+                            "retries (%s); later drops are only counted", step, self.run_id, exc)

@@ -3,20 +3,22 @@
 Stop every process of a node (SIGSTOP: the node goes silent), SIGKILL one
 rank, or slow a rank by freezing it for part of every 100 ms. Each action is
 appended to the attempt's ``chaos.jsonl`` with its time, like the in-rank
-injector's, so detection latency can be measured the same way.
+injector's, so detection latency can be measured the same way. Every signal
+goes through :mod:`training.pids`: a target whose PID now belongs to another
+process is left alone and the mismatch logged.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import time
 from pathlib import Path
 
 from relay import settings
 from relay.launchers.local import HANDLE_FILE, LaunchState, LocalLauncher
+from training import pids
 from training.chaos import CHAOS_LOG
 from training.heartbeat import read_heartbeats
 
@@ -48,40 +50,56 @@ def _record(attempt: Path, action: str, **details: object) -> None:
         fh.write(json.dumps(entry) + "\n")
 
 
-def stop_node(attempt: Path, node: str) -> int:
-    """SIGSTOP every process of ``node`` (its agent and its ranks); return the PGID."""
+def _node_group(attempt: Path, node: str) -> tuple[int, int | None]:
+    """Return the PGID of ``node``'s agent and the agent's recorded start time."""
     handle = json.loads((attempt / HANDLE_FILE).read_text())["nodes"]
     if node not in handle:
         raise ChaosTargetError(f"node {node!r}: expected one of {sorted(handle)} in {attempt}")
-    pgid = int(handle[node]["pgid"])
+    started = handle[node].get("started")
+    return int(handle[node]["pgid"]), None if started is None else int(started)
+
+
+def _not_ours(what: str, attempt: Path) -> ChaosTargetError:
+    return ChaosTargetError(
+        f"{what}: its recorded process is gone and the PID is not (or no longer) the one "
+        f"{attempt} started, so it was left alone. Pick a running attempt.")
+
+
+def stop_node(attempt: Path, node: str) -> int:
+    """SIGSTOP every process of ``node`` (its agent and its ranks); return the PGID."""
+    pgid, started = _node_group(attempt, node)
+    if not pids.signal_group(pgid, started, signal.SIGSTOP):
+        raise _not_ours(f"node {node!r} (process group {pgid})", attempt)
     _record(attempt, "stop_node", node=node, pgid=pgid)
-    os.killpg(pgid, signal.SIGSTOP)
     log.warning("Stopped every process of %s (process group %d)", node, pgid)
     return pgid
 
 
 def continue_node(attempt: Path, node: str) -> int:
     """SIGCONT every process of ``node`` (undo :func:`stop_node`)."""
-    pgid = int(json.loads((attempt / HANDLE_FILE).read_text())["nodes"][node]["pgid"])
-    os.killpg(pgid, signal.SIGCONT)
+    pgid, started = _node_group(attempt, node)
+    if not pids.signal_group(pgid, started, signal.SIGCONT):
+        raise _not_ours(f"node {node!r} (process group {pgid})", attempt)
     return pgid
 
 
-def _rank_pid(attempt: Path, rank: int) -> int:
+def _rank_pid(attempt: Path, rank: int) -> tuple[int, int | None]:
+    """Return the rank's PID and start time, from its heartbeat."""
     beats = read_heartbeats(attempt / "heartbeats")
     if rank not in beats:
         raise ChaosTargetError(
             f"rank {rank}: expected a heartbeat in {attempt / 'heartbeats'}, found ranks "
             f"{sorted(beats)}. Wait until the ranks have started."
         )
-    return beats[rank].pid
+    return beats[rank].pid, beats[rank].pid_started
 
 
 def kill_rank(attempt: Path, rank: int) -> int:
     """SIGKILL one rank; return its PID."""
-    pid = _rank_pid(attempt, rank)
+    pid, started = _rank_pid(attempt, rank)
+    if not pids.signal_process(pid, started, signal.SIGKILL):
+        raise _not_ours(f"rank {rank} (pid {pid})", attempt)
     _record(attempt, "crash", rank=rank, pid=pid)
-    os.kill(pid, signal.SIGKILL)
     return pid
 
 
@@ -89,21 +107,20 @@ def slow_rank(attempt: Path, rank: int, factor: float, seconds: float) -> int:
     """Make one rank run ``factor`` times slower for ``seconds`` by freezing it part-time."""
     if factor <= 1:
         raise ChaosTargetError(f"--factor: expected a slowdown > 1, found {factor}")
-    pid = _rank_pid(attempt, rank)
+    pid, started = _rank_pid(attempt, rank)
+    if not pids.is_same_process(pid, started):
+        raise _not_ours(f"rank {rank} (pid {pid})", attempt)
     _record(attempt, "straggler", rank=rank, pid=pid, factor=factor)
     running = SLOW_PERIOD_SECONDS / factor
     deadline = time.monotonic() + seconds
     try:
         while time.monotonic() < deadline:
-            os.kill(pid, signal.SIGSTOP)
+            if not pids.signal_process(pid, started, signal.SIGSTOP):
+                log.warning("Rank %d (pid %d) ended while being slowed", rank, pid)
+                break
             time.sleep(SLOW_PERIOD_SECONDS - running)
-            os.kill(pid, signal.SIGCONT)
+            pids.signal_process(pid, started, signal.SIGCONT)
             time.sleep(running)
-    except ProcessLookupError:
-        log.warning("Rank %d (pid %d) ended while being slowed", rank, pid)
     finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        pids.signal_process(pid, started, signal.SIGCONT)
     return pid

@@ -164,6 +164,27 @@ def _cmd_policy(args: argparse.Namespace) -> int:
     return _for_each_file(args.files, load_policy, report)
 
 
+def _cmd_policy_replay(args: argparse.Namespace) -> int:
+    from relay import replay
+    from relay.lineage import Lineage
+    from relay.policy import load_policy
+
+    candidate = load_policy(Path(args.candidate))
+    try:
+        since = replay.parse_since(args.since)
+        incidents = replay.load_incidents(Lineage.from_settings(), args.job, since)
+    except replay.ReplayError as err:
+        print(f"relay policy replay: {err}", file=sys.stderr)
+        return 2
+    if not incidents:
+        print(f"No recorded faults for job {args.job}" + (f" since {args.since}" if args.since
+                                                         else "") + ": nothing to replay.")
+        return 0
+    rows = replay.replay(incidents, candidate.policy, candidate.sha256)
+    print(replay.format_report(rows, candidate, args.job))
+    return 0
+
+
 def _cmd_nodes(args: argparse.Namespace) -> int:
     import time
 
@@ -172,12 +193,14 @@ def _cmd_nodes(args: argparse.Namespace) -> int:
 
     pool = NodePool()
     if args.nodes_cmd == "list":
-        held = pool.quarantines()
+        held, leases = pool.quarantines(), pool.leases()
         for node in pool.nodes:
             q = held.get(node)
             state = "healthy" if q is None else (
                 f"quarantined until {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(q.until))}"
                 f" - {q.reason} (by {q.by})")
+            if node in leases:
+                state += f"; in use by {leases[node]['holder']}"
             print(f"{node:10} {state}")
         return 0
     if args.node not in pool.nodes:
@@ -220,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = policy_sub.add_parser(name, help=helptext)
         cmd.add_argument("files", nargs="+")
         cmd.set_defaults(func=_cmd_policy)
+    replay_cmd = policy_sub.add_parser(
+        "replay", help="re-decide a job's recorded faults (from MLflow) under a candidate policy")
+    replay_cmd.add_argument("candidate", help="the candidate policy file")
+    replay_cmd.add_argument("--job", required=True, help="the job name (its spec's `job:`)")
+    replay_cmd.add_argument("--since", help="only DAG runs started from this date, e.g. 2026-12-01")
+    replay_cmd.set_defaults(func=_cmd_policy_replay)
     schema = policy_sub.add_parser("schema", help="print (or --write) policies/schema.json")
     schema.add_argument("--write", action="store_true")
     schema.set_defaults(func=_cmd_policy)

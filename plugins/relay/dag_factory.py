@@ -13,6 +13,8 @@ from pathlib import Path
 from airflow.sdk import DAG, Param, chain
 
 from relay import settings
+from relay.callbacks import CloseParentRunOnFailure
+from relay.chaosconf import CHAOS_EXAMPLE, CHAOS_ITEMS
 from relay.operators import FinalizeOperator, PreflightOperator
 from relay.policy import load_policy
 from relay.recovery import PolicyRetry
@@ -21,8 +23,7 @@ from relay.spec import JobSpec, load_job_specs
 from relay.yamlsource import ConfigError
 
 CHAOS_PARAM_DOC = (
-    "Faults to inject (tests and demos), e.g. "
-    '[{"kind": "crash", "segment": 1, "step": 75, "rank": 1, "attempt": 1}]'
+    f"Faults to inject (only if the job spec says `chaos: allowed`), e.g. {CHAOS_EXAMPLE}"
 )
 
 
@@ -37,6 +38,7 @@ def build_dag(spec: JobSpec, spec_file: Path) -> DAG:
         f"- recovery policy `{policy.path}` (sha256 `{policy.sha256[:12]}`): "
         "`relay policy explain` tells what it does\n"
     )
+    close_parent = CloseParentRunOnFailure(spec.job)
     with DAG(
         dag_id=spec.dag_id,
         description=spec.description or f"Relay training job {spec.job}",
@@ -46,11 +48,14 @@ def build_dag(spec: JobSpec, spec_file: Path) -> DAG:
         catchup=False,
         max_active_runs=1,
         tags=["relay", f"job:{spec.job}"],
-        params={"chaos": Param([], type="array", description=CHAOS_PARAM_DOC)},
+        params={"chaos": Param([], type="array", items=CHAOS_ITEMS,
+                               description=CHAOS_PARAM_DOC)},
         default_args={
             "retries": spec.retries,
             "retry_delay": timedelta(seconds=spec.retry_delay),
+            "on_failure_callback": close_parent,
         },
+        on_failure_callback=close_parent,
     ) as dag:
         common = {"spec_file": str(spec_file)}
         preflight = PreflightOperator(task_id="preflight", retries=0, **common)

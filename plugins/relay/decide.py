@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from relay.faults import Fault, FaultKind
-from relay.rules import Action
+from relay.rules import Action, Mode
 
 
 def ordinal(n: int) -> str:
@@ -35,6 +35,7 @@ class Decision:
     max_attempts: int
     policy_sha256: str
     reason: str
+    observe: bool = False  # observe mode: recorded and notified, not applied
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -42,8 +43,13 @@ class Decision:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Decision:
-        """Rebuild from :meth:`to_dict`."""
-        return cls(**raw)
+        """Rebuild from :meth:`to_dict` (records from before a field existed included)."""
+        return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
+
+
+def rule_mode(policy: Any, kind: FaultKind) -> Mode:  # noqa: ANN401 - relay.policy.Policy
+    """Return whether ``kind``'s rule acts or only observes (its own mode, else the policy's)."""
+    return policy.rules.for_kind(kind).mode or policy.mode
 
 
 def decide(
@@ -52,7 +58,25 @@ def decide(
     policy: Any,  # noqa: ANN401 - relay.policy.Policy (import cycle)
     policy_sha256: str,
 ) -> Decision:
-    """Decide what to do about ``fault``, given the faults earlier attempts of the segment met."""
+    """Decide what to do about ``fault``, given the faults earlier attempts of the segment met.
+
+    Under observe mode the decision is the same, marked ``observe`` and addressed to the
+    escalation target, so the applying side records and notifies it instead of acting.
+    """
+    decision = _enforced(fault, history, policy, policy_sha256)
+    if rule_mode(policy, fault.kind) != Mode.OBSERVE:
+        return decision
+    rule = policy.rules.for_kind(fault.kind)
+    return replace(
+        decision, observe=True, notify=decision.notify or rule.escalate_to
+        or policy.escalation.target,
+        reason=f"observe mode, not applied: Relay would {decision.action}: {decision.reason}",
+    )
+
+
+def _enforced(
+    fault: Fault, history: Sequence[FaultKind], policy: Any, policy_sha256: str,  # noqa: ANN401
+) -> Decision:
     rule = policy.rules.for_kind(fault.kind)
     occurrence = 1 + sum(1 for k in history if k == fault.kind)
     attempts_so_far = 1 + len(history)

@@ -12,6 +12,7 @@ from typing import Any
 
 from relay import settings
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
+from relay.notify import redact
 from relay.spec import JobSpec, load_job_spec
 from training.heartbeat import read_heartbeats
 
@@ -134,11 +135,12 @@ def where_to_look(job: str, parent: str) -> None:
         losses += [(m.step, m.value) for m in lineage.client.get_metric_history(
             child.info.run_id, "loss")]
     losses.sort()
+    store = redact(lineage.tracking_uri, keep_query=True)  # never print a password
     print("\nWhere to look")
-    print(f"  MLflow store:    {lineage.tracking_uri}")
+    print(f"  MLflow store:    {store}")
     print(f"  MLflow run:      {parent} (experiment relay/{job}), "
           f"{len(children)} segment attempt run(s)")
-    print(f"  MLflow UI:       mlflow ui --backend-store-uri {lineage.tracking_uri}")
+    print(f"  MLflow UI:       mlflow ui --backend-store-uri {store}")
     print("  Checkpoint chain (newest first):")
     for m in chain:
         origin = f"<- step {m.parent.step}" if m.parent else "<- initial weights (seed)"

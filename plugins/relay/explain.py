@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from relay.decide import ordinal
+from relay.decide import ordinal, rule_mode
 from relay.faults import RESCUABLE, FaultKind
+from relay.notify import redact
 from relay.policy import Detection, LoadedPolicy
-from relay.rules import JOB_WIDE, Action, Rule
+from relay.rules import JOB_WIDE, Action, Escalation, Mode, Rule
 
 _UNITS = ((86400, "day"), (3600, "hour"), (60, "minute"), (1, "second"))
 
@@ -91,17 +92,36 @@ def _backoff_sentence(rule: Rule) -> str:
             f"after each repeat, at most {humanize(b.max)}.")
 
 
+def _channel_sentence(e: Escalation) -> str:
+    if e.connection:
+        where = f" and are POSTed to Airflow connection {e.connection}"
+    elif e.webhook:
+        where = f" and are POSTed to {redact(e.webhook)}"
+    else:
+        return "Notifications go to the task log."
+    return (f"Notifications go to the task log{where} (up to {e.attempts} tries; a failed "
+            "delivery is recorded with the decision, never stops it).")
+
+
 def explain(loaded: LoadedPolicy) -> str:
     """Return the whole policy in plain sentences."""
     p = loaded.policy
     lines = [f"Policy {loaded.path} (sha256 {loaded.sha256[:12]}, version {p.version})"]
     if p.description:
         lines.append(p.description)
+    observing = [k.value for k in FaultKind if rule_mode(p, k) == Mode.OBSERVE]
+    if observing:
+        lines.append(f"OBSERVE MODE for {', '.join(observing)}: for these faults Relay only "
+                     "records the decision below and notifies; it does not act (a crash still "
+                     "ends the job).")
     lines.append("")
     for kind in FaultKind:
         rule = p.rules.for_kind(kind)
         target = rule.escalate_to or p.escalation.target
         lines.append(f"When {fault_sentence(kind, p.detection)}:")
+        if rule_mode(p, kind) == Mode.OBSERVE:
+            lines.append(f"  OBSERVE ONLY: Relay records what it would do and notifies {target}; "
+                         "the job keeps running. It would do this:")
         lines.append("  " + _action_sentence(kind, rule).format(target=target))
         if rule.action not in (Action.ESCALATE, Action.ABORT):
             lines.append("  " + _backoff_sentence(rule))
@@ -127,7 +147,6 @@ def explain(loaded: LoadedPolicy) -> str:
     else:
         lines.append("When fewer healthy nodes are left than a segment needs, Relay stops and "
                      f"notifies {p.escalation.target} at once.")
-    hook = p.escalation.webhook
-    lines.append("Notifications go to the task log" + (f" and to {hook}." if hook else "."))
+    lines.append(_channel_sentence(p.escalation))
     lines.append(f"Every decision records this policy's sha256 ({loaded.sha256}).")
     return "\n".join(lines)

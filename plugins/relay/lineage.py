@@ -287,14 +287,6 @@ class Lineage:
         key = TAG_REJECTED + manifest.ref.artifact_dir.rsplit("/", 1)[-1]
         self._call(self.client.set_tag, manifest.run_id, key, reason[:4000])
 
-    def segment_faults(self, parent_run_id: str, segment: int) -> list[str]:
-        """Return the fault kinds earlier attempts of a segment ended in, oldest first."""
-        return [
-            run.data.tags[TAG_FAULT]
-            for run in self.child_runs(parent_run_id)
-            if run.data.tags.get(TAG_SEGMENT) == str(segment) and TAG_FAULT in run.data.tags
-        ]
-
     def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
         """Set several tags on a run."""
         for k, v in tags.items():

@@ -1,5 +1,10 @@
 """The node pool: which nodes exist, which are quarantined (why, until when), which to use.
 
+A node chosen for an attempt is leased to its holder (the DAG run) until the
+attempt ends or the lease expires, so two DAG runs never train on one node at
+once; a task killed without cleaning up frees its nodes when its DAG run's next
+attempt leases again, or after :data:`LEASE_SECONDS`.
+
 State lives in one JSON file (``$RELAY_HOME/nodes.json``) changed only under an
 exclusive ``flock`` and replaced atomically, so it survives Airflow restarts
 and two segments deciding at once cannot lose each other's quarantines.
@@ -26,6 +31,7 @@ from training.heartbeat import write_atomically
 log = logging.getLogger(__name__)
 
 DEFAULT_NODES = ("node-a", "node-b", "node-c", "node-d", "node-e")
+LEASE_SECONDS = 6 * 3600.0
 
 
 class NotEnoughNodesError(Exception):
@@ -82,10 +88,13 @@ class NodePool:
                     f"found {type(state).__name__} without one. Fix or delete the file; only "
                     "quarantines are lost."
                 )
+            if not isinstance(state.get("leases"), dict):
+                state["leases"] = {}
             before = json.dumps(state, sort_keys=True)
             yield state
             if json.dumps(state, sort_keys=True) != before:
-                write_atomically(self.state_file, json.dumps(state, indent=2, sort_keys=True))
+                write_atomically(self.state_file, json.dumps(state, indent=2, sort_keys=True),
+                                 durable=True)
 
     def quarantines(self, now: float | None = None) -> dict[str, Quarantine]:
         """Return the quarantines in force at ``now``."""
@@ -119,23 +128,71 @@ class NodePool:
         held = self.quarantines(now)
         return [n for n in self.nodes if n not in held]
 
-    def select(self, count: int, wait_up_to: float = 0.0, poll_seconds: float = 2.0) -> list[str]:
-        """Pick ``count`` healthy nodes, waiting up to ``wait_up_to`` for quarantines to expire."""
+    def leases(self, now: float | None = None) -> dict[str, dict[str, Any]]:
+        """Return the leases in force at ``now``: node -> {holder, until}."""
+        now = time.time() if now is None else now
+        with self._locked() as state:
+            return {n: dict(lease) for n, lease in state.get("leases", {}).items()
+                    if lease.get("until", 0) > now}
+
+    def available(self, holder: str | None = None, now: float | None = None) -> list[str]:
+        """Return the healthy nodes not leased to anyone but ``holder``, in inventory order."""
+        leased = {n for n, lease in self.leases(now).items() if lease.get("holder") != holder}
+        return [n for n in self.healthy(now) if n not in leased]
+
+    def _lease(self, count: int, holder: str, seconds: float) -> list[str] | None:
+        """Lease ``count`` free healthy nodes to ``holder`` in one locked step, or None."""
+        now = time.time()
+        with self._locked() as state:
+            held = {n for n, q in state["quarantines"].items() if Quarantine(**q).active(now)}
+            leases = {n: lease for n, lease in state["leases"].items()
+                      if lease.get("until", 0) > now and lease.get("holder") != holder}
+            free = [n for n in self.nodes if n not in held and n not in leases]
+            if len(free) < count:
+                return None
+            chosen = free[:count]
+            # The holder's earlier leases (an attempt that ended without releasing) go.
+            leases.update({n: {"holder": holder, "until": now + seconds} for n in chosen})
+            state["leases"] = leases
+            return chosen
+
+    def release_lease(self, holder: str) -> list[str]:
+        """End every lease of ``holder``; return the nodes freed."""
+        with self._locked() as state:
+            freed = [n for n, lease in state["leases"].items() if lease.get("holder") == holder]
+            for node in freed:
+                del state["leases"][node]
+        return freed
+
+    def select(self, count: int, wait_up_to: float = 0.0, poll_seconds: float = 2.0,
+               holder: str | None = None, lease_seconds: float = LEASE_SECONDS) -> list[str]:
+        """Pick ``count`` healthy nodes, waiting up to ``wait_up_to`` for quarantines (and
+        other holders' leases) to end; with a ``holder``, lease them to it."""
         deadline = time.monotonic() + wait_up_to
         while True:
-            healthy = self.healthy()
-            if len(healthy) >= count:
+            if holder is not None:
+                chosen = self._lease(count, holder, lease_seconds)
+                if chosen is not None:
+                    return chosen
+            elif len(healthy := self.healthy()) >= count:
                 return healthy[:count]
             if time.monotonic() >= deadline:
-                held = self.quarantines()
-                detail = "; ".join(
-                    f"{n} until {time.strftime('%H:%M:%S', time.localtime(q.until))} ({q.reason})"
-                    for n, q in held.items()
-                )
-                raise NotEnoughNodesError(
-                    f"node pool: expected {count} healthy nodes, found {len(healthy)} "
-                    f"({', '.join(healthy) or 'none'}); quarantined: {detail or 'none'}. "
-                    "Release a node with `relay nodes release NODE`, add nodes to RELAY_NODES, "
-                    "or wait for a quarantine to expire."
-                )
+                raise NotEnoughNodesError(self._shortage(count, holder))
             time.sleep(min(poll_seconds, max(0.0, deadline - time.monotonic())))
+
+    def _shortage(self, count: int, holder: str | None) -> str:
+        """Say why ``count`` nodes could not be had, and what to do."""
+        fmt = "%H:%M:%S"
+        free = self.available(holder)
+        held = "; ".join(
+            f"{n} until {time.strftime(fmt, time.localtime(q.until))} ({q.reason})"
+            for n, q in self.quarantines().items())
+        leased = "; ".join(
+            f"{n} to {lease['holder']} until {time.strftime(fmt, time.localtime(lease['until']))}"
+            for n, lease in self.leases().items() if lease.get("holder") != holder)
+        return (
+            f"node pool: expected {count} healthy nodes, found {len(free)} "
+            f"({', '.join(free) or 'none'}); quarantined: {held or 'none'}; in use by other "
+            f"DAG runs: {leased or 'none'}. Release a node with `relay nodes release NODE`, add "
+            "nodes to RELAY_NODES, or wait for a quarantine to expire or another run to finish."
+        )

@@ -8,28 +8,25 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay import settings
+from relay.chaosconf import ChaosConfError, chaos_faults
 from relay.nodes import NodePool
+from relay.paths import safe_name
 from relay.policy import LoadedPolicy, load_policy
 from relay.spec import JobSpec, load_job_spec
 
 log = logging.getLogger(__name__)
 
 
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-
-
 def segment_dir(spec: JobSpec, dag_run_id: str, segment: int) -> Path:
     """Return the folder that holds every attempt of one segment of one DAG run."""
-    return settings.runs_dir() / spec.dag_id / _safe(dag_run_id) / f"segment-{segment:03d}"
+    return settings.runs_dir() / spec.dag_id / safe_name(dag_run_id) / f"segment-{segment:03d}"
 
 
 def lineage_store():  # noqa: ANN201 - imported lazily: DAG parsing must not import MLflow
@@ -72,6 +69,10 @@ class PreflightOperator(RelayOperator):
         """Return the parent MLflow run id."""
         spec = self.spec()
         policy = self.policy(spec)
+        try:  # before any MLflow run exists: a refused conf leaves nothing RUNNING behind
+            chaos = chaos_faults(context["dag_run"].conf, spec, Path(self.spec_file))
+        except ChaosConfError as exc:
+            raise AirflowFailException(str(exc)) from exc
         lineage = lineage_store()
         nodes = NodePool().healthy()
         params = {
@@ -84,7 +85,7 @@ class PreflightOperator(RelayOperator):
             "policy_file": str(policy.path),
             "policy_sha256": policy.sha256,
             "spec_sha256": hashlib.sha256(Path(self.spec_file).read_bytes()).hexdigest(),
-            "chaos": json.dumps((context["dag_run"].conf or {}).get("chaos", []), sort_keys=True),
+            "chaos": json.dumps(chaos, sort_keys=True),
         }
         parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id, params)
         log.info(

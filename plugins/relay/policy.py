@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from relay.rules import Escalation, NodeRules, Rules
+from relay.rules import Escalation, Mode, NodeRules, Rules
 from relay.yamlsource import ConfigError, Duration, load_yaml_with_lines, validate_model
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -73,6 +73,7 @@ class Policy(BaseModel):
 
     version: int = Field(1, ge=1)
     description: str = ""
+    mode: Mode = Mode.ENFORCE
     detection: Detection = Detection()
     rules: Rules
     max_attempts_per_segment: int = Field(8, ge=1, strict=True)

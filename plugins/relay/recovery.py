@@ -1,4 +1,4 @@
-"""Apply a decision: drain a checkpoint, stop, quarantine, roll back, record, notify.
+"""Apply a decision: drain a checkpoint, stop, quarantine, roll back, record.
 
 Retries go through Airflow's own machinery: :class:`SegmentFaultError` carries
 the decision and :class:`PolicyRetry` (the segment tasks' ``retry_policy``)
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
-import urllib.request
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from typing import Any
 from airflow.sdk.definitions.retry_policy import RetryDecision, RetryPolicy
 
 from relay.decide import Decision
-from relay.faults import Fault
+from relay.faults import Fault, FaultKind
 from relay.launchers.local import LaunchState, LocalLauncher
 from relay.nodes import NodePool
 from training.heartbeat import read_heartbeats, write_atomically
@@ -27,6 +27,33 @@ from training.launch import DRAIN_FILE
 
 log = logging.getLogger(__name__)
 DRAIN_LEAD_STEPS = 2
+ATTEMPT_DIR = re.compile(r"try-(\d+)")  # an attempt folder; renamed stale ones never match
+
+
+def attempt_dirs(segment_dir: Path) -> list[Path]:
+    """Return a segment's attempt folders (``try-N`` exactly), in attempt order."""
+    found = [(int(m.group(1)), p) for p in segment_dir.glob("try-*")
+             if (m := ATTEMPT_DIR.fullmatch(p.name)) and p.is_dir()]
+    return [p for _n, p in sorted(found)]
+
+
+def fault_history(segment_dir: Path, exclude: Path | None = None) -> list[FaultKind]:
+    """Return the fault kinds earlier attempts of a segment ended in, oldest first.
+
+    The one source every decision counts from: each attempt folder's ``decision.json``
+    (written, fsynced, before anything else records the decision). A folder set aside
+    as ``try-N.stale-T`` (the same try launched again) is never counted.
+    """
+    kinds = []
+    for folder in attempt_dirs(segment_dir):
+        record = folder / "decision.json"
+        if folder == exclude or not record.exists():
+            continue
+        try:
+            kinds.append(FaultKind(json.loads(record.read_text())["fault"]["kind"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("Unreadable earlier decision %s; not counted", record)
+    return kinds
 
 
 class SegmentFaultError(Exception):
@@ -98,20 +125,3 @@ def quarantine(decision: Decision, fault: Fault, where: str) -> None:
             reason=f"{fault.kind.value}: {fault.evidence.get('summary', '')}",
             by=f"{decision.rule} (policy {decision.policy_sha256[:12]}) in {where}",
         )
-
-
-def notify(decision: Decision, message: str, webhook: str | None) -> None:
-    """Tell the escalation target: always a log line, and a webhook POST when configured."""
-    log.error("ESCALATION to %s: %s", decision.notify, message)
-    if not webhook:
-        return
-    body = json.dumps({"target": decision.notify, "message": message,
-                       "decision": decision.to_dict()}).encode()
-    request = urllib.request.Request(
-        webhook, data=body, headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
-            log.info("Escalation webhook answered %s", response.status)
-    except OSError as exc:  # the failure must still reach the task log and fail the task
-        log.error("Escalation webhook %s failed: %s", webhook, exc)

@@ -11,12 +11,15 @@ Read by governance owners, so every field has a plain meaning:
   (``null``: never).
 - ``escalate_to``: who is told when Relay gives up (default: the policy's
   ``escalation.target``).
+- ``mode``: ``observe`` records and notifies what the rule would do without
+  doing it; ``enforce`` acts (default: the policy's ``mode``).
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -33,6 +36,13 @@ from relay.yamlsource import DURATION_JSON_SCHEMA, Duration, FieldValueError, pa
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _OPTIONAL_SECONDS: dict[str, Any] = {"anyOf": [*DURATION_JSON_SCHEMA["anyOf"], {"type": "null"}],
                                      "description": "a duration such as 30m, or null for none"}
+
+
+class Mode(StrEnum):
+    """Whether a rule acts on its decisions or only records them."""
+
+    ENFORCE = "enforce"  # apply the decision: stop, quarantine, retry, escalate
+    OBSERVE = "observe"  # record the decision Relay would make and notify; leave the job alone
 
 
 class Action(StrEnum):
@@ -95,6 +105,7 @@ class Rule(BaseModel):
     ] = Backoff()
     quarantine: Annotated[float | None, WithJsonSchema(_OPTIONAL_SECONDS)] = None
     escalate_to: str | None = None
+    mode: Mode | None = None  # None: the policy's mode
 
     @field_validator("backoff", mode="before")
     @classmethod
@@ -109,13 +120,58 @@ class Rule(BaseModel):
         return None if value is None else parse_duration(value)
 
 
+def _shown_url(url: str) -> str:
+    """Return a URL without its user, password and query (never echo a secret)."""
+    from relay.notify import redact
+
+    return repr(redact(url))
+
+
 class Escalation(BaseModel):
-    """Who is told when Relay gives up, and how."""
+    """Who is told when Relay gives up, and how.
+
+    ``connection`` names an Airflow connection (its token stays in Airflow's
+    secrets); ``webhook`` is a plain http(s) URL. Delivery is tried up to
+    ``attempts`` times, each waiting up to ``timeout``.
+    """
 
     model_config = _FROZEN
 
     target: str = "ml-platform-oncall"
     webhook: str | None = None
+    connection: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    attempts: int = Field(3, ge=1, le=10, strict=True)
+    timeout: Duration = 10.0
+
+    @field_validator("webhook", mode="after")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        try:
+            parts = urlsplit(url)
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            ok = False
+        if not ok:
+            raise FieldValueError(
+                "an http(s) URL such as https://hooks.example.com/relay", url,
+                "write the full http:// or https:// URL, or better, keep the URL and its token in "
+                "an Airflow connection and set escalation.connection: <conn id> instead",
+                shown=_shown_url(url),
+            )
+        return url
+
+    @field_validator("connection", mode="after")
+    @classmethod
+    def _one_channel(cls, conn: str | None, info: ValidationInfo) -> str | None:
+        if conn is not None and info.data.get("webhook") is not None:
+            raise FieldValueError(
+                "either webhook or connection", f"connection {conn!r} and a webhook",
+                "remove escalation.webhook; the connection says where to POST",
+            )
+        return conn
 
 
 class NodeRules(BaseModel):

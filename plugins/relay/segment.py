@@ -16,25 +16,33 @@ import time
 from pathlib import Path
 from typing import Any
 
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
 
+from relay.chaosconf import ChaosConfError, chaos_faults
 from relay.decide import Decision, decide
 from relay.evidence import ask_for_evidence, attach_evidence, collect_evidence
 from relay.faults import RESCUABLE, Fault, FaultKind
-from relay.launchers.local import STANDBY_DIR, LocalLauncher, free_port
+from relay.launchers.local import STANDBY_DIR, LaunchState, LocalLauncher, free_port
 from relay.nodes import NodePool, NotEnoughNodesError
+from relay.notify import escalate
+from relay.observe import ENDS_ATTEMPT, log_observations, record_observation, watched_kinds
 from relay.operators import RelayOperator, lineage_store, segment_dir
 from relay.policy import LoadedPolicy
-from relay.recovery import SegmentFaultError, drain, notify, quarantine
+from relay.record import best_effort, record_fault
+from relay.recovery import SegmentFaultError, drain, fault_history, quarantine
 from relay.rescue import publish_rescue, request_rescue
 from relay.spec import JobSpec
 from relay.triggers import SegmentWatchTrigger
-from training.chaos import Fault as ChaosFault
 from training.heartbeat import read_heartbeats, write_atomically
 from training.launch import LAUNCH_FILE, LaunchConfig
 from training.standby import STANDBY_TTL_SECONDS
 
 log = logging.getLogger(__name__)
+
+
+def _lease_holder(dag_id: str, dag_run_id: str) -> str:
+    """Return who holds a DAG run's node leases."""
+    return f"{dag_id}/{dag_run_id}"
 
 
 def _fault_message(segment: int, fault: Fault, decision: Decision, lost: int | None) -> str:
@@ -47,18 +55,6 @@ def _fault_message(segment: int, fault: Fault, decision: Decision, lost: int | N
     )
 
 
-def _local_history(attempt_dir: Path) -> list[FaultKind]:
-    """Return the fault kinds earlier attempts of this segment ended in (their decision.json)."""
-    kinds = []
-    for other in sorted(attempt_dir.parent.glob("try-*/decision.json")):
-        if other.parent != attempt_dir:
-            try:
-                kinds.append(FaultKind(json.loads(other.read_text())["fault"]["kind"]))
-            except (OSError, ValueError, KeyError):
-                log.warning("Unreadable earlier decision %s; not counted", other)
-    return kinds
-
-
 class TrainSegmentOperator(RelayOperator):
     """Train steps ``[latest checkpoint, segment end)`` on healthy nodes, watched by a trigger."""
 
@@ -68,26 +64,22 @@ class TrainSegmentOperator(RelayOperator):
 
     # -- launch ------------------------------------------------------------------
 
-    def _chaos(self, dag_run: Any) -> list[dict[str, Any]]:  # noqa: ANN401
-        chaos = list((dag_run.conf or {}).get("chaos", []))
-        for fault in chaos:
-            try:
-                ChaosFault.from_dict(fault)
-            except (ValueError, TypeError, AttributeError) as exc:
-                raise AirflowFailException(
-                    f"DAG run conf `chaos`: {exc} in {fault!r}. Fix the conf and trigger again."
-                ) from exc
-        return chaos
+    def _chaos(self, dag_run: Any, spec: JobSpec) -> list[dict[str, Any]]:  # noqa: ANN401
+        try:
+            return chaos_faults(dag_run.conf, spec, Path(self.spec_file))
+        except ChaosConfError as exc:
+            raise AirflowFailException(str(exc)) from exc
 
-    def _nodes(self, spec: JobSpec, policy: LoadedPolicy) -> list[str]:
+    def _nodes(self, spec: JobSpec, policy: LoadedPolicy, holder: str | None = None) -> list[str]:
         rules = policy.policy.nodes
         wait = rules.wait_up_to if rules.when_too_few == "wait" else 0.0
         try:
-            return NodePool().select(spec.nodes, wait_up_to=wait)
+            return NodePool().select(spec.nodes, wait_up_to=wait, holder=holder)
         except NotEnoughNodesError as exc:
-            target = policy.policy.escalation.target
-            log.error("ESCALATION to %s: %s", target, exc)
-            raise AirflowFailException(f"Segment {self.segment}: {exc}") from exc
+            message = f"Segment {self.segment} of {spec.dag_id}: {exc}"
+            escalate(policy.policy.escalation.target, message, policy.policy.escalation,
+                     {"reason": "not_enough_nodes", "policy_sha256": policy.sha256})
+            raise AirflowFailException(message) from exc
 
     def _corrupt(self, lineage: Any, run_id: str, corrupt: list[Any],  # noqa: ANN401
                  policy: LoadedPolicy, history: list[FaultKind]) -> None:
@@ -106,7 +98,8 @@ class TrainSegmentOperator(RelayOperator):
             if not decision.retry:
                 message = f"Segment {self.segment}: {fault.describe()}; {decision.reason}"
                 if decision.notify:
-                    notify(decision, message, policy.policy.escalation.webhook)
+                    escalate(decision.notify, message, policy.policy.escalation,
+                             {"decision": decision.to_dict()})
                 lineage.finish_run(run_id, "fault", {"relay.fault_kind": fault.kind.value})
                 raise AirflowFailException(message)
 
@@ -117,7 +110,7 @@ class TrainSegmentOperator(RelayOperator):
         index, start, end = spec.segments[self.segment]
         dag_run = context["dag_run"]
         try_number = int(context["ti"].try_number)
-        chaos = self._chaos(dag_run)
+        chaos = self._chaos(dag_run, spec)
         lineage = lineage_store()
         parent = lineage.parent_run(spec.job, spec.dag_id, dag_run.run_id)
         seg_dir = segment_dir(spec, dag_run.run_id, index)
@@ -143,14 +136,14 @@ class TrainSegmentOperator(RelayOperator):
         if resume_step != start:
             log.warning("Segment %d starts at step %d; resuming from the latest valid checkpoint "
                         "at step %d", index, start, resume_step)
-        nodes = self._nodes(spec, policy)
+        nodes = self._nodes(spec, policy, holder=_lease_holder(spec.dag_id, dag_run.run_id))
         run_id = lineage.attempt_run(parent, index, try_number, {
             "segment": index, "attempt": try_number, "nodes": ",".join(nodes),
             "resume_step": resume_step, "end_step": end, "world_size": spec.world_size,
             "resume_checkpoint": str(latest.manifest.ref) if latest else "none (step 0)",
             "policy_sha256": policy.sha256, "attempt_dir": str(attempt_dir),
         })
-        history = [FaultKind(k) for k in lineage.segment_faults(parent, index)]
+        history = fault_history(seg_dir, exclude=attempt_dir)
         self._corrupt(lineage, run_id, corrupt, policy, history)
         resume = latest.resume_from() if latest is not None else None
         cfg = LaunchConfig(
@@ -168,7 +161,14 @@ class TrainSegmentOperator(RelayOperator):
         LocalLauncher().launch(cfg, standby_dir=seg_dir / STANDBY_DIR)
         log.info("Segment %d try %d: steps [%d, %d) on %s; MLflow child run %s; attempt folder %s",
                  index, try_number, resume_step, end, ", ".join(nodes), run_id, attempt_dir)
-        node_ranks = {n: [cfg.global_rank(n, r) for r in range(spec.ranks_per_node)] for n in nodes}
+        self._watch(attempt_dir, cfg, policy)
+        return None
+
+    def _watch(self, attempt_dir: Path, cfg: LaunchConfig, policy: LoadedPolicy,
+               kinds: list[str] | None = None) -> None:
+        """Defer to the watcher (``kinds``: the fault kinds to watch; None: all)."""
+        node_ranks = {n: [cfg.global_rank(n, r) for r in range(cfg.ranks_per_node)]
+                      for n in cfg.nodes}
         detection = policy.policy.detection
         # Only the trigger's own arguments survive deferral reliably (``dag.test``
         # drops defer kwargs); execute_complete re-reads the rest from the attempt folder.
@@ -176,32 +176,48 @@ class TrainSegmentOperator(RelayOperator):
             trigger=SegmentWatchTrigger(
                 attempt_dir=str(attempt_dir), node_ranks=node_ranks,
                 detection=detection.model_dump(),
-                heartbeat_interval_seconds=spec.heartbeat_interval,
-                poll_interval_seconds=detection.poll_interval,
+                heartbeat_interval_seconds=cfg.heartbeat_interval_seconds,
+                poll_interval_seconds=detection.poll_interval, kinds=kinds,
             ),
             method_name="execute_complete",
         )
-        return None
 
     # -- decide --------------------------------------------------------------------
 
-    def _prestart(self, spec: JobSpec, decision: Decision, seg_dir: Path) -> None:
+    def _prestart(self, spec: JobSpec, decision: Decision, seg_dir: Path, holder: str) -> None:
         """Have the retry's node agents preload while this attempt is wound down."""
         out = {decision.quarantine_node} if decision.quarantine_node else set()
-        nodes = [n for n in NodePool().healthy() if n not in out][: spec.nodes]
+        nodes = [n for n in NodePool().available(holder) if n not in out][: spec.nodes]
         if len(nodes) == spec.nodes:  # else the retry waits for nodes: nothing to warm up
             # They wait out the backoff too, and leave by themselves if the retry never comes.
             ttl = decision.backoff_seconds + STANDBY_TTL_SECONDS
             LocalLauncher().prestart(seg_dir / STANDBY_DIR, nodes, ttl)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401
-        """Stop the workload, decide per policy, record, and succeed or raise."""
+        """Stop the workload, decide per policy, record, and succeed or raise.
+
+        However the attempt ends, its nodes' lease ends with it (not when it defers again).
+        """
+        watching = False
+        try:
+            return self._complete(context, event)
+        except TaskDeferred:
+            watching = True
+            raise
+        finally:
+            if not watching:
+                NodePool().release_lease(_lease_holder(self.spec().dag_id,
+                                                       context["dag_run"].run_id))
+
+    def _complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401
         attempt_dir = Path(event["attempt_dir"])
         cfg = LaunchConfig.read(attempt_dir / LAUNCH_FILE)
         lineage = lineage_store()
         status = event.get("status")
         if status == "completed":
             survivors = LocalLauncher().stop(attempt_dir)
+            best_effort("log the observations",
+                        lambda: log_observations(lineage, cfg.run_id, attempt_dir))
             if not survivors:
                 lineage.finish_run(cfg.run_id, "completed")
                 log.info("Segment %d trained steps [%d, %d) in %.1fs", self.segment,
@@ -224,9 +240,13 @@ class TrainSegmentOperator(RelayOperator):
         policy = self.policy(spec)
         # Decide, drain and stop before touching MLflow: a frozen rank may hold the
         # tracking store's lock (SQLite) until its process is gone.
-        decision = decide(fault, _local_history(attempt_dir), policy.policy, policy.sha256)
+        history = fault_history(attempt_dir.parent, exclude=attempt_dir)
+        decision = decide(fault, history, policy.policy, policy.sha256)
+        if decision.observe:
+            return self._observe(context, fault, decision, attempt_dir, cfg, lineage, policy)
         if decision.retry:
-            self._prestart(spec, decision, attempt_dir.parent)
+            self._prestart(spec, decision, attempt_dir.parent,
+                           _lease_holder(spec.dag_id, context["dag_run"].run_id))
         beats = read_heartbeats(attempt_dir / "heartbeats")
         progress = max((b.step for b in beats.values()), default=cfg.start_step)
         # Where is it stuck? Ask every rank now (after the stop nobody answers); the
@@ -242,42 +262,80 @@ class TrainSegmentOperator(RelayOperator):
                     if asked else None)
         survivors = LocalLauncher().stop(attempt_dir)
         quarantine(decision, fault, f"{spec.dag_id}/{context['dag_run'].run_id}")
-        parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id)
-        with tempfile.TemporaryDirectory() as tmp:
-            latest, _ = lineage.resume_point(parent, Path(tmp))
-            if decision.rollback and latest is not None:
-                lineage.reject_checkpoint(latest.manifest, f"rollback after {fault.describe()}")
-                latest, _ = lineage.resume_point(parent, Path(tmp))
-        next_resume = drained if drained is not None else (latest.manifest.step if latest else 0)
+        found = best_effort("find the resume point", lambda: self._resume_point(
+            context, spec, decision, fault, lineage))
+        latest = found[0] if found else None
+        next_resume = drained if drained is not None else (
+            None if found is None else latest.manifest.step if latest else 0)
         rescue_record = None
-        if rescued is not None and rescued.step is not None and rescued.step > next_resume:
-            manifest = publish_rescue(rescued, cfg, fault, latest.manifest.ref if latest else None)
-            next_resume = manifest.step
-            rescue_record = {"rank": rescued.rank, "step": manifest.step,
-                             "sha256": manifest.sha256, "seconds": round(rescued.seconds, 3),
-                             "checkpoint": str(manifest.ref)}
-        lost = max(progress - next_resume, 0)
+        if rescued is not None and rescued.step is not None and found is not None and (
+                next_resume is None or rescued.step > next_resume):
+            manifest = best_effort("publish the rescued weights", lambda: publish_rescue(
+                rescued, cfg, fault, latest.manifest.ref if latest else None))
+            if manifest is not None:
+                next_resume = manifest.step
+                rescue_record = {"rank": rescued.rank, "step": manifest.step,
+                                 "sha256": manifest.sha256, "seconds": round(rescued.seconds, 3),
+                                 "checkpoint": str(manifest.ref)}
+        lost = None if next_resume is None else max(progress - next_resume, 0)
+        message = _fault_message(self.segment, fault, decision, lost)
+        delivery = None
+        if decision.notify:
+            delivery = escalate(decision.notify, message, policy.policy.escalation,
+                                {"decision": decision.to_dict()}).to_dict()
         record = {"fault": fault.to_event()["fault"], "decision": decision.to_dict(),
                   "progress_step": progress, "next_resume_step": next_resume,
                   "lost_steps": lost, "drained_at_step": drained, "rescued": rescue_record,
-                  "survivors": survivors,
+                  "survivors": survivors, "notification": delivery,
                   "policy_file": str(policy.path)}
         if evidence is not None:  # into fault.json only: the task log's message stays one line
             attach_evidence(record["fault"], evidence, lineage, cfg.run_id)
         # Next to the attempt's logs for whoever is on call, and in MLflow for the record.
-        write_atomically(attempt_dir / "decision.json", json.dumps(record, indent=2, default=str))
-        lineage.log_json(cfg.run_id, "fault.json", record["fault"])
-        lineage.log_json(cfg.run_id, "decision.json", record)
-        lineage.finish_run(cfg.run_id, "fault", {
+        write_atomically(attempt_dir / "decision.json", json.dumps(record, indent=2, default=str),
+                         durable=True)
+        record_fault(lineage, cfg.run_id, attempt_dir, record, {
             "relay.fault_kind": fault.kind.value, "relay.decision": decision.action,
             "relay.rule": decision.rule, "relay.policy_sha256": decision.policy_sha256,
             "relay.culprit_node": str(fault.culprit_node), "relay.lost_steps": str(lost),
             "relay.culprit_rank": str(fault.culprit_rank),
         })
-        message = _fault_message(self.segment, fault, decision, lost)
         log.error("%s Logs: %s", message, attempt_dir / "logs")
         if decision.retry:
             raise SegmentFaultError(message, decision)
-        if decision.notify:
-            notify(decision, message, policy.policy.escalation.webhook)
+        raise AirflowFailException(message)
+
+    def _resume_point(self, context: Any, spec: JobSpec, decision: Decision,  # noqa: ANN401
+                      fault: Fault, lineage: Any) -> tuple[Any, list[Any]]:  # noqa: ANN401
+        """Return where the next attempt resumes, rolling back first if the decision says so."""
+        parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id)
+        with tempfile.TemporaryDirectory() as tmp:
+            latest, corrupt = lineage.resume_point(parent, Path(tmp))
+            if decision.rollback and latest is not None:
+                lineage.reject_checkpoint(latest.manifest, f"rollback after {fault.describe()}")
+                latest, corrupt = lineage.resume_point(parent, Path(tmp))
+        return latest, corrupt
+
+    def _observe(self, context: Any, fault: Fault, decision: Decision,  # noqa: ANN401
+                 attempt_dir: Path, cfg: LaunchConfig, lineage: Any,  # noqa: ANN401
+                 policy: LoadedPolicy) -> dict[str, Any]:
+        """Record and notify what Relay would do; keep watching unless the job has ended."""
+        message = "OBSERVE MODE (not applied): " + _fault_message(self.segment, fault, decision,
+                                                                  None)
+        record = record_observation(attempt_dir, fault, decision, policy, message)
+        state = LocalLauncher().status(attempt_dir).state
+        if state is LaunchState.RUNNING and fault.kind not in ENDS_ATTEMPT:
+            self._watch(attempt_dir, cfg, policy, kinds=watched_kinds(attempt_dir))
+        if state is LaunchState.SUCCEEDED:
+            return self._complete(context, {"status": "completed",
+                                            "attempt_dir": str(attempt_dir)})
+        # The processes are gone (a crash ends the job, observed or not): record and fail.
+        survivors = LocalLauncher().stop(attempt_dir)
+        write_atomically(attempt_dir / "decision.json", json.dumps(
+            {**record, "survivors": survivors}, indent=2, default=str), durable=True)
+        record_fault(lineage, cfg.run_id, attempt_dir, record, {
+            "relay.fault_kind": fault.kind.value, "relay.decision": decision.action,
+            "relay.rule": decision.rule, "relay.policy_sha256": decision.policy_sha256,
+            "relay.mode": "observe", "relay.culprit_node": str(fault.culprit_node),
+            "relay.culprit_rank": str(fault.culprit_rank),
+        })
         raise AirflowFailException(message)

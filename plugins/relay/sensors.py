@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from airflow.sdk import BaseSensorOperator
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay.detection import Detector
 from relay.faults import Fault, FaultKind
+from relay.paths import ENV_WATCH_ROOTS, PathEscapeError, inside
 from relay.policy import Detection, load_policy
+from relay.spec import policies_dir
 from relay.triggers import HEARTBEAT_KINDS, THROUGHPUT_KINDS, HeartbeatWatchTrigger
 from training.heartbeat import Phase
 
@@ -36,9 +38,13 @@ class _HeartbeatWatchSensor(BaseSensorOperator):
         policy_file: str | None = None,
         heartbeat_interval_seconds: float = 0.5,
         deferrable: bool = True,
+        confine_to: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        # Set when the paths come from run conf: heartbeat_dir must be inside one of these
+        # folders, policy_file inside the policies folder.
+        self.confine_to = confine_to
         self.heartbeat_dir = heartbeat_dir
         self.world_size = world_size
         self.policy_file = policy_file
@@ -52,7 +58,22 @@ class _HeartbeatWatchSensor(BaseSensorOperator):
             return Detection()
         return load_policy(Path(self.policy_file)).policy.detection
 
+    def _check_paths(self) -> None:
+        """Refuse run-conf paths outside where they belong (only when ``confine_to`` is set)."""
+        if self.confine_to is None:
+            return
+        try:
+            inside(str(self.heartbeat_dir), [Path(r) for r in self.confine_to], "heartbeat_dir",
+                   f"put the job's heartbeats under one of them, or add its folder to "
+                   f"{ENV_WATCH_ROOTS} where Airflow runs")
+            if self.policy_file:
+                inside(str(self.policy_file), [policies_dir()], "policy_file",
+                       "name a policy file in the policies folder")
+        except PathEscapeError as exc:
+            raise AirflowFailException(str(exc)) from exc
+
     def _trigger(self) -> HeartbeatWatchTrigger:
+        self._check_paths()
         detection = self._detection()
         return HeartbeatWatchTrigger(
             heartbeat_dir=str(self.heartbeat_dir),

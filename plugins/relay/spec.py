@@ -71,6 +71,16 @@ class DataSpec(BaseModel):
     corpus: str = Field("builtin:python_docs", strict=True, min_length=1)
     batch_size: int = Field(16, strict=True, ge=1)
 
+    @field_validator("corpus")
+    @classmethod
+    def _builtin_name(cls, value: str) -> str:
+        """A builtin corpus is a name, never a path out of the corpus folder."""
+        if value.startswith("builtin:") and not re.fullmatch(r"builtin:[A-Za-z0-9_-]+", value):
+            raise FieldValueError("builtin:<name> of letters, digits, '_' or '-'", value,
+                                  "name a builtin corpus (e.g. builtin:python_docs), or give "
+                                  "a path to a text file without the builtin: prefix")
+        return value
+
 
 class OptimizerSpec(BaseModel):
     """AdamW settings."""
@@ -134,6 +144,7 @@ class JobSpec(BaseModel):
     entrypoint: EntrypointSpec | None = None
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # see training/device.py
     deterministic: bool = Field(True, strict=True)  # bit-exact resume (deterministic GPU kernels)
+    chaos: Literal["allowed", "forbidden"] = "forbidden"
 
     @field_validator("retry_delay", "collective_timeout", "heartbeat_interval", mode="before")
     @classmethod
@@ -163,6 +174,11 @@ class JobSpec(BaseModel):
         if value.endswith(POLICY_SUFFIXES) or POLICY_NAME.fullmatch(value):
             return value
         raise FieldValueError("a policy name such as default, or a path ending in .yaml", value)
+
+    @property
+    def chaos_allowed(self) -> bool:
+        """Return whether DAG runs of this job may inject faults (run conf ``chaos``)."""
+        return self.chaos == "allowed"
 
     @property
     def dag_id(self) -> str:
@@ -251,6 +267,10 @@ FIXES: dict[str, str] = {
     ),
     "deterministic": (
         "set deterministic to true (bit-exact resume; deterministic GPU kernels) or false"
+    ),
+    "chaos": (
+        "set chaos: allowed to let DAG runs inject faults (test and demo jobs only), or remove "
+        "the line (the default, forbidden)"
     ),
 }
 

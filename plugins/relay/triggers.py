@@ -66,6 +66,7 @@ class SegmentWatchTrigger(BaseTrigger):
         detection: dict[str, Any] | None = None,
         heartbeat_interval_seconds: float = 0.5,
         poll_interval_seconds: float = 0.5,
+        kinds: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.attempt_dir = attempt_dir
@@ -73,6 +74,7 @@ class SegmentWatchTrigger(BaseTrigger):
         self.detection = detection or {}
         self.heartbeat_interval_seconds = heartbeat_interval_seconds
         self.poll_interval_seconds = poll_interval_seconds
+        self.kinds = kinds  # the fault kinds to report (None: all); observe mode narrows it
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Return the classpath and the exact ``__init__`` arguments."""
@@ -84,6 +86,7 @@ class SegmentWatchTrigger(BaseTrigger):
                 "detection": self.detection,
                 "heartbeat_interval_seconds": self.heartbeat_interval_seconds,
                 "poll_interval_seconds": self.poll_interval_seconds,
+                "kinds": self.kinds,
             },
         )
 
@@ -91,7 +94,8 @@ class SegmentWatchTrigger(BaseTrigger):
         """Poll until there is one thing to report, then report it."""
         root = Path(self.attempt_dir)
         try:
-            detector = Detector(Detection.model_validate(self.detection))
+            enabled = None if self.kinds is None else frozenset(FaultKind(k) for k in self.kinds)
+            detector = Detector(Detection.model_validate(self.detection), enabled)
             while True:
                 obs = await asyncio.to_thread(
                     observe_attempt, root, self.node_ranks, self.heartbeat_interval_seconds

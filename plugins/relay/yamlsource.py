@@ -45,9 +45,11 @@ DURATION_JSON_SCHEMA: dict[str, Any] = {
 class FieldValueError(ValueError):
     """Report a bad value with what was expected and, optionally, a concrete fix."""
 
-    def __init__(self, expected: str, found: object, fix: str | None = None) -> None:
+    def __init__(self, expected: str, found: object, fix: str | None = None,
+                 shown: str | None = None) -> None:
         self.expected = expected
-        self.found = repr(found)
+        self.found = repr(found) if shown is None else shown  # shown: the value, secrets removed
+        self.shown = shown
         self.fix = fix
         super().__init__(f"expected {expected}, found {self.found}")
 
@@ -120,15 +122,25 @@ def load_yaml_with_lines(path: Path, *, empty_fix: str | None = None) -> tuple[d
         fix = "check the path and that the file is readable UTF-8 text"
         problem = Problem(file, None, TOP_LEVEL, "a readable file", str(exc), fix)
         raise ConfigError([problem]) from exc
-    loader = yaml.SafeLoader(text)
+    duplicates: list[Problem] = []
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.YAMLError as exc:  # a character YAML does not allow, found before parsing
+        raise ConfigError([_syntax_problem(file, exc, text)]) from exc
     try:
         node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else None
         lines: LineMap = {(): 1}
         if isinstance(node, yaml.MappingNode):
-            _walk(loader, node, (), lines, set())
+            _walk(loader, node, (), lines, set(), _Duplicates(file, duplicates))
+        if duplicates:
+            raise ConfigError(duplicates, file)
+        data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         raise ConfigError([_syntax_problem(file, exc)]) from exc
+    except RecursionError as exc:  # absurdly deep nesting
+        problem = Problem(file, None, SYNTAX, "YAML nested at most a few hundred levels deep",
+                          "nesting too deep to read", "flatten the file")
+        raise ConfigError([problem]) from exc
     finally:
         loader.dispose()
     if data is None:  # no document, or only "---" / "~"
@@ -142,13 +154,29 @@ def load_yaml_with_lines(path: Path, *, empty_fix: str | None = None) -> tuple[d
     return data, lines
 
 
+@dataclass
+class _Duplicates:
+    """Collect keys given twice in one mapping (YAML would silently keep the last)."""
+
+    file: str
+    found: list[Problem]
+
+    def add(self, path: KeyPath, key: object, first: int, again: int) -> None:
+        fix = (f"keep one `{key}:` (line {first} or line {again}) and delete the other; today "
+               "the last one would silently win")
+        self.found.append(Problem(self.file, again, dotted((*path, key)),
+                                  "each key once per mapping",
+                                  f"`{key}` on line {first} and again on line {again}", fix))
+
+
 def _walk(loader: yaml.SafeLoader, node: yaml.Node, path: KeyPath, lines: LineMap,
-          active: set[int]) -> None:
-    """Record the line of every key and list item under ``node``."""
+          active: set[int], duplicates: _Duplicates) -> None:
+    """Record the line of every key and list item under ``node``; collect duplicate keys."""
     if id(node) in active:  # a recursive alias
         return
     active.add(id(node))
     if isinstance(node, yaml.MappingNode):
+        seen: dict[object, int] = {}
         for key_node, value_node in node.value:
             if not isinstance(key_node, yaml.ScalarNode):
                 continue
@@ -158,19 +186,32 @@ def _walk(loader: yaml.SafeLoader, node: yaml.Node, path: KeyPath, lines: LineMa
                 key = key_node.value
             if not isinstance(key, str | int):
                 key = key_node.value
-            lines.setdefault((*path, key), key_node.start_mark.line + 1)
-            _walk(loader, value_node, (*path, key), lines, active)
+            line = key_node.start_mark.line + 1
+            if key_node.tag != "tag:yaml.org,2002:merge":  # `<<:` merges may repeat
+                try:
+                    if key in seen:
+                        duplicates.add(path, key, seen[key], line)
+                    seen.setdefault(key, line)
+                except TypeError:  # an unhashable key: PyYAML reports it when constructing
+                    pass
+            lines.setdefault((*path, key), line)
+            _walk(loader, value_node, (*path, key), lines, active, duplicates)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             lines.setdefault((*path, index), item.start_mark.line + 1)
-            _walk(loader, item, (*path, index), lines, active)
+            _walk(loader, item, (*path, index), lines, active, duplicates)
     active.discard(id(node))
 
 
-def _syntax_problem(file: str, exc: yaml.YAMLError) -> Problem:
+def _syntax_problem(file: str, exc: yaml.YAMLError, text: str = "") -> Problem:
     """Describe a YAML parse error as a Problem at its line."""
     line = None
     found = str(exc)
+    if isinstance(exc, yaml.reader.ReaderError):
+        line = text.count("\n", 0, exc.position) + 1
+        char = exc.character
+        code = f"U+{char:04X}" if isinstance(char, int) else repr(char)
+        found = f"the character {code}, which YAML does not allow ({exc.reason})"
     if isinstance(exc, yaml.MarkedYAMLError):
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else None
@@ -229,6 +270,8 @@ def _problem(model_cls: type[BaseModel], raw: dict, lines: Mapping[KeyPath, int]
     present, value = _lookup(raw, loc)
     if kind == "missing":
         found = "nothing"
+    elif isinstance(exc, FieldValueError) and exc.shown is not None:
+        found = exc.shown
     else:
         found = repr(value if present else err.get("input"))
     known = _known_fields(model_cls, loc[:-1])

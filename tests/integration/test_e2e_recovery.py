@@ -34,6 +34,7 @@ model: {context: 32, d_model: 32, n_layers: 1, n_heads: 4, dropout: 0.1}
 data: {corpus: "builtin:python_docs", batch_size: 8}
 retries: 2
 retry_delay: 1s
+chaos: allowed
 """
 DAG_ID = "relay_e2e"
 CRASH = {"kind": "crash", "segment": 1, "step": 45, "rank": 1, "attempt": 1}

@@ -29,6 +29,7 @@ model: {context: 32, d_model: 32, n_layers: 1, n_heads: 4, dropout: 0.1}
 data: {corpus: "builtin:python_docs", batch_size: 8}
 retries: 2
 retry_delay: 1s
+chaos: allowed
 """
 # Whichever attempt first reaches step 12: on a loaded machine an earlier attempt may end
 # in a false alarm (a straggler) before it gets there.

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 from airflow_jobs import run_job, use_jobs
+from webhook import LocalWebhook
 
 from relay.lineage import TAG_OUTCOME, TAG_REJECTED, TAG_SEGMENT, Lineage
 
@@ -25,6 +23,7 @@ checkpoint_every: 10
 model: {context: 32, d_model: 32, n_layers: 1, n_heads: 4, dropout: 0.1}
 data: {corpus: "builtin:python_docs", batch_size: 8}
 policy: ../policies/actions.yaml
+chaos: allowed
 """
 
 
@@ -44,22 +43,9 @@ def _policy(webhook: str) -> str:
 
 @pytest.fixture(scope="module")
 def webhook() -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    received: list[dict[str, Any]] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
-            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(204)
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}/escalate", received
-    server.shutdown()
-    server.server_close()
+    hook = LocalWebhook()
+    yield hook.url(), hook.received
+    hook.close()
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +98,8 @@ def test_escalate_fails_the_task_for_good_and_calls_the_webhook(
     assert "Segment 0 fault: crash (node node-b, rank 3)" in received[0]["message"]
     log = (relay_home / "logs" / "escalate.log").read_text()
     assert "ESCALATION to test-oncall" in log
+    # The DAG run ended badly: its MLflow run is closed as FAILED with the reason.
+    closed = lineage.client.get_run(parent)
+    assert closed.info.status == "FAILED"
+    assert "Segment 0 fault: crash" in closed.data.tags["relay.failure_reason"]
+    assert closed.data.tags["relay.failed_task"] == "segment_000"

@@ -36,6 +36,7 @@ ranks_per_node: 2
 entrypoint: {{script: "{SCRIPT}", args: [--lr, "0.02", --batch-size, "16"]}}
 retries: 2
 retry_delay: 1s
+chaos: allowed
 """
 FAULTS = [
     {"kind": "hang", "segment": 0, "step": 15, "rank": 2, "attempt": 1},

@@ -81,6 +81,7 @@ def test_sensors_watch_a_job_relay_did_not_launch(
 ) -> None:
     env = airflow_env(relay_home)
     ensure_airflow_db(env, relay_home / "logs" / "airflow-db.log")
+    env["RELAY_WATCH_ROOTS"] = str(tmp_path)  # the run conf's heartbeat_dir must be under it
     folder = tmp_path / "heartbeats"
     job = threading.Thread(target=_simulate_job, args=(folder, 4, silent_rank, 12.0))
     job.start()

@@ -18,6 +18,7 @@ from relay.faults import Fault, FaultKind, classify_exit
 from relay.launchers.local import HANDLE_FILE, LaunchState, LaunchStatus, LocalLauncher, NodeStatus
 from relay.triggers import SegmentWatchTrigger
 from training.heartbeat import Heartbeat, heartbeat_path, write_atomically
+from training.pids import start_time
 
 NODE_RANKS = {"node-a": [0, 1], "node-b": [2, 3]}
 Record = tuple[str, dict[int, int | None]]  # (state, exit codes by rank)
@@ -131,7 +132,7 @@ def fabricate(root: Path, records: dict[str, Record]) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     # pid: this test process, so agents count as alive. pgid: a reaped process, so
     # nothing could ever signal this test's own group through this handle.
-    ids = {"pid": os.getpid(), "pgid": dead_pid()}
+    ids = {"pid": os.getpid(), "pgid": dead_pid(), "started": start_time(os.getpid())}
     handle = {"nodes": {node: ids for node in NODE_RANKS}, "started_at": time.time()}
     (root / HANDLE_FILE).write_text(json.dumps(handle))
     write_records(root, records)

@@ -18,6 +18,7 @@ from relay.launchers.local import (
     LaunchStatus,
     LocalLauncher,
     NodeStatus,
+    agent_handle,
     group_members,
 )
 
@@ -74,7 +75,7 @@ class Workload:
 
     def attempt(self, root: Path, nodes: dict[str, subprocess.Popen[bytes]]) -> Path:
         root.mkdir(parents=True, exist_ok=True)
-        handle = {n: {"pid": p.pid, "pgid": p.pid} for n, p in nodes.items()}
+        handle = {n: agent_handle(p.pid) for n, p in nodes.items()}
         (root / HANDLE_FILE).write_text(json.dumps({"nodes": handle, "started_at": time.time()}))
         return root
 
@@ -241,7 +242,7 @@ def dead_pid() -> int:
 def fabricate(root: Path, agents: dict[str, int], records: dict[str, dict | None]) -> Path:
     """Write handle.json for ``agents`` (node -> pid) and status/<node>.json records."""
     root.mkdir(parents=True, exist_ok=True)
-    handle = {n: {"pid": pid, "pgid": pid} for n, pid in agents.items()}
+    handle = {n: agent_handle(pid) for n, pid in agents.items()}
     (root / HANDLE_FILE).write_text(json.dumps({"nodes": handle, "started_at": time.time()}))
     (root / "status").mkdir(exist_ok=True)
     for node, record in records.items():

@@ -245,3 +245,36 @@ def test_cli_nodes_bad_duration(cli_home: Path, capsys: pytest.CaptureFixture[st
     err = capsys.readouterr().err
     assert "relay nodes quarantine --for" in err and "'soon'" in err
     assert not (cli_home / "nodes.json").exists()
+
+
+# -- leases: two DAG runs never train on one node at once ----------------------------------
+
+
+def test_a_leased_node_is_not_given_to_another_dag_run(pool: NodePool) -> None:
+    first = pool.select(1, holder="relay_a/run-1")
+    assert first == list(NODES[:1])
+    second = pool.select(1, holder="relay_b/run-1")
+    assert not set(first) & set(second)
+    with pytest.raises(NotEnoughNodesError, match="in use by other DAG runs: .*relay_a/run-1"):
+        pool.select(2, holder="relay_c/run-1")
+    assert pool.available("relay_c/run-1") == [n for n in NODES if n not in first + second]
+
+
+def test_the_same_holder_releases_and_re_leases(pool: NodePool) -> None:
+    pool.select(3, holder="relay_a/run-1")
+    retry = pool.select(2, holder="relay_a/run-1")  # its next attempt: earlier leases replaced
+    assert set(pool.leases()) == set(retry)
+    assert pool.release_lease("relay_a/run-1") == retry
+    assert pool.leases() == {}
+    assert pool.select(len(NODES), holder="relay_b/run-1") == list(NODES)
+
+
+def test_an_expired_lease_frees_its_nodes(pool: NodePool) -> None:
+    pool.select(len(NODES), holder="relay_a/killed", lease_seconds=0.05)
+    time.sleep(0.1)
+    assert pool.select(2, holder="relay_b/run-1") == list(NODES[:2])
+
+
+def test_quarantined_nodes_are_never_leased(pool: NodePool) -> None:
+    pool.quarantine(NODES[0], 60, "test", by="test")
+    assert NODES[0] not in pool.select(2, holder="relay_a/run-1")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from relay.launchers.local import LocalLauncher
+from training.pids import start_time
 from training.standby import (
     announce_ready,
     claimed_file,
@@ -27,7 +28,8 @@ class Standby(threading.Thread):
         super().__init__(daemon=True)
         self.directory, self.node, self.ttl = directory, node, ttl
         self.result: Path | None | str = "not yet"
-        standby_file(directory, node).write_text(f'{{"pid": {os.getpid()}}}')
+        standby_file(directory, node).write_text(
+            f'{{"pid": {os.getpid()}, "started": {start_time(os.getpid())}}}')
 
     def run(self) -> None:
         announce_ready(self.directory, self.node, 0.1)

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from relay.launchers.local import HANDLE_FILE
+from relay.launchers.local import HANDLE_FILE, agent_handle
 from relay.policy import Detection
 from relay.triggers import SegmentWatchTrigger
 
@@ -65,8 +65,7 @@ def main(ranks: int = 1024, seconds: float = 30.0) -> int:
         root = Path(tmp)
         sim = subprocess.Popen([sys.executable, "-c", _SIMULATOR, str(root), str(ranks)])
         try:
-            nodes = {f"node-{n}": {"pid": sim.pid, "pgid": sim.pid}
-                     for n in range(ranks // per_node)}
+            nodes = {f"node-{n}": agent_handle(sim.pid) for n in range(ranks // per_node)}
             (root / HANDLE_FILE).write_text(json.dumps({"nodes": nodes, "started_at": time.time()}))
             node_ranks = {f"node-{n}": list(range(n * per_node, (n + 1) * per_node))
                           for n in range(ranks // per_node)}

@@ -3,8 +3,9 @@
 Each agent starts in its own session, so its process group (agent + ranks)
 outlives the Airflow task that launched it while the task defers, and can be
 stopped as a whole by PGID. Everything needed to find the workload again is in
-the attempt folder: ``handle.json`` (PIDs and PGIDs) and ``status/<node>.json``
-(written by the agents).
+the attempt folder: ``handle.json`` (PIDs, PGIDs and the agents' start times)
+and ``status/<node>.json`` (written by the agents). Every signal goes through
+:mod:`training.pids`, so a PID reused by another process is never touched.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from training import pids
 from training.heartbeat import write_atomically
 from training.launch import LAUNCH_FILE, LaunchConfig
 from training.standby import (
@@ -84,13 +86,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _pid_alive(pid: int) -> bool:
-    """Return whether ``pid`` runs and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+def agent_handle(pid: int) -> dict[str, int | None]:
+    """Return the handle of an agent that leads its own process group: PID, PGID, start time."""
+    return {"pid": pid, "pgid": pid, "started": pids.start_time(pid)}
 
 
 def group_members(pgid: int) -> list[int]:
@@ -108,11 +106,22 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def _standby_pid(directory: Path, node: str) -> int | None:
+def _standby(directory: Path, node: str) -> tuple[int, int | None] | None:
+    """Return the node's standby agent as (PID, start time), if one was recorded."""
     try:
-        return int(json.loads(standby_file(directory, node).read_text())["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+        record = json.loads(standby_file(directory, node).read_text())
+        started = record.get("started")
+        return int(record["pid"]), None if started is None else int(started)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def _standby_pid(directory: Path, node: str) -> int | None:
+    """Return the PID of the node's standby agent if it is still the one recorded and alive."""
+    found = _standby(directory, node)
+    if found is None or not pids.is_running(*found):
+        return None
+    return found[0]
 
 
 class LocalLauncher:
@@ -131,11 +140,11 @@ class LocalLauncher:
             sub.mkdir(parents=True, exist_ok=True)
         launch_file = root / LAUNCH_FILE
         cfg.write(launch_file)
-        handle: dict[str, dict[str, int]] = {}
+        handle: dict[str, dict[str, int | None]] = {}
         for node in cfg.nodes:
             pid = self._claim(standby_dir, node, launch_file) if standby_dir else None
             if pid is not None:
-                handle[node] = {"pid": pid, "pgid": pid}
+                handle[node] = agent_handle(pid)
                 log.info("Handed %s to its standby agent (pid %d, preloaded)", node, pid)
                 continue
             with (cfg.log_dir / f"agent-{node}.log").open("ab") as out:
@@ -148,7 +157,7 @@ class LocalLauncher:
                     cwd=root,
                     start_new_session=True,
                 )
-            handle[node] = {"pid": proc.pid, "pgid": proc.pid}
+            handle[node] = agent_handle(proc.pid)
             log.info("Started agent for %s as pid %d", node, proc.pid)
         (root / HANDLE_FILE).write_text(json.dumps({"nodes": handle, "started_at": time.time()}))
         if standby_dir is not None:
@@ -161,8 +170,7 @@ class LocalLauncher:
         """Start a standby agent for each node, to preload while a retry is prepared."""
         directory.mkdir(parents=True, exist_ok=True)
         for node in nodes:
-            pid = _standby_pid(directory, node)
-            if pid is not None and _pid_alive(pid):
+            if _standby_pid(directory, node) is not None:
                 continue
             with (directory / f"{node}.log").open("ab") as out:
                 proc = subprocess.Popen(
@@ -171,8 +179,9 @@ class LocalLauncher:
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     cwd=directory, start_new_session=True,
                 )
-            write_atomically(standby_file(directory, node),
-                             json.dumps({"pid": proc.pid, "started_at": time.time()}))
+            write_atomically(standby_file(directory, node), json.dumps(
+                {"pid": proc.pid, "started": pids.start_time(proc.pid),
+                 "started_at": time.time()}))
             log.info("Started a standby agent for %s as pid %d", node, proc.pid)
 
     @staticmethod
@@ -180,9 +189,8 @@ class LocalLauncher:
         directory: Path, node: str, launch_file: Path, wait_seconds: float = STANDBY_WAIT_SECONDS
     ) -> int | None:
         """Take the node's standby agent, waiting while it preloads; return its PID."""
-        pid = _standby_pid(directory, node)
         deadline = time.monotonic() + wait_seconds
-        while pid is not None and _pid_alive(pid):
+        while (pid := _standby_pid(directory, node)) is not None:
             try:
                 os.rename(ready_file(directory, node), claimed_file(directory, node))
             except FileNotFoundError:
@@ -200,22 +208,20 @@ class LocalLauncher:
         """Stop every standby agent in ``directory`` that nobody claimed."""
         for record in directory.glob("*.standby"):
             node = record.name.removesuffix(".standby")
-            pid = _standby_pid(directory, node)
-            if pid is not None and group_members(pid):
-                log.info("Stopping the unclaimed standby agent of %s (pid %d)", node, pid)
-                try:
-                    os.killpg(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            found = _standby(directory, node)
+            if found is not None and group_members(found[0]):
+                log.info("Stopping the unclaimed standby agent of %s (pid %d)", node, found[0])
+                pids.signal_group(found[0], found[1], signal.SIGTERM)
             for f in (record, ready_file(directory, node), claimed_file(directory, node)):
                 f.unlink(missing_ok=True)
 
     @staticmethod
-    def _handle(root: Path) -> dict[str, dict[str, int]]:
+    def _handle(root: Path) -> dict[str, dict[str, int | None]]:
         try:
             nodes = json.loads((root / HANDLE_FILE).read_text())["nodes"]
             return {
-                str(n): {"pid": int(ids["pid"]), "pgid": int(ids["pgid"])}
+                str(n): {"pid": int(ids["pid"]), "pgid": int(ids["pgid"]),
+                         "started": None if ids.get("started") is None else int(ids["started"])}
                 for n, ids in nodes.items()
             }
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -234,7 +240,7 @@ class LocalLauncher:
                 record = json.loads((root / "status" / f"{node}.json").read_text())
             except (OSError, ValueError):
                 record = None
-            alive = _pid_alive(ids["pid"])
+            alive = pids.is_running(ids["pid"], ids["started"])
             if record is None:
                 state = "starting" if alive else "failed"
                 detail = "" if alive else "agent exited before reporting any status"
@@ -260,27 +266,22 @@ class LocalLauncher:
 
     def stop(self, root: Path, grace_seconds: float = STOP_GRACE_SECONDS) -> list[int]:
         """Stop every process of the attempt; return PIDs that survived (should be none)."""
-        pgids = [ids["pgid"] for ids in self._handle(root).values()]
-        live = [g for g in pgids if group_members(g)]
+        groups = {ids["pgid"]: ids["started"] for ids in self._handle(root).values()}
+        ours = {g: s for g, s in groups.items() if self._ours(g, s)}
+        live = [g for g in ours if group_members(g)]
         if not live:
             return []
         log.info("Stopping process groups %s of %s", live, root)
         for sig in (signal.SIGTERM, signal.SIGCONT):  # SIGCONT: a stopped rank must see SIGTERM
             for pgid in live:
-                try:
-                    os.killpg(pgid, sig)
-                except ProcessLookupError:
-                    pass
+                pids.signal_group(pgid, ours[pgid], sig)
         deadline = time.monotonic() + grace_seconds
         while time.monotonic() < deadline and any(group_members(g) for g in live):
             time.sleep(0.1)
         for pgid in live:
             if group_members(pgid):
                 log.warning("Process group %d ignored SIGTERM; sending SIGKILL", pgid)
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                pids.signal_group(pgid, ours[pgid], signal.SIGKILL)
         deadline = time.monotonic() + grace_seconds
         survivors: list[int] = []
         while time.monotonic() < deadline:
@@ -291,6 +292,16 @@ class LocalLauncher:
         if survivors:
             log.error("Processes %s survived SIGKILL in %s", survivors, root)
         return survivors
+
+    @staticmethod
+    def _ours(pgid: int, started: int | None) -> bool:
+        """Return whether a recorded group is still ours; log (once per stop) if it is not."""
+        if pids.group_is_ours(pgid, started):
+            return True
+        log.warning("Leaving process group %d alone: its leader PID now belongs to another "
+                    "process (recorded start time %s, found %s)", pgid, started,
+                    pids.start_time(pgid))
+        return False
 
     def stop_all(self, segment_dir: Path) -> list[int]:
         """Stop every earlier attempt of a segment (e.g. left behind by a killed task)."""

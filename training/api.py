@@ -51,8 +51,8 @@ from training.heartbeat import ENV_NODE, HeartbeatWriter, Phase
 from training.launch import DRAIN_FILE, ENV_LAUNCH, FIRST_STEP_FILE, RESULT_FILE, LaunchConfig
 from training.manifest import CheckpointRef
 from training.reduce import comm_hook
-from training.rescue import RescueResponder, TrainingState
-from training.timing import Ewma, StartupClock
+from training.rescue import DrainRequest, RescueResponder, TrainingState
+from training.timing import Ewma, StartupClock, keep_ddp_alive
 
 log = logging.getLogger("relay_train")
 
@@ -347,7 +347,7 @@ class Session:
                       "steps_per_second": steps / seconds if seconds > 0 else 0.0}
             (self.cfg.root / RESULT_FILE).write_text(json.dumps(result))
         self._heartbeat.close()
-        _keep_ddp_alive()
+        keep_ddp_alive()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -413,43 +413,6 @@ class Session:
                 world_size=self.cfg.world_size, parent=self._parent)
             self._checkpointer.submit(self._sink.connect)  # off the loop's thread
         return self._checkpointer
-
-
-class DrainRequest:
-    """Relay's request to stop at a given step after checkpointing (checkpoint_and_migrate).
-
-    Relay picks a step at least two ahead of the fastest rank; ranks never drift
-    more than one step apart (every step ends in an all-reduce), so every rank
-    reads the request before reaching that step and all stop at the same one.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.last: int | None = None
-
-    def stop_at(self) -> int | None:
-        """Return the step to stop at, once requested (one stat() per step otherwise)."""
-        if self.last is None and self.path.exists():
-            try:
-                self.last = int(json.loads(self.path.read_text())["stop_at"])
-            except (OSError, ValueError, KeyError, TypeError):
-                return None  # being written: read it next step
-        return self.last
-
-
-# Freeing DDP's reducer can deadlock with gloo: ~ProcessGroupGloo waits for a work thread
-# that needs the GIL to free the last all-gather's tensors, while the freeing thread holds
-# it (seen as a rank stuck at exit after its segment). close() keeps every DDP module
-# referenced here, and the rank leaves through os._exit (training.worker) without freeing them.
-_KEEP_ALIVE: list[Any] = []
-
-
-def _keep_ddp_alive() -> None:
-    import gc
-
-    from torch.nn.parallel import DistributedDataParallel as Ddp
-
-    _KEEP_ALIVE.extend(o for o in gc.get_objects() if isinstance(o, Ddp))
 
 
 def _log_metrics(sink: Any, batch: list[tuple[int, dict[str, float], int]]) -> None:  # noqa: ANN401

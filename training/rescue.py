@@ -144,3 +144,25 @@ class RescueResponder:
 
     def _write_done(self, result: RescueResult) -> None:
         write_atomically(self.dir / DONE_FILE, json.dumps(asdict(result)))
+
+
+class DrainRequest:
+    """Relay's request to stop at a given step after checkpointing (checkpoint_and_migrate).
+
+    Relay picks a step at least two ahead of the fastest rank; ranks never drift
+    more than one step apart (every step ends in an all-reduce), so every rank
+    reads the request before reaching that step and all stop at the same one.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.last: int | None = None
+
+    def stop_at(self) -> int | None:
+        """Return the step to stop at, once requested (one stat() per step otherwise)."""
+        if self.last is None and self.path.exists():
+            try:
+                self.last = int(json.loads(self.path.read_text())["stop_at"])
+            except (OSError, ValueError, KeyError, TypeError):
+                return None  # being written: read it next step
+        return self.last

@@ -1,9 +1,10 @@
-"""Small clocks for a rank: start-up phases and moving averages of step times."""
+"""Small things of a rank's life: start-up clock, moving averages, a safe exit."""
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 ENV_SPAWNED_AT = "RELAY_SPAWNED_AT"  # set by the node agent: time.time() when it started us
 
@@ -42,3 +43,19 @@ class Ewma:
             self.alpha * sample + (1 - self.alpha) * self.value
         )
         return self.value
+
+
+# Freeing DDP's reducer can deadlock with gloo: ~ProcessGroupGloo waits for a work thread
+# that needs the GIL to free the last all-gather's tensors, while the freeing thread holds
+# it (seen as a rank stuck at exit after its segment). close() keeps every DDP module
+# referenced here, and the rank leaves through os._exit (training.worker) without freeing them.
+_KEEP_ALIVE: list[Any] = []
+
+
+def keep_ddp_alive() -> None:
+    """Keep every DDP module referenced until the process leaves (see _KEEP_ALIVE)."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel as Ddp
+
+    _KEEP_ALIVE.extend(o for o in gc.get_objects() if isinstance(o, Ddp))

@@ -98,7 +98,7 @@ def exit_now(code: int) -> None:
 
     Everything that matters (checkpoints, result.json, the last heartbeat) is
     written before the session closes; DDP objects are never freed (see
-    ``training.api._KEEP_ALIVE``).
+    ``training.timing._KEEP_ALIVE``).
     """
     logging.shutdown()
     sys.stdout.flush()

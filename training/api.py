@@ -370,6 +370,9 @@ class Session:
     # -- internals ----------------------------------------------------------------------
 
     def _first_step(self, step: int) -> None:
+        # Say at once that this rank is past start-up: a rank dying before the next
+        # heartbeat interval is then a crash, not a launch failure (fast steps).
+        self._heartbeat.flush_now()
         self.startup.mark("first step")
         log.info("rank %d productive after %s", self.rank, self.startup.summary())
         if self.rank == 0:  # when the attempt became productive (time to resume)

@@ -42,6 +42,9 @@ ENV_INIT_METHOD = "RELAY_INIT_METHOD"
 # The first steps of an attempt warm up (allocations, DDP's bucket rebuild after step one):
 # they are not the rank's natural pace, which chaos stragglers are scaled by.
 WARMUP_STEPS = 2
+# Metrics go to MLflow (off the loop) every this many steps too, not only with a checkpoint,
+# so an attempt that faults still shows its loss and throughput up to the fault.
+METRICS_EVERY = 5
 ENV_SPAWNED_AT = "RELAY_SPAWNED_AT"  # set by the node agent: time.time() when it started us
 
 
@@ -245,6 +248,9 @@ def train(
             stats = checkpointer.save(model, optimizer, step + 1, extra(step + 1))
             log.info("step %d loss %.4f checkpoint stall %.4fs", step + 1, loss_value,
                      stats.stall_seconds)
+            batch, pending_metrics = pending_metrics, []
+            checkpointer.submit(lambda batch=batch: _log_metrics(sink, batch))
+        elif len(pending_metrics) >= METRICS_EVERY:
             batch, pending_metrics = pending_metrics, []
             checkpointer.submit(lambda batch=batch: _log_metrics(sink, batch))
 

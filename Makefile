@@ -44,7 +44,7 @@ down: $(STAMP)
 
 # Slow tests against the services of `make up` (each test starts and stops its own).
 test-services: $(STAMP)
-	$(BIN)/python -m pytest -q -m services tests/services
+	$(BIN)/python -m pytest -q --tb=short -m services tests/services
 
 bench: $(STAMP)
 	$(BIN)/relay bench checkpoint

@@ -34,7 +34,8 @@ class AirflowApi:
         return self._token
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:  # noqa: ANN401 - JSON
-        resp = requests.request(method, f"{self.base_url}/api/v2{path}", timeout=15,
+        # One API server worker on a loaded 2-core machine can take a while to answer.
+        resp = requests.request(method, f"{self.base_url}/api/v2{path}", timeout=60,
                                 headers={"Authorization": f"Bearer {self.token()}"}, **kwargs)
         if resp.status_code >= 400:
             raise ServiceError(f"{method} {path}: HTTP {resp.status_code} {resp.text[:300]}")

@@ -74,4 +74,7 @@ def stop_pids(pids: list[int], groups: list[int], grace: float) -> list[int]:
     for pid in pids:
         if alive(pid):
             _signal(pid, signal.SIGKILL)
+    deadline = time.monotonic() + grace  # SIGKILL is not instant: wait for the kernel
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return pids

@@ -105,7 +105,7 @@ def choose_ports() -> Ports:
 
 def _secret(path: Path) -> str:
     if not path.exists():
-        path.write_text(secrets.token_urlsafe(32))
+        path.write_text(secrets.token_urlsafe(64))
         path.chmod(0o600)
     return path.read_text().strip()
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from relay import settings
 from relay.airflow_api import AirflowApi, ServiceError
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
+from relay.launchers.local import free_port
 from relay.proctree import alive, descendants, group_members, stop_pids
 
 log = logging.getLogger(__name__)
@@ -76,13 +77,6 @@ def services_dir(home: Path | None = None) -> Path:
 def state_file(home: Path | None = None) -> Path:
     """Return the file recording the running deployment's PIDs and ports."""
     return services_dir(home) / "services.json"
-
-
-def free_port() -> int:
-    """Return a loopback port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def port_open(port: int) -> bool:

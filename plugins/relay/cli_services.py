@@ -32,6 +32,18 @@ def _cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_restart(args: argparse.Namespace) -> int:
+    from relay import services
+
+    try:
+        pid = services.restart(args.component)
+    except ServiceError as err:
+        print(err, file=sys.stderr)
+        return 1
+    print(f"{args.component} restarted: pid {pid}")
+    return 0
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from relay import services
     from relay.proctree import alive
@@ -69,6 +81,11 @@ def add_commands(sub: Any) -> None:  # noqa: ANN401 - argparse's private subpars
     up.set_defaults(func=_cmd_up)
     svc_sub.add_parser("down", help="stop exactly what `up` started").set_defaults(func=_cmd_down)
     svc_sub.add_parser("status", help="the recorded processes").set_defaults(func=_cmd_status)
+    restart = svc_sub.add_parser("restart", help="stop what is left of one component and "
+                                 "start it again (e.g. after it crashed)")
+    restart.add_argument("component", choices=["mlflow", "api-server", "scheduler",
+                                               "dag-processor", "triggerer"])
+    restart.set_defaults(func=_cmd_restart)
 
     report = sub.add_parser("report", help="timeline and loss PNGs, the fault table (text, JSON)")
     report.add_argument("job")

@@ -152,6 +152,37 @@ def _spawn(name: str, cmd: list[str], env: dict[str, str], logs: Path) -> int:
     return proc.pid
 
 
+def _start(home: Path, ports: Ports, name: str, env: dict[str, str]) -> int:
+    if name == "mlflow":
+        cmd = _mlflow_command(home, ports)
+    else:
+        extra = ["--host", "127.0.0.1", "--port", str(ports.api)] if name == "api-server" else []
+        cmd = [airflow_bin(), name, *extra]
+    return _spawn(name, cmd, env, services_dir(home) / "logs")
+
+
+def restart(name: str, home: Path | None = None, grace: float = 10.0) -> int:
+    """Stop what is left of one component (its whole process group) and start it again.
+
+    After a crash (e.g. a SIGKILLed scheduler) its children live on: the log
+    server holding its port, LocalExecutor workers. They are stopped first, so
+    the new process can bind the same ports. Returns the new PID.
+    """
+    home = (home or settings.relay_home()).resolve()
+    deployment = read_deployment(home)
+    if deployment is None or name not in deployment.pids:
+        raise ServiceError(f"no running {name} recorded in {state_file(home)}")
+    old = deployment.pids[name]
+    leftovers = sorted({*group_members(old), *(descendants(old) if alive(old) else [])})
+    stop_pids(leftovers, groups=[old] if group_members(old) else [], grace=grace)
+    pid = _start(home, deployment.ports, name, services_env(home, deployment.ports))
+    pids = {**deployment.pids, name: pid}
+    updated = Deployment(deployment.home, deployment.ports, pids, deployment.started_at)
+    state_file(home).write_text(json.dumps(asdict(updated), indent=2))
+    log.info("Restarted %s: pid %d (was %d)", name, pid, old)
+    return pid
+
+
 def read_deployment(home: Path | None = None) -> Deployment | None:
     """Return the recorded deployment, if `up` left one."""
     path = state_file(home)
@@ -173,11 +204,10 @@ def up(home: Path | None = None, timeout: float = 240.0) -> Deployment:
     logs.mkdir(parents=True, exist_ok=True)
     ports = choose_ports()
     env = services_env(home, ports)
-    pids = {"mlflow": _spawn("mlflow", _mlflow_command(home, ports), env, logs)}
+    pids = {"mlflow": _start(home, ports, "mlflow", env)}
     ensure_airflow_db(env, logs / "airflow-db.log")
     for name in AIRFLOW_COMPONENTS:
-        extra = ["--host", "127.0.0.1", "--port", str(ports.api)] if name == "api-server" else []
-        pids[name] = _spawn(name, [airflow_bin(), name, *extra], env, logs)
+        pids[name] = _start(home, ports, name, env)
     deployment = Deployment(str(home), ports, pids, time.time())
     state_file(home).write_text(json.dumps(asdict(deployment), indent=2))
     try:

@@ -8,10 +8,12 @@ Debian's headless Chromium. Slow (several minutes): `make test-services`.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import pytest
 import requests
@@ -119,7 +121,7 @@ def test_recovery_page_in_chromium(deployment: services.Deployment, api: Airflow
                                    faulty_run: str) -> None:
     view = _view(faulty_run)
     fault = next(a.fault for a in view.attempts if a.fault)
-    url = f"{deployment.api_url}/relay/run?dag_id={DAG_ID}&run_id={faulty_run}"
+    url = f"{deployment.api_url}/relay/run?" + urlencode({"dag_id": DAG_ID, "run_id": faulty_run})
     browser = Chromium()
     try:
         refused = browser.open(url)
@@ -141,3 +143,63 @@ def test_recovery_page_in_chromium(deployment: services.Deployment, api: Airflow
         assert "401" in browser.open(url)
     finally:
         browser.close()
+
+
+def _wait_for_task_state(api: AirflowApi, run_id: str, task_id: str, states: set[str],
+                         timeout: float = 600) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            tis = {t["task_id"]: t["state"] for t in api.task_instances(DAG_ID, run_id)}
+        except requests.RequestException:
+            continue
+        if tis.get(task_id) in states:
+            return str(tis[task_id])
+        if tis.get(task_id) == "failed":
+            break
+        time.sleep(1)
+    raise AssertionError(f"{task_id} of {run_id} never reached {states}: {tis}")
+
+
+def _crash(deployment: services.Deployment, name: str) -> None:
+    """SIGKILL a component's main process only, as a crash would (its children live on)."""
+    os.kill(services.read_deployment(Path(deployment.home)).pids[name], signal.SIGKILL)
+
+
+def test_triggerer_and_scheduler_crashes_do_not_stop_the_run(
+        deployment: services.Deployment, api: AirflowApi, clean_run: str,
+        tmp_path: Path) -> None:
+    home = Path(deployment.home)
+    run_id = api.trigger(DAG_ID, {"chaos": []})
+    # The triggerer dies while segment 0 is deferred to it, and comes back 5 s later.
+    _wait_for_task_state(api, run_id, "segment_000", {"deferred"})
+    _crash(deployment, "triggerer")
+    time.sleep(5)
+    services.restart("triggerer", home)
+    # The scheduler dies while segment 1 runs, and comes back 5 s later.
+    _wait_for_task_state(api, run_id, "segment_001", {"deferred", "running"})
+    _crash(deployment, "scheduler")
+    time.sleep(5)
+    services.restart("scheduler", home)
+    deadline = time.monotonic() + 900
+    state = "running"
+    while time.monotonic() < deadline and state not in ("success", "failed"):
+        time.sleep(3)
+        try:
+            state = api.dag_run(DAG_ID, run_id)["state"]
+        except requests.RequestException:
+            continue
+    tries = {t["task_id"]: (t["state"], t["try_number"])
+             for t in api.task_instances(DAG_ID, run_id)}
+    assert state == "success", f"run ended {state}: {tries}"
+    view = _view(run_id)
+    # One workload per segment: no attempt faulted, none was started twice beside another.
+    assert [(a.segment, a.outcome) for a in view.attempts if a.outcome != "abandoned"] == [
+        (s, "completed") for s in range(4)], view.attempts
+    assert not [a for a in view.attempts if a.fault], "a crash of Airflow is not a training fault"
+    lineage = Lineage.from_settings()
+    clean = final_state(lineage, find_parent(lineage, "demo", clean_run), tmp_path / "clean")
+    survived = final_state(lineage, view.parent_run_id, tmp_path / "survived")
+    assert clean is not None and survived is not None
+    same, detail = same_bits(clean, survived)
+    assert same, detail

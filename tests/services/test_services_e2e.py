@@ -22,7 +22,7 @@ from processes import workload_processes
 
 from relay import services
 from relay.airflow_api import AirflowApi
-from relay.lineage import Lineage
+from relay.lineage import TAG_EXPERIMENT_KIND, Lineage
 from relay.proctree import alive
 from relay.report import final_state, same_bits
 from relay.run_view import RunView, find_parent, run_view
@@ -115,6 +115,14 @@ def test_a_stalled_rank_is_retried_elsewhere_and_ends_bit_exact(
     assert clean is not None and recovered is not None
     same, detail = same_bits(clean, recovered)
     assert same, detail
+    # The pictures went to the DAG run's MLflow run; the experiment opens in the training view.
+    logged = {a.path for a in lineage.client.list_artifacts(view.parent_run_id, "report")}
+    assert logged == {"report/timeline.png", "report/loss.png"}, logged
+    exp = lineage.client.get_experiment(lineage.experiment_id("demo"))
+    assert exp.tags.get(TAG_EXPERIMENT_KIND) == "custom_model_development"
+    # The faulty attempt logged its loss up to the fault, not only up to its last checkpoint.
+    losses = lineage.client.get_metric_history(faulty.run_id, "loss")
+    assert max(m.step for m in losses) >= HANG["step"] - 5
 
 
 def test_recovery_page_in_chromium(deployment: services.Deployment, api: AirflowApi,
@@ -200,6 +208,39 @@ def test_triggerer_and_scheduler_crashes_do_not_stop_the_run(
     lineage = Lineage.from_settings()
     clean = final_state(lineage, find_parent(lineage, "demo", clean_run), tmp_path / "clean")
     survived = final_state(lineage, view.parent_run_id, tmp_path / "survived")
+    assert clean is not None and survived is not None
+    same, detail = same_bits(clean, survived)
+    assert same, detail
+
+
+def test_mlflow_server_down_for_30s_mid_segment(
+        deployment: services.Deployment, api: AirflowApi, clean_run: str,
+        tmp_path: Path) -> None:
+    home = Path(deployment.home)
+    run_id = api.trigger(DAG_ID, {"chaos": []})
+    _wait_for_task_state(api, run_id, "segment_001", {"deferred"})
+    pid = services.read_deployment(home).pids["mlflow"]
+    os.killpg(pid, signal.SIGKILL)  # the whole server, workers included
+    time.sleep(30)
+    services.restart("mlflow", home)
+    deadline = time.monotonic() + 900
+    state = "running"
+    while time.monotonic() < deadline and state not in ("success", "failed"):
+        time.sleep(3)
+        try:
+            state = api.dag_run(DAG_ID, run_id)["state"]
+        except requests.RequestException:
+            continue
+    tries = {t["task_id"]: (t["state"], t["try_number"])
+             for t in api.task_instances(DAG_ID, run_id)}
+    assert state == "success", f"run ended {state}: {tries}"
+    lineage = Lineage.from_settings()
+    parent = find_parent(lineage, "demo", run_id)
+    # Every checkpoint made while the server was down was published once it was back.
+    steps = sorted(m.step for m in lineage.chain(parent))
+    assert steps == list(range(20, 241, 20)), steps
+    clean = final_state(lineage, find_parent(lineage, "demo", clean_run), tmp_path / "clean")
+    survived = final_state(lineage, parent, tmp_path / "survived")
     assert clean is not None and survived is not None
     same, detail = same_bits(clean, survived)
     assert same, detail

@@ -61,11 +61,14 @@ def stop_pids(pids: list[int], groups: list[int], grace: float) -> list[int]:
 
     Frozen processes get SIGCONT so they can act on SIGTERM. Returns the PIDs signalled.
     """
+    # Once each: Airflow's components take a second SIGTERM as "exit now, skip clean-up".
+    in_groups = {m for g in groups for m in group_members(g)}
     for sig in (signal.SIGCONT, signal.SIGTERM):
         for pgid in groups:
             _signal(pgid, sig, group=True)
         for pid in pids:
-            _signal(pid, sig)
+            if pid not in in_groups:
+                _signal(pid, sig)
     deadline = time.monotonic() + grace
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)

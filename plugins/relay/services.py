@@ -16,6 +16,7 @@ scheduler's old log server keeps port 8793).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -23,11 +24,12 @@ import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from relay import settings
+from relay import pgcluster, settings
 from relay.airflow_api import AirflowApi, ServiceError
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
 from relay.launchers.local import free_port
@@ -47,6 +49,7 @@ class Ports:
     mlflow: int
     worker_logs: int
     trigger_logs: int
+    postgres: int = 0  # 0: Airflow's metadata stays in SQLite
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class Deployment:
     ports: Ports
     pids: dict[str, int]
     started_at: float
+    postgres_pid: int = 0
+    postgres_dir: str = ""
 
     @property
     def api_url(self) -> str:
@@ -72,6 +77,20 @@ class Deployment:
 def services_dir(home: Path | None = None) -> Path:
     """Return where `up` keeps the deployment's state, logs and stores."""
     return (home or settings.relay_home()) / "services"
+
+
+def postgres_dir(home: Path) -> Path:
+    """Return where the metadata cluster lives: in the services folder when the ``postgres``
+    user can reach it, else a folder of its own under /tmp (a private home is often 0700)."""
+    inside = services_dir(home) / "postgres"
+    if os.geteuid() != 0:
+        return inside
+    probe = subprocess.run(["runuser", "-u", pgcluster.PG_USER, "--", "test", "-x",
+                            str(services_dir(home))], check=False)
+    if probe.returncode == 0:
+        return inside
+    digest = hashlib.sha256(str(home).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"relay-postgres-{digest}"
 
 
 def state_file(home: Path | None = None) -> Path:
@@ -92,9 +111,14 @@ def choose_ports() -> Ports:
         value = os.environ.get(var)
         return int(value) if value else free_port()
 
+    db = os.environ.get("RELAY_METADATA_DB", "sqlite")
+    if db not in ("sqlite", "postgres"):
+        raise ServiceError(f"RELAY_METADATA_DB: expected sqlite or postgres, found {db!r}. "
+                           "Unset it for SQLite or set it to postgres.")
     return Ports(api=pick("RELAY_API_PORT"), mlflow=pick("RELAY_MLFLOW_PORT"),
                  worker_logs=pick("RELAY_WORKER_LOG_PORT"),
-                 trigger_logs=pick("RELAY_TRIGGER_LOG_PORT"))
+                 trigger_logs=pick("RELAY_TRIGGER_LOG_PORT"),
+                 postgres=pick("RELAY_POSTGRES_PORT") if db == "postgres" else 0)
 
 
 def _secret(path: Path) -> str:
@@ -132,6 +156,8 @@ def services_env(home: Path, ports: Ports) -> dict[str, str]:
         "RELAY_SERVICES_API_URL": base,
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
     })
+    if ports.postgres:
+        env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = pgcluster.url(ports.postgres)
     return env
 
 
@@ -177,8 +203,7 @@ def restart(name: str, home: Path | None = None, grace: float = 10.0) -> int:
     stop_pids(leftovers, groups=[old] if group_members(old) else [], grace=grace)
     pid = _start(home, deployment.ports, name, services_env(home, deployment.ports))
     pids = {**deployment.pids, name: pid}
-    updated = Deployment(deployment.home, deployment.ports, pids, deployment.started_at)
-    state_file(home).write_text(json.dumps(asdict(updated), indent=2))
+    _record(replace(deployment, pids=pids))
     log.info("Restarted %s: pid %d (was %d)", name, pid, old)
     return pid
 
@@ -189,7 +214,8 @@ def read_deployment(home: Path | None = None) -> Deployment | None:
     if not path.exists():
         return None
     raw = json.loads(path.read_text())
-    return Deployment(raw["home"], Ports(**raw["ports"]), raw["pids"], raw["started_at"])
+    return Deployment(raw["home"], Ports(**raw["ports"]), raw["pids"], raw["started_at"],
+                      raw.get("postgres_pid", 0), raw.get("postgres_dir", ""))
 
 
 def up(home: Path | None = None, timeout: float = 240.0) -> Deployment:
@@ -204,18 +230,28 @@ def up(home: Path | None = None, timeout: float = 240.0) -> Deployment:
     logs.mkdir(parents=True, exist_ok=True)
     ports = choose_ports()
     env = services_env(home, ports)
-    pids = {"mlflow": _start(home, ports, "mlflow", env)}
-    ensure_airflow_db(env, logs / "airflow-db.log")
-    for name in AIRFLOW_COMPONENTS:
-        pids[name] = _start(home, ports, name, env)
-    deployment = Deployment(str(home), ports, pids, time.time())
-    state_file(home).write_text(json.dumps(asdict(deployment), indent=2))
-    try:
+    deployment = Deployment(str(home), ports, {}, time.time())
+    try:  # record every process as soon as it exists, so a failure stops what did start
+        deployment.pids["mlflow"] = _start(home, ports, "mlflow", env)
+        _record(deployment)
+        if ports.postgres:
+            pg_dir = postgres_dir(home)
+            deployment = replace(deployment, postgres_dir=str(pg_dir), postgres_pid=(
+                pgcluster.start(pg_dir, ports.postgres, logs / "postgres.log")))
+            _record(deployment)
+        ensure_airflow_db(env, logs / "airflow-db.log")
+        for name in AIRFLOW_COMPONENTS:
+            deployment.pids[name] = _start(home, ports, name, env)
+            _record(deployment)
         wait_healthy(deployment, timeout)
-    except Exception:
+    except BaseException:
         down(home)
         raise
     return deployment
+
+
+def _record(deployment: Deployment) -> None:
+    state_file(Path(deployment.home)).write_text(json.dumps(asdict(deployment), indent=2))
 
 
 def wait_healthy(deployment: Deployment, timeout: float) -> None:
@@ -283,7 +319,10 @@ def down(home: Path | None = None, grace: float = 10.0) -> list[int]:
     pids = sorted({*(m for g in groups for m in group_members(g)),
                    *(d for r in recorded if alive(r) for d in descendants(r))})
     stopped = stop_pids(pids, groups=groups, grace=grace)
-    ports = asdict(deployment.ports).values()
+    if deployment.postgres_pid:  # last: Airflow's components are its clients
+        pgcluster.stop(deployment.postgres_pid)
+        stopped.append(deployment.postgres_pid)
+    ports = [p for p in asdict(deployment.ports).values() if p]
     deadline = time.monotonic() + grace
     while any(port_open(p) for p in ports) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -12,11 +12,11 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlencode
 
 import pytest
 import requests
+from airflow_runs import DAG_ID, run_to_end, wait_for_task_state
 from browser import Chromium
 from processes import workload_processes
 
@@ -30,7 +30,6 @@ from relay.settings import REPO_ROOT
 
 pytestmark = pytest.mark.services
 
-DAG_ID = "relay_demo"
 HANG = {"kind": "hang", "segment": 0, "step": 35, "rank": 1}
 SCREENSHOT = REPO_ROOT / "docs" / "recovery-page.png"
 
@@ -64,32 +63,14 @@ def api(deployment: services.Deployment) -> AirflowApi:
     return AirflowApi(deployment.api_url, services.ADMIN_USER, services.admin_password(home))
 
 
-def _run_to_end(api: AirflowApi, conf: dict[str, Any], timeout: float = 900) -> str:
-    run_id = api.trigger(DAG_ID, conf)
-    deadline = time.monotonic() + timeout
-    state = "queued"
-    while time.monotonic() < deadline:
-        try:
-            state = api.dag_run(DAG_ID, run_id)["state"]
-        except requests.RequestException:
-            continue  # a busy API server; ask again
-        if state in ("success", "failed"):
-            break
-        time.sleep(3)
-    tries = {t["task_id"]: (t["state"], t["try_number"]) for t in
-             api.task_instances(DAG_ID, run_id)}
-    assert state == "success", f"DAG run {run_id} ended {state}: {tries}"
-    return run_id
-
-
 @pytest.fixture(scope="module")
 def clean_run(api: AirflowApi) -> str:
-    return _run_to_end(api, {"chaos": []})
+    return run_to_end(api, {"chaos": []})
 
 
 @pytest.fixture(scope="module")
 def faulty_run(api: AirflowApi, clean_run: str) -> str:
-    return _run_to_end(api, {"chaos": [HANG]})
+    return run_to_end(api, {"chaos": [HANG]})
 
 
 def _view(run_id: str) -> RunView:
@@ -153,22 +134,6 @@ def test_recovery_page_in_chromium(deployment: services.Deployment, api: Airflow
         browser.close()
 
 
-def _wait_for_task_state(api: AirflowApi, run_id: str, task_id: str, states: set[str],
-                         timeout: float = 600) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            tis = {t["task_id"]: t["state"] for t in api.task_instances(DAG_ID, run_id)}
-        except requests.RequestException:
-            continue
-        if tis.get(task_id) in states:
-            return str(tis[task_id])
-        if tis.get(task_id) == "failed":
-            break
-        time.sleep(1)
-    raise AssertionError(f"{task_id} of {run_id} never reached {states}: {tis}")
-
-
 def _crash(deployment: services.Deployment, name: str) -> None:
     """SIGKILL a component's main process only, as a crash would (its children live on)."""
     os.kill(services.read_deployment(Path(deployment.home)).pids[name], signal.SIGKILL)
@@ -180,12 +145,12 @@ def test_triggerer_and_scheduler_crashes_do_not_stop_the_run(
     home = Path(deployment.home)
     run_id = api.trigger(DAG_ID, {"chaos": []})
     # The triggerer dies while segment 0 is deferred to it, and comes back 5 s later.
-    _wait_for_task_state(api, run_id, "segment_000", {"deferred"})
+    wait_for_task_state(api, run_id, "segment_000", {"deferred"})
     _crash(deployment, "triggerer")
     time.sleep(5)
     services.restart("triggerer", home)
     # The scheduler dies while segment 1 runs, and comes back 5 s later.
-    _wait_for_task_state(api, run_id, "segment_001", {"deferred", "running"})
+    wait_for_task_state(api, run_id, "segment_001", {"deferred", "running"})
     _crash(deployment, "scheduler")
     time.sleep(5)
     services.restart("scheduler", home)
@@ -218,7 +183,7 @@ def test_mlflow_server_down_for_30s_mid_segment(
         tmp_path: Path) -> None:
     home = Path(deployment.home)
     run_id = api.trigger(DAG_ID, {"chaos": []})
-    _wait_for_task_state(api, run_id, "segment_001", {"deferred"})
+    wait_for_task_state(api, run_id, "segment_001", {"deferred"})
     pid = services.read_deployment(home).pids["mlflow"]
     os.killpg(pid, signal.SIGKILL)  # the whole server, workers included
     time.sleep(30)

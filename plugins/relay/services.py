@@ -222,7 +222,7 @@ def up(home: Path | None = None, timeout: float = 240.0) -> Deployment:
     """Start Airflow and MLflow, wait until healthy, unpause Relay's DAGs."""
     home = (home or settings.relay_home()).resolve()
     old = read_deployment(home)
-    if old is not None and any(alive(p) for p in old.pids.values()):
+    if old is not None and any(alive(p) for p in [*old.pids.values(), old.postgres_pid] if p):
         raise ServiceError(f"services already running (see {state_file(home)}); "
                            "run `make down` first")
     sdir = services_dir(home)

@@ -15,6 +15,12 @@ DAG_ID = "relay_demo"
 def run_to_end(api: AirflowApi, conf: dict[str, Any], timeout: float = 900) -> str:
     """Trigger relay_demo with ``conf``, wait until it ends, require success; return the run id."""
     run_id = api.trigger(DAG_ID, conf)
+    wait_for_success(api, run_id, timeout)
+    return run_id
+
+
+def wait_for_success(api: AirflowApi, run_id: str, timeout: float = 900) -> None:
+    """Wait until a run of relay_demo ends; fail with its task states unless it succeeded."""
     deadline = time.monotonic() + timeout
     state = "queued"
     while time.monotonic() < deadline:
@@ -29,7 +35,6 @@ def run_to_end(api: AirflowApi, conf: dict[str, Any], timeout: float = 900) -> s
     tries = {t["task_id"]: (t["state"], t["try_number"]) for t in
              api.task_instances(DAG_ID, run_id)}
     assert state == "success", f"DAG run {run_id} ended {state}: {tries}"
-    return run_id
 
 
 def wait_for_task_state(api: AirflowApi, run_id: str, task_id: str, states: set[str],

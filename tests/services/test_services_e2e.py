@@ -15,8 +15,7 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 import pytest
-import requests
-from airflow_runs import DAG_ID, run_to_end, wait_for_task_state
+from airflow_runs import DAG_ID, run_to_end, wait_for_success, wait_for_task_state
 from browser import Chromium
 from processes import workload_processes
 
@@ -134,6 +133,15 @@ def test_recovery_page_in_chromium(deployment: services.Deployment, api: Airflow
         browser.close()
 
 
+def _assert_same_weights(clean_run: str, run_id: str, where: Path) -> None:
+    lineage = Lineage.from_settings()
+    clean = final_state(lineage, find_parent(lineage, "demo", clean_run), where / "clean")
+    survived = final_state(lineage, find_parent(lineage, "demo", run_id), where / "survived")
+    assert clean is not None and survived is not None
+    same, detail = same_bits(clean, survived)
+    assert same, detail
+
+
 def _crash(deployment: services.Deployment, name: str) -> None:
     """SIGKILL a component's main process only, as a crash would (its children live on)."""
     os.kill(services.read_deployment(Path(deployment.home)).pids[name], signal.SIGKILL)
@@ -154,28 +162,13 @@ def test_triggerer_and_scheduler_crashes_do_not_stop_the_run(
     _crash(deployment, "scheduler")
     time.sleep(5)
     services.restart("scheduler", home)
-    deadline = time.monotonic() + 900
-    state = "running"
-    while time.monotonic() < deadline and state not in ("success", "failed"):
-        time.sleep(3)
-        try:
-            state = api.dag_run(DAG_ID, run_id)["state"]
-        except requests.RequestException:
-            continue
-    tries = {t["task_id"]: (t["state"], t["try_number"])
-             for t in api.task_instances(DAG_ID, run_id)}
-    assert state == "success", f"run ended {state}: {tries}"
+    wait_for_success(api, run_id)
     view = _view(run_id)
     # One workload per segment: no attempt faulted, none was started twice beside another.
     assert [(a.segment, a.outcome) for a in view.attempts if a.outcome != "abandoned"] == [
         (s, "completed") for s in range(4)], view.attempts
     assert not [a for a in view.attempts if a.fault], "a crash of Airflow is not a training fault"
-    lineage = Lineage.from_settings()
-    clean = final_state(lineage, find_parent(lineage, "demo", clean_run), tmp_path / "clean")
-    survived = final_state(lineage, view.parent_run_id, tmp_path / "survived")
-    assert clean is not None and survived is not None
-    same, detail = same_bits(clean, survived)
-    assert same, detail
+    _assert_same_weights(clean_run, run_id, tmp_path)
 
 
 def test_mlflow_server_down_for_30s_mid_segment(
@@ -188,24 +181,10 @@ def test_mlflow_server_down_for_30s_mid_segment(
     os.killpg(pid, signal.SIGKILL)  # the whole server, workers included
     time.sleep(30)
     services.restart("mlflow", home)
-    deadline = time.monotonic() + 900
-    state = "running"
-    while time.monotonic() < deadline and state not in ("success", "failed"):
-        time.sleep(3)
-        try:
-            state = api.dag_run(DAG_ID, run_id)["state"]
-        except requests.RequestException:
-            continue
-    tries = {t["task_id"]: (t["state"], t["try_number"])
-             for t in api.task_instances(DAG_ID, run_id)}
-    assert state == "success", f"run ended {state}: {tries}"
+    wait_for_success(api, run_id)
     lineage = Lineage.from_settings()
     parent = find_parent(lineage, "demo", run_id)
     # Every checkpoint made while the server was down was published once it was back.
     steps = sorted(m.step for m in lineage.chain(parent))
     assert steps == list(range(20, 241, 20)), steps
-    clean = final_state(lineage, find_parent(lineage, "demo", clean_run), tmp_path / "clean")
-    survived = final_state(lineage, parent, tmp_path / "survived")
-    assert clean is not None and survived is not None
-    same, detail = same_bits(clean, survived)
-    assert same, detail
+    _assert_same_weights(clean_run, run_id, tmp_path)

@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.relay-installed
 export RELAY_HOME ?= $(CURDIR)/.relay
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench clean up down test-services test-postgres
 
 # This machine's pip config names local indexes that may not exist; pip warns about each.
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
@@ -33,6 +33,22 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# A real Airflow (API server + UI, scheduler, DAG processor, triggerer) and an
+# MLflow server on 127.0.0.1, free ports unless RELAY_API_PORT/RELAY_MLFLOW_PORT are set.
+up: $(STAMP)
+	$(BIN)/relay services up
+
+down: $(STAMP)
+	$(BIN)/relay services down
+
+# Slow tests against the services of `make up` (each test starts and stops its own).
+test-services: $(STAMP)
+	$(BIN)/python -m pytest -q --tb=short -m services tests/services
+
+# `make up` with Airflow's metadata in a private PostgreSQL (apt-get install postgresql).
+test-postgres: $(STAMP)
+	$(BIN)/python -m pytest -q --tb=short -m postgres tests/services
 
 bench: $(STAMP)
 	$(BIN)/relay bench checkpoint

@@ -60,6 +60,10 @@ log = logging.getLogger("relay_train")
 # they are not the rank's natural pace, which chaos stragglers are scaled by.
 WARMUP_STEPS = 2
 
+# Metrics go to MLflow (off the loop) every this many steps too, not only with a checkpoint,
+# so an attempt that faults still shows its loss and throughput up to the fault.
+METRICS_EVERY = 5
+
 StateFn = Callable[[], dict[str, Any]]
 
 
@@ -327,6 +331,8 @@ class Session:
                                   int(time.time() * 1000)))
         if self._state_fn is not None and self.checkpoint_due(step + 1):
             self._checkpoint(step + 1, loss)
+        elif (step + 1) % METRICS_EVERY == 0:
+            self._flush_metrics()
 
     def close(self) -> None:
         """Finish: publish every pending checkpoint, write the result, stop the threads."""

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from relay import settings
+from relay.cli_services import add_commands
 from relay.yamlsource import ConfigError
 
 DEMO_SPEC = settings.jobs_dir() / "demo.yaml"
@@ -332,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     goodput.add_argument("--collective-timeout", type=float, default=120.0,
                          help="the baseline's gloo timeout in seconds (default %(default)s)")
     goodput.set_defaults(func=_cmd_bench_goodput)
+    add_commands(sub)
     return parser
 
 

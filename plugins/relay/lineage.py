@@ -46,6 +46,9 @@ TAG_TRY = "relay.try_number"
 TAG_OUTCOME = "relay.outcome"
 TAG_PARENT = "mlflow.parentRunId"
 TAG_FAULT = "relay.fault_kind"
+# MLflow 3 opens untagged experiments in its GenAI view; this tag opens the model-training one.
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+MODEL_TRAINING_KIND = "custom_model_development"
 TAG_REJECTED = "relay.rejected."  # + step dir name, on the run that logged the checkpoint
 
 
@@ -113,10 +116,15 @@ class Lineage:
         found = self._call(self.client.get_experiment_by_name, name)
         if found is not None:
             return str(found.experiment_id)
-        location = self.artifact_root / job
-        location.mkdir(parents=True, exist_ok=True)
+        location = None
+        if not self.tracking_uri.startswith(("http://", "https://")):
+            # Direct stores need an explicit place, or artifacts land in the process's cwd;
+            # a server keeps them in its own artifact root.
+            (self.artifact_root / job).mkdir(parents=True, exist_ok=True)
+            location = (self.artifact_root / job).as_uri()
         try:
-            return str(self._call(self.client.create_experiment, name, location.as_uri()))
+            return str(self._call(self.client.create_experiment, name, location,
+                                  {TAG_EXPERIMENT_KIND: MODEL_TRAINING_KIND}))
         except Exception:  # another task created it first
             found = self._call(self.client.get_experiment_by_name, name)
             if found is None:

@@ -120,20 +120,15 @@ class FinalizeOperator(RelayOperator):
                 f"Job {spec.job}: the checkpoint chain breaks at step {chain[-1].step} "
                 f"(its parent {chain[-1].parent} is missing from MLflow run {parent})."
             )
-        summary = {
-            "final_checkpoint": str(chain[0].ref),
-            "final_step": chain[0].step,
-            "chain": [
-                {"step": m.step, "run_id": m.run_id, "sha256": m.sha256,
-                 "parent": str(m.parent) if m.parent else None}
-                for m in chain
-            ],
-        }
+        from relay.lineage_json import lineage_record, log_report_pictures
+
+        summary = lineage_record(lineage, parent, chain)
         lineage.log_json(parent, "lineage.json", summary)
         lineage.finish_run(
             parent, "completed",
             {"relay.final_checkpoint": str(chain[0].ref), "relay.final_sha256": chain[0].sha256},
         )
+        log_report_pictures(lineage, parent)
         log.info("Final checkpoint %s; chain of %d checkpoints back to step 0 logged to run %s",
                  chain[0].ref, len(chain), parent)
         return summary

@@ -1,0 +1,72 @@
+"""A small client of Airflow 3's REST API (token, health, DAGs, DAG runs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import requests
+
+RELAY_DAG_TAG = "relay"
+
+
+class ServiceError(RuntimeError):
+    """A service of `make up` did not start, answer or behave as expected."""
+
+
+class AirflowApi:
+    """Talk to one Airflow API server as one simple-auth-manager user."""
+
+    def __init__(self, base_url: str, username: str, password: str) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.username = username
+        self.password = password
+        self._token: str | None = None
+
+    def token(self) -> str:
+        """Return a JWT for the user (``POST /auth/token``), cached."""
+        if self._token is None:
+            resp = requests.post(f"{self.base_url}/auth/token", timeout=10,
+                                 json={"username": self.username, "password": self.password})
+            if resp.status_code >= 400:
+                raise ServiceError(f"login as {self.username} refused: HTTP {resp.status_code} "
+                                   f"{resp.text[:200]}")
+            self._token = str(resp.json()["access_token"])
+        return self._token
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:  # noqa: ANN401 - JSON
+        # One API server worker on a loaded 2-core machine can take a while to answer.
+        resp = requests.request(method, f"{self.base_url}/api/v2{path}", timeout=60,
+                                headers={"Authorization": f"Bearer {self.token()}"}, **kwargs)
+        if resp.status_code >= 400:
+            raise ServiceError(f"{method} {path}: HTTP {resp.status_code} {resp.text[:300]}")
+        return resp.json() if resp.content else None
+
+    def health(self) -> dict[str, Any]:
+        """Return ``/api/v2/monitor/health`` (no login needed)."""
+        resp = requests.get(f"{self.base_url}/api/v2/monitor/health", timeout=5)
+        resp.raise_for_status()
+        return dict(resp.json())
+
+    def relay_dags_paused(self) -> dict[str, bool]:
+        """Return ``{dag_id: is_paused}`` for every DAG tagged ``relay``."""
+        found = self._call("GET", "/dags", params={"tags": RELAY_DAG_TAG, "limit": 100})
+        return {d["dag_id"]: bool(d["is_paused"]) for d in found["dags"]}
+
+    def unpause(self, dag_id: str) -> None:
+        """Unpause one DAG."""
+        self._call("PATCH", f"/dags/{dag_id}", json={"is_paused": False})
+
+    def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
+        """Trigger a DAG run with ``conf``; return its run id."""
+        run = self._call("POST", f"/dags/{dag_id}/dagRuns",
+                         json={"logical_date": None, "conf": conf})
+        return str(run["dag_run_id"])
+
+    def dag_run(self, dag_id: str, run_id: str) -> dict[str, Any]:
+        """Return one DAG run."""
+        return dict(self._call("GET", f"/dags/{dag_id}/dagRuns/{run_id}"))
+
+    def task_instances(self, dag_id: str, run_id: str) -> list[dict[str, Any]]:
+        """Return the task instances of one DAG run."""
+        found = self._call("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")
+        return list(found["task_instances"])

@@ -1,0 +1,5 @@
+"""Airflow plugin entry point (the plugins folder's only module; see .airflowignore)."""
+
+from relay.plugin import RelayPlugin
+
+__all__ = ["RelayPlugin"]

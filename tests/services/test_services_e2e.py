@@ -1,0 +1,190 @@
+"""Relay in a running Airflow: `make up`'s own script, the REST API, the Recovery page.
+
+Real processes throughout: Airflow's API server, scheduler, DAG processor and
+triggerer (LocalExecutor), an MLflow tracking server, 4-rank DDP over gloo, and
+Debian's headless Chromium. Slow (several minutes): `make test-services`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlencode
+
+import pytest
+from airflow_runs import DAG_ID, run_to_end, wait_for_success, wait_for_task_state
+from browser import Chromium
+from processes import workload_processes
+
+from relay import services
+from relay.airflow_api import AirflowApi
+from relay.lineage import TAG_EXPERIMENT_KIND, Lineage
+from relay.proctree import alive
+from relay.report import final_state, same_bits
+from relay.run_view import RunView, find_parent, run_view
+from relay.settings import REPO_ROOT
+
+pytestmark = pytest.mark.services
+
+HANG = {"kind": "hang", "segment": 0, "step": 35, "rank": 1}
+SCREENSHOT = REPO_ROOT / "docs" / "recovery-page.png"
+
+
+@pytest.fixture(scope="module")
+def deployment(relay_home: Path) -> Iterator[services.Deployment]:
+    """Start everything with `make up`'s code; stop it and check nothing is left behind."""
+    home = relay_home / "svc"
+    began = time.monotonic()
+    dep = services.up(home)
+    print(f"\nservices up in {time.monotonic() - began:.1f}s")
+    saved = os.environ.get("RELAY_MLFLOW_TRACKING_URI")
+    os.environ["RELAY_MLFLOW_TRACKING_URI"] = dep.mlflow_url
+    try:
+        yield dep
+    finally:
+        stopped = services.down(home)
+        if saved is None:
+            os.environ.pop("RELAY_MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["RELAY_MLFLOW_TRACKING_URI"] = saved
+    assert stopped, "make down found nothing to stop"
+    assert not [p for p in stopped if alive(p)], "processes outlived make down"
+    assert not [p for p in (dep.ports.api, dep.ports.mlflow) if services.port_open(p)]
+    assert not workload_processes(home), "training processes outlived make down"
+
+
+@pytest.fixture(scope="module")
+def api(deployment: services.Deployment) -> AirflowApi:
+    home = Path(deployment.home)
+    return AirflowApi(deployment.api_url, services.ADMIN_USER, services.admin_password(home))
+
+
+@pytest.fixture(scope="module")
+def clean_run(api: AirflowApi) -> str:
+    return run_to_end(api, {"chaos": []})
+
+
+@pytest.fixture(scope="module")
+def faulty_run(api: AirflowApi, clean_run: str) -> str:
+    return run_to_end(api, {"chaos": [HANG]})
+
+
+def _view(run_id: str) -> RunView:
+    lineage = Lineage.from_settings()
+    return run_view(lineage, find_parent(lineage, "demo", run_id))
+
+
+def test_a_stalled_rank_is_retried_elsewhere_and_ends_bit_exact(
+        api: AirflowApi, clean_run: str, faulty_run: str, tmp_path: Path) -> None:
+    tries = {t["task_id"]: t["try_number"] for t in api.task_instances(DAG_ID, faulty_run)}
+    assert tries["segment_000"] == 2, f"segment_000 should have been retried once: {tries}"
+    view = _view(faulty_run)
+    seg0 = [a for a in view.attempts if a.segment == 0]
+    faulty = next(a for a in seg0 if a.fault)
+    retry = next(a for a in seg0 if a.outcome == "completed")
+    assert faulty.fault["kind"] == "hang" and faulty.fault["culprit_rank"] == 1
+    culprit_node = faulty.fault["culprit_node"]
+    assert culprit_node in faulty.nodes and culprit_node not in retry.nodes
+    assert view.outcome == "completed" and view.progress_step == view.total_steps
+    lineage = Lineage.from_settings()
+    clean = final_state(lineage, find_parent(lineage, "demo", clean_run), tmp_path / "clean")
+    recovered = final_state(lineage, view.parent_run_id, tmp_path / "faulty")
+    assert clean is not None and recovered is not None
+    same, detail = same_bits(clean, recovered)
+    assert same, detail
+    # The pictures went to the DAG run's MLflow run; the experiment opens in the training view.
+    logged = {a.path for a in lineage.client.list_artifacts(view.parent_run_id, "report")}
+    assert logged == {"report/timeline.png", "report/loss.png"}, logged
+    exp = lineage.client.get_experiment(lineage.experiment_id("demo"))
+    assert exp.tags.get(TAG_EXPERIMENT_KIND) == "custom_model_development"
+    # The faulty attempt logged its loss up to the fault, not only up to its last checkpoint.
+    losses = lineage.client.get_metric_history(faulty.run_id, "loss")
+    assert max(m.step for m in losses) >= HANG["step"] - 5
+
+
+def test_recovery_page_in_chromium(deployment: services.Deployment, api: AirflowApi,
+                                   faulty_run: str) -> None:
+    view = _view(faulty_run)
+    fault = next(a.fault for a in view.attempts if a.fault)
+    url = f"{deployment.api_url}/relay/run?" + urlencode({"dag_id": DAG_ID, "run_id": faulty_run})
+    browser = Chromium()
+    try:
+        refused = browser.open(url)
+        assert "401" in refused and "Log in" in refused
+        assert "hang" not in refused
+        # Airflow's UI keeps its login as the `_token` cookie; the token comes from
+        # the same login API the UI's form posts to.
+        browser.set_cookie(deployment.api_url, "_token", api.token())
+        text = browser.open(url)
+        assert "hang" in text
+        assert f"culprit rank 1, node {fault['culprit_node']}" in text
+        assert "restart_elsewhere" in text and "rules.hang" in text
+        assert view.policy_sha256 in text
+        widths = browser.images_loaded()
+        assert len(widths) == 2 and all(w > 0 for w in widths), widths
+        SCREENSHOT.parent.mkdir(exist_ok=True)
+        browser.screenshot(SCREENSHOT)
+        browser.clear_cookies()
+        assert "401" in browser.open(url)
+    finally:
+        browser.close()
+
+
+def _assert_same_weights(clean_run: str, run_id: str, where: Path) -> None:
+    lineage = Lineage.from_settings()
+    clean = final_state(lineage, find_parent(lineage, "demo", clean_run), where / "clean")
+    survived = final_state(lineage, find_parent(lineage, "demo", run_id), where / "survived")
+    assert clean is not None and survived is not None
+    same, detail = same_bits(clean, survived)
+    assert same, detail
+
+
+def _crash(deployment: services.Deployment, name: str) -> None:
+    """SIGKILL a component's main process only, as a crash would (its children live on)."""
+    os.kill(services.read_deployment(Path(deployment.home)).pids[name], signal.SIGKILL)
+
+
+def test_triggerer_and_scheduler_crashes_do_not_stop_the_run(
+        deployment: services.Deployment, api: AirflowApi, clean_run: str,
+        tmp_path: Path) -> None:
+    home = Path(deployment.home)
+    run_id = api.trigger(DAG_ID, {"chaos": []})
+    # The triggerer dies while segment 0 is deferred to it, and comes back 5 s later.
+    wait_for_task_state(api, run_id, "segment_000", {"deferred"})
+    _crash(deployment, "triggerer")
+    time.sleep(5)
+    services.restart("triggerer", home)
+    # The scheduler dies while segment 1 runs, and comes back 5 s later.
+    wait_for_task_state(api, run_id, "segment_001", {"deferred", "running"})
+    _crash(deployment, "scheduler")
+    time.sleep(5)
+    services.restart("scheduler", home)
+    wait_for_success(api, run_id)
+    view = _view(run_id)
+    # One workload per segment: no attempt faulted, none was started twice beside another.
+    assert [(a.segment, a.outcome) for a in view.attempts if a.outcome != "abandoned"] == [
+        (s, "completed") for s in range(4)], view.attempts
+    assert not [a for a in view.attempts if a.fault], "a crash of Airflow is not a training fault"
+    _assert_same_weights(clean_run, run_id, tmp_path)
+
+
+def test_mlflow_server_down_for_30s_mid_segment(
+        deployment: services.Deployment, api: AirflowApi, clean_run: str,
+        tmp_path: Path) -> None:
+    home = Path(deployment.home)
+    run_id = api.trigger(DAG_ID, {"chaos": []})
+    wait_for_task_state(api, run_id, "segment_001", {"deferred"})
+    pid = services.read_deployment(home).pids["mlflow"]
+    os.killpg(pid, signal.SIGKILL)  # the whole server, workers included
+    time.sleep(30)
+    services.restart("mlflow", home)
+    wait_for_success(api, run_id)
+    lineage = Lineage.from_settings()
+    parent = find_parent(lineage, "demo", run_id)
+    # Every checkpoint made while the server was down was published once it was back.
+    steps = sorted(m.step for m in lineage.chain(parent))
+    assert steps == list(range(20, 241, 20)), steps
+    _assert_same_weights(clean_run, run_id, tmp_path)

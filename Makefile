@@ -44,10 +44,12 @@ down: $(STAMP)
 
 # Slow tests against the services of `make up` (each test starts and stops its own).
 test-services: $(STAMP)
+	bash scripts/system-deps.sh
 	$(BIN)/python -m pytest -q --tb=short -m services tests/services
 
 # `make up` with Airflow's metadata in a private PostgreSQL (apt-get install postgresql).
 test-postgres: $(STAMP)
+	bash scripts/system-deps.sh
 	$(BIN)/python -m pytest -q --tb=short -m postgres tests/services
 
 bench: $(STAMP)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Debian packages the service tests need: headless Chromium (the Recovery page test) and
+# PostgreSQL (`RELAY_METADATA_DB=postgres`). Installs only what is missing; needs root.
+set -euo pipefail
+missing=()
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql)
+if [ ${#missing[@]} -eq 0 ]; then
+    exit 0
+fi
+if [ "$(id -u)" -ne 0 ]; then
+    echo "system-deps: expected root to apt-get install ${missing[*]}; found uid $(id -u)." \
+         "Install them yourself: sudo apt-get install -y ${missing[*]}" >&2
+    exit 1
+fi
+echo "system-deps: installing ${missing[*]} (Debian packages)..."
+apt-get update -qq
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null

@@ -357,7 +357,7 @@ class Session:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def finish_publishing(self, timeout_seconds: float = 10.0) -> None:
+    def finish_publishing(self, timeout_seconds: float = 3.0) -> None:
         """After a failure: let checkpoints already saved reach MLflow before the rank dies.
 
         A peer's crash ends this rank's loop within milliseconds, often while the

@@ -70,8 +70,9 @@ def test_user_script_recovers_from_hang_node_and_crash_bit_for_bit(
     for record in (hang, node):  # a healthy rank handed over the script's tracked state
         assert record["rescued"] is not None, record
         assert record["lost_steps"] == 0, record
-    # The crash's retry resumed from the last verified checkpoint before it (step 70).
-    assert crash["next_resume_step"] == 70, crash
+    # The crash's retry resumed from a verified checkpoint of this segment: step 70 if its
+    # upload finished in the ~5 ms between the save and the crash, else the segment start.
+    assert crash["next_resume_step"] in (60, 70), crash
     assert_same_bits(reference, final_state(lineage, faulty, tmp_path / "faulty", [90, 10]))
     assert workload_processes(relay_home) == {}
 

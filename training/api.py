@@ -308,7 +308,10 @@ class Session:
     def report(self, step: int, *, loss: float | None = None, samples: int = 0) -> None:
         """Report ``step`` done: heartbeat, metrics, and a checkpoint when one is due."""
         if loss is not None:
-            loss = float(self._chaos.corrupt_loss(step, loss))
+            corrupted = float(self._chaos.corrupt_loss(step, loss))
+            if math.isfinite(loss) and not math.isfinite(corrupted):
+                self._poison_tracked()
+            loss = corrupted
         done = time.perf_counter()
         started = self._clock.get("started", done)
         computed = self._clock.get("compute_done", done) - started
@@ -407,6 +410,20 @@ class Session:
                 "session.save(step, state); found neither. Call session.track(lambda: "
                 "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}).")
         return self._state_fn()
+
+    def _poison_tracked(self) -> None:
+        """Chaos ``nan``: make the tracked weights NaN, as a real divergence would.
+
+        The state dict's tensors share storage with the parameters, so the next
+        forward pass (and the gradient all-reduce) carries the NaN to every rank.
+        """
+        if self._state_fn is None:
+            return
+        model = self._state_fn().get("model", {})
+        with torch.no_grad():
+            for tensor in model.values():
+                if torch.is_tensor(tensor) and tensor.is_floating_point():
+                    tensor.fill_(math.nan)
 
     def _snapshot(self, step: int) -> dict[str, Any]:
         """Rescue: the tracked state after ``step`` steps (called under the update lock)."""

@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 from relay import settings
-from relay.launchers.local import HANDLE_FILE, LaunchState, LocalLauncher
+from relay.launchers.local import HANDLE_FILE, LocalLauncher
 from training.chaos import CHAOS_LOG
-from training.heartbeat import read_heartbeats
 
 log = logging.getLogger(__name__)
 SLOW_PERIOD_SECONDS = 0.1
@@ -31,11 +30,9 @@ class ChaosTargetError(Exception):
 def running_attempt(dag_id: str | None = None) -> Path:
     """Return the newest running segment attempt (of ``dag_id``, if given)."""
     base = settings.runs_dir() / dag_id if dag_id else settings.runs_dir()
-    launcher = LocalLauncher()
-    handles = sorted(base.rglob(HANDLE_FILE), key=lambda p: p.stat().st_mtime, reverse=True)
-    for handle in handles:
-        if launcher.status(handle.parent).state is LaunchState.RUNNING:
-            return handle.parent
+    running = LocalLauncher().running_attempts(base)
+    if running:
+        return running[0]
     raise ChaosTargetError(
         f"no running segment attempt under {base}: expected a folder with {HANDLE_FILE} whose "
         "agents are running. Start a DAG run first, or pass --attempt-dir."
@@ -50,38 +47,36 @@ def _record(attempt: Path, action: str, **details: object) -> None:
 
 def stop_node(attempt: Path, node: str) -> int:
     """SIGSTOP every process of ``node`` (its agent and its ranks); return the PGID."""
-    handle = json.loads((attempt / HANDLE_FILE).read_text())["nodes"]
-    if node not in handle:
-        raise ChaosTargetError(f"node {node!r}: expected one of {sorted(handle)} in {attempt}")
-    pgid = int(handle[node]["pgid"])
-    _record(attempt, "stop_node", node=node, pgid=pgid)
-    os.killpg(pgid, signal.SIGSTOP)
+    at = time.time()
+    try:
+        pgid = LocalLauncher().signal_node(attempt, node, signal.SIGSTOP)
+    except KeyError as exc:
+        raise ChaosTargetError(exc.args[0]) from exc
+    _record(attempt, "stop_node", node=node, pgid=pgid, at=at)
     log.warning("Stopped every process of %s (process group %d)", node, pgid)
     return pgid
 
 
 def continue_node(attempt: Path, node: str) -> int:
     """SIGCONT every process of ``node`` (undo :func:`stop_node`)."""
-    pgid = int(json.loads((attempt / HANDLE_FILE).read_text())["nodes"][node]["pgid"])
-    os.killpg(pgid, signal.SIGCONT)
-    return pgid
+    return LocalLauncher().signal_node(attempt, node, signal.SIGCONT)
 
 
 def _rank_pid(attempt: Path, rank: int) -> int:
-    beats = read_heartbeats(attempt / "heartbeats")
-    if rank not in beats:
+    pid = LocalLauncher.rank_pid(attempt, rank)
+    if pid is None:
         raise ChaosTargetError(
-            f"rank {rank}: expected a heartbeat in {attempt / 'heartbeats'}, found ranks "
-            f"{sorted(beats)}. Wait until the ranks have started."
+            f"rank {rank}: expected a heartbeat in {attempt / 'heartbeats'}. "
+            "Wait until the ranks have started."
         )
-    return beats[rank].pid
+    return pid
 
 
 def kill_rank(attempt: Path, rank: int) -> int:
     """SIGKILL one rank; return its PID."""
     pid = _rank_pid(attempt, rank)
     _record(attempt, "crash", rank=rank, pid=pid)
-    os.kill(pid, signal.SIGKILL)
+    LocalLauncher.signal_rank(attempt, rank, signal.SIGKILL)
     return pid
 
 

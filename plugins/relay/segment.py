@@ -9,6 +9,7 @@ the policy gives up.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import tempfile
@@ -20,7 +21,8 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay.decide import Decision, decide
 from relay.faults import RESCUABLE, Fault, FaultKind
-from relay.launchers.local import STANDBY_DIR, LocalLauncher, free_port
+from relay.launchers import Launcher, launcher_for
+from relay.launchers.local import STANDBY_DIR, free_port
 from relay.nodes import NodePool, NotEnoughNodesError
 from relay.operators import RelayOperator, lineage_store, segment_dir
 from relay.policy import LoadedPolicy
@@ -121,7 +123,8 @@ class TrainSegmentOperator(RelayOperator):
         seg_dir = segment_dir(spec, dag_run.run_id, index)
         # A task killed mid-segment leaves its workload running: stop it first, and close
         # the MLflow runs of such launches so the lineage shows them as abandoned.
-        LocalLauncher().stop_all(seg_dir)
+        launcher = launcher_for(spec)
+        launcher.stop_all(seg_dir)
         lineage.abandon_running(parent, index)
         attempt_dir = seg_dir / f"try-{try_number}"
         if attempt_dir.exists():
@@ -141,7 +144,7 @@ class TrainSegmentOperator(RelayOperator):
         if resume_step != start:
             log.warning("Segment %d starts at step %d; resuming from the latest valid checkpoint "
                         "at step %d", index, start, resume_step)
-        nodes = self._nodes(spec, policy)
+        nodes = launcher.slots(self._nodes(spec, policy))
         run_id = lineage.attempt_run(parent, index, try_number, {
             "segment": index, "attempt": try_number, "nodes": ",".join(nodes),
             "resume_step": resume_step, "end_step": end, "world_size": spec.world_size,
@@ -165,7 +168,7 @@ class TrainSegmentOperator(RelayOperator):
             heartbeat_interval_seconds=spec.heartbeat_interval,
             collective_timeout_seconds=spec.collective_timeout, resume=resume, chaos=chaos,
         )
-        LocalLauncher().launch(cfg, standby_dir=seg_dir / STANDBY_DIR)
+        launcher.launch(cfg, standby_dir=seg_dir / STANDBY_DIR)
         log.info("Segment %d try %d: steps [%d, %d) on %s; MLflow child run %s; attempt folder %s",
                  index, try_number, resume_step, end, ", ".join(nodes), run_id, attempt_dir)
         node_ranks = {n: [cfg.global_rank(n, r) for r in range(spec.ranks_per_node)] for n in nodes}
@@ -178,6 +181,7 @@ class TrainSegmentOperator(RelayOperator):
                 detection=detection.model_dump(),
                 heartbeat_interval_seconds=spec.heartbeat_interval,
                 poll_interval_seconds=detection.poll_interval,
+                launcher=launcher.config(),
             ),
             method_name="execute_complete",
         )
@@ -185,58 +189,65 @@ class TrainSegmentOperator(RelayOperator):
 
     # -- decide --------------------------------------------------------------------
 
-    def _prestart(self, spec: JobSpec, decision: Decision, seg_dir: Path) -> None:
+    def _prestart(self, spec: JobSpec, decision: Decision, seg_dir: Path,
+                  launcher: Launcher) -> None:
         """Have the retry's node agents preload while this attempt is wound down."""
         out = {decision.quarantine_node} if decision.quarantine_node else set()
         nodes = [n for n in NodePool().healthy() if n not in out][: spec.nodes]
         if len(nodes) == spec.nodes:  # else the retry waits for nodes: nothing to warm up
             # They wait out the backoff too, and leave by themselves if the retry never comes.
             ttl = decision.backoff_seconds + STANDBY_TTL_SECONDS
-            LocalLauncher().prestart(seg_dir / STANDBY_DIR, nodes, ttl)
+            launcher.prestart(seg_dir / STANDBY_DIR, launcher.slots(nodes), ttl)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401
         """Stop the workload, decide per policy, record, and succeed or raise."""
         attempt_dir = Path(event["attempt_dir"])
         cfg = LaunchConfig.read(attempt_dir / LAUNCH_FILE)
         lineage = lineage_store()
+        launcher = launcher_for(self.spec())
         status = event.get("status")
         if status == "completed":
-            survivors = LocalLauncher().stop(attempt_dir)
+            survivors = launcher.stop(attempt_dir)
             if not survivors:
                 lineage.finish_run(cfg.run_id, "completed")
                 log.info("Segment %d trained steps [%d, %d) in %.1fs", self.segment,
                          cfg.start_step, cfg.end_step,
-                         time.time() - LocalLauncher.started_at(attempt_dir))
+                         time.time() - launcher.started_at(attempt_dir))
                 return {"segment": self.segment, "resumed_from": cfg.start_step,
                         "trained_steps": cfg.end_step - cfg.start_step}
             lineage.finish_run(cfg.run_id, "orphans")
             raise AirflowException(f"Segment {self.segment}: processes {survivors} survived")
         if status != "fault":
-            LocalLauncher().stop(attempt_dir)
+            launcher.stop(attempt_dir)
             lineage.finish_run(cfg.run_id, "watcher_error")
             raise AirflowException(f"Segment {self.segment}: watcher error "
                                    f"{event.get('message')}\n{event.get('traceback', '')}")
-        return self._on_fault(context, Fault.from_event(event["fault"]), attempt_dir, cfg, lineage)
+        return self._on_fault(context, Fault.from_event(event["fault"]), attempt_dir, cfg, lineage,
+                              launcher)
 
     def _on_fault(self, context: Any, fault: Fault, attempt_dir: Path,  # noqa: ANN401
-                  cfg: LaunchConfig, lineage: Any) -> dict[str, Any]:  # noqa: ANN401
+                  cfg: LaunchConfig, lineage: Any,  # noqa: ANN401
+                  launcher: Launcher) -> dict[str, Any]:
         spec = self.spec()
         policy = self.policy(spec)
         # Decide, drain and stop before touching MLflow: a frozen rank may hold the
         # tracking store's lock (SQLite) until its process is gone.
         decision = decide(fault, _local_history(attempt_dir), policy.policy, policy.sha256)
+        if decision.quarantine_node:  # a quarantine names the machine, not the node's slot
+            host = launcher.host_of(attempt_dir, decision.quarantine_node)
+            decision = dataclasses.replace(decision, quarantine_node=host)
         if decision.retry:
-            self._prestart(spec, decision, attempt_dir.parent)
+            self._prestart(spec, decision, attempt_dir.parent, launcher)
         beats = read_heartbeats(attempt_dir / "heartbeats")
         progress = max((b.step for b in beats.values()), default=cfg.start_step)
         drained = rescued = None
         if decision.checkpoint_first:
-            drained = drain(attempt_dir, policy.policy.detection.checkpoint_timeout)
+            drained = drain(attempt_dir, policy.policy.detection.checkpoint_timeout, launcher)
         elif decision.retry and not decision.rollback and fault.kind in RESCUABLE:
             rescued = request_rescue(attempt_dir, cfg, fault,
                                      policy.policy.detection.checkpoint_timeout)
-        survivors = LocalLauncher().stop(attempt_dir)
-        quarantine(decision, fault, f"{spec.dag_id}/{context['dag_run'].run_id}")
+        survivors = launcher.stop(attempt_dir)
+        quarantine(decision, fault, f"{spec.dag_id}/{context['dag_run'].run_id}", launcher)
         parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id)
         with tempfile.TemporaryDirectory() as tmp:
             latest, _ = lineage.resume_point(parent, Path(tmp))

@@ -20,16 +20,17 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from relay.detection import Detector, Observation
 from relay.faults import FaultKind
-from relay.launchers.local import LaunchState, LocalLauncher
+from relay.launchers import Launcher, LaunchState, launcher_from
 from relay.policy import Detection
 from training.heartbeat import Phase, read_heartbeats
 
 
 def observe_attempt(
-    attempt_dir: Path, node_ranks: dict[str, list[int]], heartbeat_interval: float
+    attempt_dir: Path, node_ranks: dict[str, list[int]], heartbeat_interval: float,
+    launcher: Launcher | None = None,
 ) -> Observation:
-    """Read one snapshot of a launched segment attempt (blocking file I/O)."""
-    launcher = LocalLauncher()
+    """Read one snapshot of a launched segment attempt (blocking I/O)."""
+    launcher = launcher or launcher_from(None)
     status = launcher.status(attempt_dir)
     try:
         launched_at = launcher.started_at(attempt_dir)
@@ -66,6 +67,7 @@ class SegmentWatchTrigger(BaseTrigger):
         detection: dict[str, Any] | None = None,
         heartbeat_interval_seconds: float = 0.5,
         poll_interval_seconds: float = 0.5,
+        launcher: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.attempt_dir = attempt_dir
@@ -73,6 +75,7 @@ class SegmentWatchTrigger(BaseTrigger):
         self.detection = detection or {}
         self.heartbeat_interval_seconds = heartbeat_interval_seconds
         self.poll_interval_seconds = poll_interval_seconds
+        self.launcher = launcher
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Return the classpath and the exact ``__init__`` arguments."""
@@ -84,6 +87,7 @@ class SegmentWatchTrigger(BaseTrigger):
                 "detection": self.detection,
                 "heartbeat_interval_seconds": self.heartbeat_interval_seconds,
                 "poll_interval_seconds": self.poll_interval_seconds,
+                "launcher": self.launcher,
             },
         )
 
@@ -92,9 +96,11 @@ class SegmentWatchTrigger(BaseTrigger):
         root = Path(self.attempt_dir)
         try:
             detector = Detector(Detection.model_validate(self.detection))
+            launcher = launcher_from(self.launcher)  # one per run: it remembers lease renewals
             while True:
                 obs = await asyncio.to_thread(
-                    observe_attempt, root, self.node_ranks, self.heartbeat_interval_seconds
+                    observe_attempt, root, self.node_ranks, self.heartbeat_interval_seconds,
+                    launcher,
                 )
                 if obs.launch is not None and obs.launch.state is LaunchState.SUCCEEDED:
                     late = detector.at_completion(obs)

@@ -17,11 +17,11 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from training.heartbeat import write_atomically
+from relay.launchers.base import LaunchState, LaunchStatus, NodeStatus, overall_state
+from training.heartbeat import read_heartbeats, write_atomically
 from training.launch import LAUNCH_FILE, LaunchConfig
 from training.standby import (
     STANDBY_TTL_SECONDS,
@@ -31,45 +31,17 @@ from training.standby import (
     standby_file,
 )
 
+if TYPE_CHECKING:
+    from relay.nodes import Quarantine
+
+__all__ = ["LaunchState", "LaunchStatus", "LocalLauncher", "NodeStatus", "free_port"]
+
 log = logging.getLogger(__name__)
 
 HANDLE_FILE = "handle.json"
 STOP_GRACE_SECONDS = 5.0
 STANDBY_DIR = "standby"  # in a segment's folder: agents preloading for its next attempt
 STANDBY_WAIT_SECONDS = 10.0  # a standby still preloading is worth waiting for this long
-
-
-class LaunchState(StrEnum):
-    """What the launcher knows of a workload."""
-
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-
-
-@dataclass
-class NodeStatus:
-    """One node agent's state as the launcher sees it."""
-
-    node: str
-    state: str
-    exit_codes: dict[int, int | None] = field(default_factory=dict)
-    detail: str = ""
-    last_seen: float | None = None
-
-
-@dataclass
-class LaunchStatus:
-    """The whole workload's state, with per-node detail."""
-
-    state: LaunchState
-    nodes: dict[str, NodeStatus]
-
-    def failed_ranks(self) -> dict[int, int]:
-        """Return exit codes of ranks that ended badly."""
-        return {
-            r: c for n in self.nodes.values() for r, c in n.exit_codes.items() if c not in (None, 0)
-        }
 
 
 def free_port() -> int:
@@ -114,6 +86,21 @@ class LocalLauncher:
     """Start, watch and stop segment attempts as local process groups."""
 
     name = "local"
+
+    def config(self) -> dict[str, Any]:
+        """Return the factory's description of this launcher."""
+        return {"kind": self.name}
+
+    def slots(self, nodes: list[str]) -> list[str]:
+        """Return ``nodes``: a simulated node is its own slot."""
+        return list(nodes)
+
+    def host_of(self, root: Path, node: str) -> str:
+        """Return ``node``: a simulated node is its own host."""
+        return node
+
+    def enforce_quarantines(self, held: dict[str, Quarantine]) -> None:
+        """Do nothing: the node pool's selection already keeps quarantined nodes out."""
 
     def launch(self, cfg: LaunchConfig, standby_dir: Path | None = None) -> Path:
         """Write the launch file, start one agent per node; return the attempt folder.
@@ -241,19 +228,10 @@ class LocalLauncher:
             if state in ("starting", "running") and not alive:
                 state, detail = "failed", "agent died without a final status (killed?)"
             nodes[node] = NodeStatus(node, state, codes, detail, record.get("wall_clock"))
-        if not nodes:
-            return LaunchStatus(LaunchState.FAILED, {})
-        states = {n.state for n in nodes.values()}
-        if "failed" in states:
-            overall = LaunchState.FAILED
-        elif states == {"succeeded"}:
-            overall = LaunchState.SUCCEEDED
-        else:
-            overall = LaunchState.RUNNING
-        return LaunchStatus(overall, nodes)
+        return LaunchStatus(overall_state(nodes), nodes)
 
-    def stop(self, root: Path, grace_seconds: float = STOP_GRACE_SECONDS) -> list[int]:
-        """Stop every process of the attempt; return PIDs that survived (should be none)."""
+    def stop(self, root: Path, grace_seconds: float = STOP_GRACE_SECONDS) -> list[str]:
+        """Stop every process of the attempt; return the PIDs that survived (should be none)."""
         pgids = [ids["pgid"] for ids in self._handle(root).values()]
         live = [g for g in pgids if group_members(g)]
         if not live:
@@ -284,13 +262,44 @@ class LocalLauncher:
             time.sleep(0.05)
         if survivors:
             log.error("Processes %s survived SIGKILL in %s", survivors, root)
-        return survivors
+        return [f"pid {p}" for p in survivors]
 
-    def stop_all(self, segment_dir: Path) -> list[int]:
+    def stop_all(self, segment_dir: Path) -> list[str]:
         """Stop every earlier attempt of a segment (e.g. left behind by a killed task)."""
-        survivors: list[int] = []
+        survivors: list[str] = []
         if segment_dir.is_dir():
             for attempt in sorted(segment_dir.iterdir()):
                 if (attempt / HANDLE_FILE).exists():
                     survivors += self.stop(attempt)
         return survivors
+
+    # -- chaos: only local process groups can be frozen and killed from here --------
+
+    def running_attempts(self, base: Path) -> list[Path]:
+        """Return the running attempts under ``base``, newest first."""
+        handles = sorted(base.rglob(HANDLE_FILE), key=lambda p: p.stat().st_mtime, reverse=True)
+        return [h.parent for h in handles if self.status(h.parent).state is LaunchState.RUNNING]
+
+    def signal_node(self, root: Path, node: str, sig: signal.Signals) -> int:
+        """Send ``sig`` to every process of ``node`` (its agent and its ranks); return the PGID."""
+        handle = self._handle(root)
+        if node not in handle:
+            raise KeyError(f"node {node!r}: expected one of {sorted(handle)} in {root}")
+        pgid = handle[node]["pgid"]
+        os.killpg(pgid, sig)
+        return pgid
+
+    @staticmethod
+    def rank_pid(root: Path, rank: int) -> int | None:
+        """Return the PID a rank reported in its heartbeat (None before its first one)."""
+        beat = read_heartbeats(root / "heartbeats").get(rank)
+        return None if beat is None else beat.pid
+
+    @classmethod
+    def signal_rank(cls, root: Path, rank: int, sig: signal.Signals) -> int:
+        """Send ``sig`` to one rank (by the PID in its heartbeat); return that PID."""
+        pid = cls.rank_pid(root, rank)
+        if pid is None:
+            raise KeyError(f"rank {rank}: no heartbeat in {root / 'heartbeats'} yet")
+        os.kill(pid, sig)
+        return pid

@@ -96,6 +96,7 @@ class KubernetesLauncher:
         self.conn_id = conn_id
         self.retry_wait_seconds = retry_wait_seconds
         self.api_attempts = api_attempts
+        self.lease_stale_seconds = LEASE_STALE_SECONDS
         self._leases: dict[str, tuple[Any, float]] = {}  # host -> (renewTime, first seen)
 
     # -- the API ---------------------------------------------------------------
@@ -278,7 +279,7 @@ class KubernetesLauncher:
             self._leases[host] = (renewed, now)
             return None
         quiet = now - seen[1]
-        if quiet > LEASE_STALE_SECONDS:
+        if quiet > self.lease_stale_seconds:
             return f"the kubelet of {host} has not renewed its lease for {quiet:.0f}s"
         return None
 
@@ -332,10 +333,10 @@ class KubernetesLauncher:
         return [f"pod {p.metadata.name}" for p in self._pods(selector)]
 
     def _wait_pods_gone(self, selector: str, timeout: float) -> None:
-        """Watch the attempt's pods until none is left or ``timeout`` passes."""
+        """Watch the attempt's pods until each is gone or stuck, or ``timeout`` passes."""
         listed = self._call(self.core.list_namespaced_pod, self.namespace,
                             label_selector=selector)
-        left = {p.metadata.name for p in listed.items}
+        left = {p.metadata.name for p in listed.items if not _stuck(p, time.time())}
         deadline = time.monotonic() + timeout
         while left and time.monotonic() < deadline:
             stream = watch.Watch().stream(
@@ -343,8 +344,9 @@ class KubernetesLauncher:
                 resource_version=listed.metadata.resource_version,
                 timeout_seconds=max(1, int(deadline - time.monotonic())))
             for event in stream:
-                if event["type"] == "DELETED":
-                    left.discard(event["object"].metadata.name)
+                pod = event["object"]
+                if event["type"] == "DELETED" or _stuck(pod, time.time()):
+                    left.discard(pod.metadata.name)
                 if not left:
                     break
 
@@ -404,6 +406,12 @@ def _newest_by_index(pods: list[Any]) -> dict[int, Any]:
     return chosen
 
 
+def _stuck(pod: Any, now: float) -> bool:  # noqa: ANN401 - V1Pod
+    """Return whether a pod outlived its deletion deadline (its kubelet is not acting)."""
+    deleting = _epoch(pod.metadata.deletion_timestamp)
+    return deleting is not None and now > deleting + TERMINATING_SLACK_SECONDS
+
+
 def _slot_status(slot: str, pod: Any, problems: dict[str, str | None],  # noqa: ANN401
                  now: float) -> NodeStatus:
     """Say what one node slot is doing, from its pod and its node."""
@@ -415,11 +423,11 @@ def _slot_status(slot: str, pod: Any, problems: dict[str, str | None],  # noqa: 
         return NodeStatus(slot, "succeeded", host=host)
     if phase == "Failed":
         return NodeStatus(slot, "failed", detail=_failure_detail(pod), host=host)
-    deleting = _epoch(pod.metadata.deletion_timestamp)
-    if deleting is not None and now > deleting + TERMINATING_SLACK_SECONDS:
+    if _stuck(pod, now):
+        late = now - (_epoch(pod.metadata.deletion_timestamp) or now)
         return NodeStatus(slot, UNRESPONSIVE, host=host, detail=(
-            f"pod {pod.metadata.name} stuck terminating on {host} for "
-            f"{now - deleting:.0f}s past its grace period"))
+            f"pod {pod.metadata.name} stuck terminating on {host} for {late:.0f}s past its "
+            "grace period"))
     if host and problems.get(host):
         return NodeStatus(slot, UNRESPONSIVE, detail=str(problems[host]), host=host)
     if phase == "Running":

@@ -85,6 +85,7 @@ class FakeApiServer:
         self.conflicts: dict[str, int] = {}  # node -> how many PATCHes to refuse with 409 first
         self.slow_nodes: dict[str, float] = {}  # node -> seconds its kubelet takes to stop a pod
         self.watches: list[str] = []  # the resources watched, in order
+        self.verbs: set[tuple[str, str, str]] = set()  # (API group, resource, RBAC verb) used
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -363,7 +364,14 @@ class FakeApiServer:
             def _route(self) -> tuple[re.Match[str] | None, dict[str, list[str]]]:
                 url = urlparse(self.path)
                 fake.requests.append((self.command, url.path))
-                return ROUTE.match(url.path), parse_qs(url.query)
+                match, query = ROUTE.match(url.path), parse_qs(url.query)
+                if match is not None:
+                    group = KINDS[match["res"]][0].rpartition("/")[0]
+                    watching = query.get("watch", ["false"])[0].lower() in ("true", "1")
+                    verb = {"POST": "create", "DELETE": "delete", "PATCH": "patch"}.get(
+                        self.command, "watch" if watching else "get" if match["name"] else "list")
+                    fake.verbs.add((group, match["res"], verb))
+                return match, query
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
                 match, query = self._route()
@@ -395,6 +403,13 @@ class FakeApiServer:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
+                try:
+                    self._stream(res, ns, selector, since, deadline)
+                except (BrokenPipeError, ConnectionResetError):
+                    self.close_connection = True  # the client stopped watching: fine
+
+            def _stream(self, res: str, ns: str | None, selector: str | None, since: int,
+                        deadline: float) -> None:
                 while time.monotonic() < deadline:
                     with fake.lock:
                         batch = [(rv, ev, obj) for rv, r, n, ev, obj in fake.events

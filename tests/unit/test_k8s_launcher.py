@@ -372,3 +372,32 @@ def test_the_fake_refuses_what_a_real_api_server_would(fake: FakeApiServer, tmp_
     with pytest.raises(ApiException) as missing:
         launcher.core.read_node("gpu-9")
     assert missing.value.status == 404
+
+
+def test_every_call_the_launcher_makes_is_granted_by_the_shipped_rbac(
+    fake: FakeApiServer, tmp_path: Path, node_pool: NodePool
+) -> None:
+    from kubernetes_validate.utils import resources_from_file
+
+    launcher = make_launcher(fake, tmp_path, taint_quarantine=True)
+    node_pool.quarantine("gpu-3", 60, reason="test", by="test")
+    cfg = make_cfg(tmp_path, launcher)
+    launcher.launch(cfg)
+    launcher.launch(cfg)  # the 409 path
+    name = AttemptKey.from_dir(cfg.root).name
+    fake.run_pods(name, ["gpu-1", "gpu-2"])
+    fake.mark_terminating(name, 1, since_seconds=60)
+    launcher.status(cfg.root)
+    launcher.host_of(cfg.root, "pod-0")
+    launcher.started_at(cfg.root)
+    fake.slow_nodes["gpu-1"] = 0.2
+    launcher.stop(cfg.root, grace_seconds=0)
+    launcher.stop_all(cfg.root.parent)
+
+    rbac = Path(__file__).resolve().parents[2] / "deploy" / "rbac.yaml"
+    granted = {(group, resource, verb)
+               for doc in resources_from_file(str(rbac)) if doc["kind"].endswith("Role")
+               for rule in doc["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"] for verb in rule["verbs"]}
+    assert fake.verbs <= granted, f"not granted: {sorted(fake.verbs - granted)}"
+    assert ("batch", "jobs", "create") in fake.verbs and ("", "pods", "watch") in fake.verbs

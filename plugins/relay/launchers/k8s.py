@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import asdict, replace
 from functools import cached_property
 from pathlib import Path
@@ -343,12 +344,13 @@ class KubernetesLauncher:
                 self.core.list_namespaced_pod, self.namespace, label_selector=selector,
                 resource_version=listed.metadata.resource_version,
                 timeout_seconds=max(1, int(deadline - time.monotonic())))
-            for event in stream:
-                pod = event["object"]
-                if event["type"] == "DELETED" or _stuck(pod, time.time()):
-                    left.discard(pod.metadata.name)
-                if not left:
-                    break
+            with closing(stream):  # closes the HTTP response when we stop early
+                for event in stream:
+                    pod = event["object"]
+                    if event["type"] == "DELETED" or _stuck(pod, time.time()):
+                        left.discard(pod.metadata.name)
+                    if not left:
+                        break
 
     def prestart(self, directory: Path, nodes: list[str], ttl_seconds: float) -> None:
         """Do nothing: pods are not pre-created; kubelets keep the image (IfNotPresent)."""

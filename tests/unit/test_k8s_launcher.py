@@ -401,3 +401,47 @@ def test_every_call_the_launcher_makes_is_granted_by_the_shipped_rbac(
                for resource in rule["resources"] for verb in rule["verbs"]}
     assert fake.verbs <= granted, f"not granted: {sorted(fake.verbs - granted)}"
     assert ("batch", "jobs", "create") in fake.verbs and ("", "pods", "watch") in fake.verbs
+
+
+def test_the_segment_trigger_watches_a_job_and_fires_node_unresponsive(
+    fake: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+    import importlib
+
+    from relay.triggers import SegmentWatchTrigger
+
+    monkeypatch.setenv("AIRFLOW_CONN_RELAY_K8S", json.dumps(
+        {"conn_type": "kubernetes",
+         "extra": {"kube_config_path": str(fake.kubeconfig(tmp_path / "kubeconfig"))}}))
+    launcher = launcher_from({"kind": "kubernetes", "conn_id": "relay_k8s",
+                              "image": "registry.example.com/relay-worker:0.1.0"})
+    cfg = make_cfg(tmp_path, launcher)
+    launcher.launch(cfg)
+    name = AttemptKey.from_dir(cfg.root).name
+    fake.run_pods(name, ["gpu-3", "gpu-1"])
+    node_ranks = {n: [cfg.global_rank(n, r) for r in range(2)] for n in cfg.nodes}
+    trigger = SegmentWatchTrigger(str(cfg.root), node_ranks, poll_interval_seconds=0.05,
+                                  launcher=launcher.config())
+    classpath, kwargs = trigger.serialize()  # what the triggerer stores and rebuilds from
+    module, _, cls = classpath.rpartition(".")
+    rebuilt = getattr(importlib.import_module(module), cls)(**json.loads(json.dumps(kwargs)))
+
+    async def first_event() -> dict:
+        events = rebuilt.run()
+        pending = asyncio.ensure_future(events.__anext__())
+        try:
+            await asyncio.sleep(1.0)  # several polls of a healthy Job: nothing to report
+            assert not pending.done(), pending.result().payload
+            assert sum(m == "GET" and f"/jobs/{name}" in p for m, p in fake.requests) >= 2
+            fake.set_ready("gpu-3", False)
+            return (await asyncio.wait_for(pending, 20)).payload
+        finally:
+            await events.aclose()
+
+    event = asyncio.run(first_event())
+
+    assert event["status"] == "fault", event
+    assert event["fault"]["kind"] == "node_unresponsive"
+    assert (event["fault"]["culprit_node"], event["fault"]["evidence"]["host"]) == (
+        "pod-0", "gpu-3")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import time
 from pathlib import Path
@@ -86,19 +85,6 @@ def slow_rank(attempt: Path, rank: int, factor: float, seconds: float) -> int:
         raise ChaosTargetError(f"--factor: expected a slowdown > 1, found {factor}")
     pid = _rank_pid(attempt, rank)
     _record(attempt, "straggler", rank=rank, pid=pid, factor=factor)
-    running = SLOW_PERIOD_SECONDS / factor
-    deadline = time.monotonic() + seconds
-    try:
-        while time.monotonic() < deadline:
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(SLOW_PERIOD_SECONDS - running)
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(running)
-    except ProcessLookupError:
+    if not LocalLauncher.throttle_rank(attempt, rank, 1 / factor, SLOW_PERIOD_SECONDS, seconds):
         log.warning("Rank %d (pid %d) ended while being slowed", rank, pid)
-    finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
     return pid

@@ -53,7 +53,9 @@ def make_launcher(fake: FakeApiServer, tmp_path: Path, **settings: object) -> Ku
     hook = KubernetesHook(conn_id=None, kubernetes_conn_id=None,
                           config_file=str(fake.kubeconfig(tmp_path / "kubeconfig")))
     spec = KubernetesSpec(image="registry.example.com/relay-worker:0.1.0", **settings)
-    return KubernetesLauncher(spec, hook=hook, retry_wait_seconds=0)
+    launcher = KubernetesLauncher(spec, hook=hook, retry_wait_seconds=0)
+    launcher.node_check_seconds = 0  # see every change at once
+    return launcher
 
 
 def make_cfg(tmp_path: Path, launcher: KubernetesLauncher, segment: int = 1,
@@ -254,6 +256,22 @@ def test_kubelet_lease_that_stops_moving_is_node_unresponsive(
     assert status.nodes["pod-0"].state == "running"
     assert status.nodes["pod-1"].state == UNRESPONSIVE
     assert "has not renewed its lease" in status.nodes["pod-1"].detail
+
+
+def test_node_health_is_read_every_few_seconds_not_every_poll(
+    fake: FakeApiServer, tmp_path: Path
+) -> None:
+    launcher = make_launcher(fake, tmp_path)
+    launcher.node_check_seconds = 60
+    cfg = make_cfg(tmp_path, launcher)
+    launcher.launch(cfg)
+    fake.run_pods(AttemptKey.from_dir(cfg.root).name, ["gpu-1", "gpu-2"])
+
+    for _ in range(5):
+        launcher.status(cfg.root)
+
+    node_reads = [p for m, p in fake.requests if m == "GET" and p.startswith("/api/v1/nodes/")]
+    assert sorted(node_reads) == ["/api/v1/nodes/gpu-1", "/api/v1/nodes/gpu-2"]
 
 
 def test_pod_stuck_terminating_is_node_unresponsive_and_stop_clears_it(

@@ -1,4 +1,4 @@
-"""Run a segment attempt as a Kubernetes Indexed Job (objects from :mod:`k8s_objects`).
+"""Run a segment attempt as a Kubernetes Indexed Job (objects: k8s_objects; state: k8s_status).
 
 The API is reached through the cncf.kubernetes provider's ``KubernetesHook``
 (its connection, kubeconfig or in-cluster credentials) and the official
@@ -32,17 +32,10 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from relay.launchers.base import (
-    UNRESPONSIVE,
-    LaunchState,
-    LaunchStatus,
-    NodeStatus,
-    overall_state,
-)
+from relay.launchers.base import LaunchState, LaunchStatus, overall_state
 from relay.launchers.k8s_objects import (
     ANNOTATION_LAUNCHED_AT,
     ANNOTATION_NODES,
-    INDEX_ANNOTATION,
     LABEL_SEGMENT_KEY,
     POD_ATTEMPT_DIR,
     QUARANTINE_TAINT_KEY,
@@ -56,6 +49,7 @@ from relay.launchers.k8s_objects import (
     quarantine_taint,
     service_manifest,
 )
+from relay.launchers.k8s_status import job_failure, newest_by_index, slot_status, stuck
 from relay.spec import KubernetesSpec
 from training.launch import LAUNCH_FILE, LaunchConfig
 
@@ -70,18 +64,14 @@ T = TypeVar("T")
 TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 LEASE_NAMESPACE = "kube-node-lease"
 LEASE_STALE_SECONDS = 20.0  # the kubelet renews its Lease every 10 s
-TERMINATING_SLACK_SECONDS = 2.0  # past deletionTimestamp + this, a pod is stuck
 DELETION_WAIT_SECONDS = 30.0  # for a same-named Job still being deleted before a create
+NODE_CHECK_SECONDS = 2.0  # a node's Ready condition and lease are read at most this often
 
 
 def _transient(exc: BaseException) -> bool:
     if isinstance(exc, ApiException):
         return exc.status in TRANSIENT_STATUS
     return isinstance(exc, HTTPError)
-
-
-def _epoch(stamp: Any) -> float | None:  # noqa: ANN401 - datetime or None
-    return None if stamp is None else stamp.timestamp()
 
 
 class KubernetesLauncher:
@@ -98,6 +88,8 @@ class KubernetesLauncher:
         self.retry_wait_seconds = retry_wait_seconds
         self.api_attempts = api_attempts
         self.lease_stale_seconds = LEASE_STALE_SECONDS
+        self.node_check_seconds = NODE_CHECK_SECONDS
+        self._checked: dict[str, tuple[float, str | None]] = {}  # host -> (when, problem)
         self._leases: dict[str, tuple[Any, float]] = {}  # host -> (renewTime, first seen)
 
     # -- the API ---------------------------------------------------------------
@@ -238,13 +230,13 @@ class KubernetesLauncher:
             log.warning("Job %s/%s not found: the attempt is gone", self.namespace, key.name)
             return LaunchStatus(LaunchState.FAILED, {})
         slots = json.loads(job.metadata.annotations[ANNOTATION_NODES])
-        pods = _newest_by_index(self._pods(key.selector()))
+        pods = newest_by_index(self._pods(key.selector()))
         problems = {h: self._node_problem(h) for h in {p.spec.node_name for p in pods.values()
                                                        if p.spec and p.spec.node_name}}
         now = time.time()
-        nodes = {slot: _slot_status(slot, pods.get(i), problems, now)
+        nodes = {slot: slot_status(slot, pods.get(i), problems, now)
                  for i, slot in enumerate(slots)}
-        failure = _job_failure(job)
+        failure = job_failure(job)
         if failure:
             for node in nodes.values():
                 if node.state not in ("succeeded", "failed"):
@@ -252,7 +244,15 @@ class KubernetesLauncher:
         return LaunchStatus(overall_state(nodes), nodes)
 
     def _node_problem(self, host: str) -> str | None:
-        """Return why ``host`` counts as unresponsive, or None."""
+        """Return why ``host`` counts as unresponsive, or None (re-read every few seconds)."""
+        checked = self._checked.get(host)
+        if checked is not None and time.monotonic() - checked[0] < self.node_check_seconds:
+            return checked[1]
+        problem = self._read_node_problem(host)
+        self._checked[host] = (time.monotonic(), problem)
+        return problem
+
+    def _read_node_problem(self, host: str) -> str | None:
         try:
             node = self._call(self.core.read_node, host)
         except ApiException as exc:
@@ -291,7 +291,7 @@ class KubernetesLauncher:
         if job is None:
             return node
         slots = json.loads(job.metadata.annotations[ANNOTATION_NODES])
-        pod = _newest_by_index(self._pods(key.selector())).get(
+        pod = newest_by_index(self._pods(key.selector())).get(
             slots.index(node) if node in slots else -1)
         return pod.spec.node_name if pod is not None and pod.spec.node_name else node
 
@@ -337,7 +337,7 @@ class KubernetesLauncher:
         """Watch the attempt's pods until each is gone or stuck, or ``timeout`` passes."""
         listed = self._call(self.core.list_namespaced_pod, self.namespace,
                             label_selector=selector)
-        left = {p.metadata.name for p in listed.items if not _stuck(p, time.time())}
+        left = {p.metadata.name for p in listed.items if not stuck(p, time.time())}
         deadline = time.monotonic() + timeout
         while left and time.monotonic() < deadline:
             stream = watch.Watch().stream(
@@ -347,7 +347,7 @@ class KubernetesLauncher:
             with closing(stream):  # closes the HTTP response when we stop early
                 for event in stream:
                     pod = event["object"]
-                    if event["type"] == "DELETED" or _stuck(pod, time.time()):
+                    if event["type"] == "DELETED" or stuck(pod, time.time()):
                         left.discard(pod.metadata.name)
                     if not left:
                         break
@@ -390,77 +390,3 @@ class KubernetesLauncher:
                 node = self._call(self.core.read_node, node.metadata.name)
         raise RuntimeError(f"node {node.metadata.name}: its taints kept changing under Relay; "
                            "try again, or check who else edits them")
-
-
-def _newest_by_index(pods: list[Any]) -> dict[int, Any]:
-    """Return the newest pod of each completion index."""
-    chosen: dict[int, Any] = {}
-    for pod in pods:
-        raw = (pod.metadata.annotations or {}).get(INDEX_ANNOTATION) or (
-            pod.metadata.labels or {}).get(INDEX_ANNOTATION)
-        if raw is None:
-            continue
-        index = int(raw)
-        old = chosen.get(index)
-        if old is None or (_epoch(pod.metadata.creation_timestamp) or 0) >= (
-                _epoch(old.metadata.creation_timestamp) or 0):
-            chosen[index] = pod
-    return chosen
-
-
-def _stuck(pod: Any, now: float) -> bool:  # noqa: ANN401 - V1Pod
-    """Return whether a pod outlived its deletion deadline (its kubelet is not acting)."""
-    deleting = _epoch(pod.metadata.deletion_timestamp)
-    return deleting is not None and now > deleting + TERMINATING_SLACK_SECONDS
-
-
-def _slot_status(slot: str, pod: Any, problems: dict[str, str | None],  # noqa: ANN401
-                 now: float) -> NodeStatus:
-    """Say what one node slot is doing, from its pod and its node."""
-    if pod is None:
-        return NodeStatus(slot, "starting", detail="no pod yet")
-    host = pod.spec.node_name if pod.spec else None
-    phase = pod.status.phase if pod.status else None
-    if phase == "Succeeded":
-        return NodeStatus(slot, "succeeded", host=host)
-    if phase == "Failed":
-        return NodeStatus(slot, "failed", detail=_failure_detail(pod), host=host)
-    if _stuck(pod, now):
-        late = now - (_epoch(pod.metadata.deletion_timestamp) or now)
-        return NodeStatus(slot, UNRESPONSIVE, host=host, detail=(
-            f"pod {pod.metadata.name} stuck terminating on {host} for {late:.0f}s past its "
-            "grace period"))
-    if host and problems.get(host):
-        return NodeStatus(slot, UNRESPONSIVE, detail=str(problems[host]), host=host)
-    if phase == "Running":
-        return NodeStatus(slot, "running", host=host)
-    if phase == "Unknown":
-        return NodeStatus(slot, UNRESPONSIVE, host=host,
-                          detail=f"pod {pod.metadata.name} state unknown (node lost?)")
-    return NodeStatus(slot, "starting", detail=_pending_detail(pod), host=host)
-
-
-def _failure_detail(pod: Any) -> str:  # noqa: ANN401
-    for cs in pod.status.container_statuses or []:
-        done = cs.state.terminated if cs.state else None
-        if done is not None:
-            return (f"pod {pod.metadata.name}: agent exited with code {done.exit_code}"
-                    f" ({done.reason or 'no reason'})")
-    return f"pod {pod.metadata.name} failed: {pod.status.reason or 'no reason'}"
-
-
-def _pending_detail(pod: Any) -> str:  # noqa: ANN401
-    for cond in pod.status.conditions or [] if pod.status else []:
-        if cond.type == "PodScheduled" and cond.status == "False":
-            return f"unschedulable: {cond.message or cond.reason}"
-    for cs in (pod.status.container_statuses or []) if pod.status else []:
-        if cs.state and cs.state.waiting:
-            return f"waiting: {cs.state.waiting.reason}"
-    return "pending"
-
-
-def _job_failure(job: Any) -> str | None:  # noqa: ANN401
-    for cond in (job.status.conditions or []) if job.status else []:
-        if cond.type == "Failed" and cond.status == "True":
-            return f"Job failed: {cond.reason}: {cond.message}"
-    return None

@@ -303,3 +303,29 @@ class LocalLauncher:
             raise KeyError(f"rank {rank}: no heartbeat in {root / 'heartbeats'} yet")
         os.kill(pid, sig)
         return pid
+
+    @classmethod
+    def throttle_rank(cls, root: Path, rank: int, running: float, period: float,
+                      seconds: float) -> bool:
+        """Freeze a rank for ``1 - running`` of every ``period`` for ``seconds``.
+
+        Return False if the rank ended meanwhile.
+        """
+        pid = cls.rank_pid(root, rank)
+        if pid is None:
+            raise KeyError(f"rank {rank}: no heartbeat in {root / 'heartbeats'} yet")
+        deadline = time.monotonic() + seconds
+        try:
+            while time.monotonic() < deadline:
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(period * (1 - running))
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(period * running)
+        except ProcessLookupError:
+            return False
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        return True

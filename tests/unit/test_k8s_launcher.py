@@ -68,6 +68,16 @@ def make_cfg(tmp_path: Path, launcher: KubernetesLauncher, segment: int = 1,
         run_id="abc", attempt_dir=str(root), attempt=attempt, segment=segment)
 
 
+def launched(fake: FakeApiServer, launcher: KubernetesLauncher, tmp_path: Path,
+             hosts: list[str]) -> tuple[LaunchConfig, str]:
+    """Launch an attempt and have the fake cluster run its pods on ``hosts``."""
+    cfg = make_cfg(tmp_path, launcher)
+    launcher.launch(cfg)
+    name = AttemptKey.from_dir(cfg.root).name
+    fake.run_pods(name, hosts)
+    return cfg, name
+
+
 def observe(launcher: KubernetesLauncher, cfg: LaunchConfig) -> Observation:
     node_ranks = {n: [cfg.global_rank(n, r) for r in range(cfg.ranks_per_node)]
                   for n in cfg.nodes}
@@ -151,10 +161,7 @@ def test_status_follows_pods_to_success(fake: FakeApiServer, tmp_path: Path) -> 
 
 def test_a_failed_pod_is_a_crash_of_its_node(fake: FakeApiServer, tmp_path: Path) -> None:
     launcher = make_launcher(fake, tmp_path)
-    cfg = make_cfg(tmp_path, launcher)
-    launcher.launch(cfg)
-    name = AttemptKey.from_dir(cfg.root).name
-    fake.run_pods(name, ["gpu-1", "gpu-2"])
+    cfg, name = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-2"])
     fake.set_phase(name, 1, "Failed", 137)
 
     obs = observe(launcher, cfg)
@@ -168,10 +175,7 @@ def test_a_failed_pod_is_a_crash_of_its_node(fake: FakeApiServer, tmp_path: Path
 
 def test_job_deadline_exceeded_fails_the_attempt(fake: FakeApiServer, tmp_path: Path) -> None:
     launcher = make_launcher(fake, tmp_path)
-    cfg = make_cfg(tmp_path, launcher)
-    launcher.launch(cfg)
-    name = AttemptKey.from_dir(cfg.root).name
-    fake.run_pods(name, ["gpu-1", "gpu-2"])
+    cfg, name = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-2"])
     fake.fail_job(name, "DeadlineExceeded", "Job was active longer than specified deadline")
 
     status = launcher.status(cfg.root)
@@ -184,10 +188,7 @@ def test_not_ready_node_is_node_unresponsive_and_quarantined_by_taint_and_affini
     fake: FakeApiServer, tmp_path: Path, node_pool: NodePool
 ) -> None:
     launcher = make_launcher(fake, tmp_path, taint_quarantine=True)
-    cfg = make_cfg(tmp_path, launcher)
-    launcher.launch(cfg)
-    name = AttemptKey.from_dir(cfg.root).name
-    fake.run_pods(name, ["gpu-1", "gpu-2"])
+    cfg, name = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-2"])
     fake.set_ready("gpu-2", False)
 
     obs = observe(launcher, cfg)
@@ -242,9 +243,7 @@ def test_kubelet_lease_that_stops_moving_is_node_unresponsive(
 ) -> None:
     launcher = make_launcher(fake, tmp_path)
     launcher.lease_stale_seconds = 0.3
-    cfg = make_cfg(tmp_path, launcher)
-    launcher.launch(cfg)
-    fake.run_pods(AttemptKey.from_dir(cfg.root).name, ["gpu-1", "gpu-2"])
+    cfg, _ = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-2"])
     assert launcher.status(cfg.root).state is LaunchState.RUNNING  # first sight of each lease
 
     import time
@@ -263,9 +262,7 @@ def test_node_health_is_read_every_few_seconds_not_every_poll(
 ) -> None:
     launcher = make_launcher(fake, tmp_path)
     launcher.node_check_seconds = 60
-    cfg = make_cfg(tmp_path, launcher)
-    launcher.launch(cfg)
-    fake.run_pods(AttemptKey.from_dir(cfg.root).name, ["gpu-1", "gpu-2"])
+    cfg, _ = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-2"])
 
     for _ in range(5):
         launcher.status(cfg.root)
@@ -278,10 +275,7 @@ def test_pod_stuck_terminating_is_node_unresponsive_and_stop_clears_it(
     fake: FakeApiServer, tmp_path: Path
 ) -> None:
     launcher = make_launcher(fake, tmp_path)
-    cfg = make_cfg(tmp_path, launcher)
-    launcher.launch(cfg)
-    name = AttemptKey.from_dir(cfg.root).name
-    fake.run_pods(name, ["gpu-1", "gpu-3"])
+    cfg, name = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-3"])
     fake.mark_terminating(name, 1, since_seconds=60)  # deleted a minute ago, still there
 
     fault = Detector(Detection()).check(observe(launcher, cfg))
@@ -301,9 +295,7 @@ def test_pod_stuck_terminating_is_node_unresponsive_and_stop_clears_it(
 
 def test_stop_watches_pods_until_their_kubelets_finish(fake: FakeApiServer, tmp_path: Path) -> None:
     launcher = make_launcher(fake, tmp_path)
-    cfg = make_cfg(tmp_path, launcher)
-    launcher.launch(cfg)
-    fake.run_pods(AttemptKey.from_dir(cfg.root).name, ["gpu-1", "gpu-2"])
+    cfg, _ = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-2"])
     fake.slow_nodes["gpu-2"] = 1.0  # its agent takes a second to stop its ranks
 
     survivors = launcher.stop(cfg.root, grace_seconds=0)
@@ -434,10 +426,7 @@ def test_the_segment_trigger_watches_a_job_and_fires_node_unresponsive(
          "extra": {"kube_config_path": str(fake.kubeconfig(tmp_path / "kubeconfig"))}}))
     launcher = launcher_from({"kind": "kubernetes", "conn_id": "relay_k8s",
                               "image": "registry.example.com/relay-worker:0.1.0"})
-    cfg = make_cfg(tmp_path, launcher)
-    launcher.launch(cfg)
-    name = AttemptKey.from_dir(cfg.root).name
-    fake.run_pods(name, ["gpu-3", "gpu-1"])
+    cfg, name = launched(fake, launcher, tmp_path, ["gpu-3", "gpu-1"])
     node_ranks = {n: [cfg.global_rank(n, r) for r in range(2)] for n in cfg.nodes}
     trigger = SegmentWatchTrigger(str(cfg.root), node_ranks, poll_interval_seconds=0.05,
                                   launcher=launcher.config())

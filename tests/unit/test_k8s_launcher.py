@@ -9,14 +9,16 @@ real cluster adds (scheduling, kubelets, DNS, images) is in docs/kubernetes.md.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 from k8s_fake import FakeApiServer
 
-from relay.decide import Decision
+from relay.decide import decide
 from relay.detection import Detector, Observation
 from relay.faults import Fault, FaultKind
 from relay.launchers import LaunchState, launcher_from
@@ -24,12 +26,13 @@ from relay.launchers.base import UNRESPONSIVE
 from relay.launchers.k8s import KubernetesLauncher
 from relay.launchers.k8s_objects import QUARANTINE_TAINT_KEY, AttemptKey
 from relay.nodes import NodePool
-from relay.policy import Detection
+from relay.policy import Detection, load_policy
 from relay.recovery import quarantine
 from relay.spec import KubernetesSpec
 from training.launch import LaunchConfig
 
 HOSTS = ["gpu-1", "gpu-2", "gpu-3"]
+POLICIES = Path(__file__).resolve().parents[2] / "policies"
 RUN = "manual__2026-12-03T05_00_00_00_00"
 
 
@@ -199,16 +202,16 @@ def test_not_ready_node_is_node_unresponsive_and_quarantined_by_taint_and_affini
     assert (fault.culprit_node, fault.evidence["host"]) == ("pod-1", "gpu-2")
     assert "NotReady" in fault.evidence["summary"]
 
-    host = launcher.host_of(cfg.root, fault.culprit_node)
-    decision = Decision(kind=fault.kind.value, action="restart_elsewhere", retry=True,
-                        backoff_seconds=1, quarantine_node=host, quarantine_seconds=1800,
-                        checkpoint_first=False, rollback=False, notify=None,
-                        rule="rules.node_unresponsive", occurrence=1, max_attempts=3,
-                        policy_sha256="0" * 64, reason="test")
+    policy = load_policy(POLICIES / "default.yaml")
+    decision = decide(fault, [], policy.policy, policy.sha256)
+    assert (decision.action, decision.quarantine_node) == ("restart_elsewhere", "pod-1")
+    # What TrainSegmentOperator does before stopping the attempt: name the machine.
+    decision = replace(decision, quarantine_node=launcher.host_of(cfg.root, "pod-1"))
     quarantine(decision, fault, "relay_k8sdemo/run", launcher)
 
     taints = fake.get("nodes", "gpu-2", None)["spec"]["taints"]
     until = node_pool.quarantines()["gpu-2"].until
+    assert until - time.time() == pytest.approx(decision.quarantine_seconds, abs=30)
     assert taints == [{"key": QUARANTINE_TAINT_KEY, "value": str(int(until)),
                        "effect": "NoSchedule"}]
     assert "taints" not in fake.get("nodes", "gpu-1", None)["spec"]
@@ -245,8 +248,6 @@ def test_kubelet_lease_that_stops_moving_is_node_unresponsive(
     launcher.lease_stale_seconds = 0.3
     cfg, _ = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-2"])
     assert launcher.status(cfg.root).state is LaunchState.RUNNING  # first sight of each lease
-
-    import time
 
     time.sleep(0.5)
     fake.renew_lease("gpu-1")  # gpu-2's kubelet has gone quiet (still "Ready" for now)

@@ -140,6 +140,26 @@ def test_a_retried_launch_reattaches_to_its_job(fake: FakeApiServer, tmp_path: P
     assert len(posts) == 2  # the second create met 409 and re-attached
 
 
+def test_a_launch_waits_for_a_same_named_job_still_being_deleted(
+    fake: FakeApiServer, tmp_path: Path
+) -> None:
+    from kubernetes import client
+
+    launcher = make_launcher(fake, tmp_path)
+    cfg, name = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-2"])
+    old_uid = fake.get("jobs", name)["metadata"]["uid"]
+    fake.slow_nodes["gpu-2"] = 1.0  # its pod takes a second to go
+    launcher.batch.delete_namespaced_job(
+        name, "default", body=client.V1DeleteOptions(propagation_policy="Foreground"))
+    assert fake.get("jobs", name)["metadata"].get("deletionTimestamp")
+
+    launcher.launch(cfg)
+
+    new = fake.get("jobs", name)
+    assert new is not None and new["metadata"]["uid"] != old_uid
+    assert not new["metadata"].get("deletionTimestamp")
+
+
 def test_status_follows_pods_to_success(fake: FakeApiServer, tmp_path: Path) -> None:
     launcher = make_launcher(fake, tmp_path)
     cfg = make_cfg(tmp_path, launcher)

@@ -180,8 +180,10 @@ class KubernetesLauncher:
             except ApiException as exc:
                 if exc.status != 409:
                     raise
-            existing = self._as_dict(self._call(self.batch.read_namespaced_job, name,
-                                                self.namespace))
+            found = self._job_named(name)
+            if found is None:
+                continue  # deleted between our create and our read: create again
+            existing = self._as_dict(found)
             if not existing["metadata"].get("deletionTimestamp"):
                 log.info("Job %s already exists (uid %s): re-attaching to it", name,
                          existing["metadata"]["uid"])
@@ -204,8 +206,11 @@ class KubernetesLauncher:
                      manifest["metadata"]["name"])
 
     def _job(self, key: AttemptKey) -> Any | None:  # noqa: ANN401 - V1Job
+        return self._job_named(key.name)
+
+    def _job_named(self, name: str) -> Any | None:  # noqa: ANN401 - V1Job
         try:
-            return self._call(self.batch.read_namespaced_job, key.name, self.namespace)
+            return self._call(self.batch.read_namespaced_job, name, self.namespace)
         except ApiException as exc:
             if exc.status == 404:
                 return None

@@ -98,3 +98,12 @@ def test_only_the_local_launcher_signals_processes() -> None:
                    if signalling.search(p.read_text()))
 
     assert users == ["launchers/local.py"]
+
+
+def test_the_documented_kubernetes_example_spec_is_valid() -> None:
+    example = PLUGIN.parents[1] / "docs" / "examples" / "kubernetes-job.yaml"
+
+    spec = load_job_spec(example)
+
+    assert spec.launcher == "kubernetes" and spec.kubernetes is not None
+    assert spec.kubernetes.gpus_per_pod == 8

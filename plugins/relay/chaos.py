@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from relay import settings
+from relay.launchers import launcher_from
 from relay.launchers.local import HANDLE_FILE, LocalLauncher
 from training.chaos import CHAOS_LOG
 
@@ -26,10 +27,18 @@ class ChaosTargetError(Exception):
     """The thing to break could not be found."""
 
 
+def _processes() -> LocalLauncher:
+    """Return the launcher whose process groups `relay chaos` acts on: the local one."""
+    launcher = launcher_from(None)
+    if not isinstance(launcher, LocalLauncher):  # pragma: no cover - the factory's default
+        raise ChaosTargetError("relay chaos acts on local process groups only")
+    return launcher
+
+
 def running_attempt(dag_id: str | None = None) -> Path:
     """Return the newest running segment attempt (of ``dag_id``, if given)."""
     base = settings.runs_dir() / dag_id if dag_id else settings.runs_dir()
-    running = LocalLauncher().running_attempts(base)
+    running = _processes().running_attempts(base)
     if running:
         return running[0]
     raise ChaosTargetError(
@@ -48,7 +57,7 @@ def stop_node(attempt: Path, node: str) -> int:
     """SIGSTOP every process of ``node`` (its agent and its ranks); return the PGID."""
     at = time.time()
     try:
-        pgid = LocalLauncher().signal_node(attempt, node, signal.SIGSTOP)
+        pgid = _processes().signal_node(attempt, node, signal.SIGSTOP)
     except KeyError as exc:
         raise ChaosTargetError(exc.args[0]) from exc
     _record(attempt, "stop_node", node=node, pgid=pgid, at=at)
@@ -58,11 +67,11 @@ def stop_node(attempt: Path, node: str) -> int:
 
 def continue_node(attempt: Path, node: str) -> int:
     """SIGCONT every process of ``node`` (undo :func:`stop_node`)."""
-    return LocalLauncher().signal_node(attempt, node, signal.SIGCONT)
+    return _processes().signal_node(attempt, node, signal.SIGCONT)
 
 
 def _rank_pid(attempt: Path, rank: int) -> int:
-    pid = LocalLauncher.rank_pid(attempt, rank)
+    pid = _processes().rank_pid(attempt, rank)
     if pid is None:
         raise ChaosTargetError(
             f"rank {rank}: expected a heartbeat in {attempt / 'heartbeats'}. "
@@ -75,7 +84,7 @@ def kill_rank(attempt: Path, rank: int) -> int:
     """SIGKILL one rank; return its PID."""
     pid = _rank_pid(attempt, rank)
     _record(attempt, "crash", rank=rank, pid=pid)
-    LocalLauncher.signal_rank(attempt, rank, signal.SIGKILL)
+    _processes().signal_rank(attempt, rank, signal.SIGKILL)
     return pid
 
 
@@ -85,6 +94,6 @@ def slow_rank(attempt: Path, rank: int, factor: float, seconds: float) -> int:
         raise ChaosTargetError(f"--factor: expected a slowdown > 1, found {factor}")
     pid = _rank_pid(attempt, rank)
     _record(attempt, "straggler", rank=rank, pid=pid, factor=factor)
-    if not LocalLauncher.throttle_rank(attempt, rank, 1 / factor, SLOW_PERIOD_SECONDS, seconds):
+    if not _processes().throttle_rank(attempt, rank, 1 / factor, SLOW_PERIOD_SECONDS, seconds):
         log.warning("Rank %d (pid %d) ended while being slowed", rank, pid)
     return pid

@@ -459,9 +459,11 @@ def test_the_segment_trigger_watches_a_job_and_fires_node_unresponsive(
         events = rebuilt.run()
         pending = asyncio.ensure_future(events.__anext__())
         try:
-            await asyncio.sleep(1.0)  # several polls of a healthy Job: nothing to report
-            assert not pending.done(), pending.result().payload
-            assert sum(m == "GET" and f"/jobs/{name}" in p for m, p in fake.requests) >= 2
+            for _ in range(300):  # let it poll the healthy Job a few times
+                if sum(m == "GET" and f"/jobs/{name}" in p for m, p in fake.requests) >= 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert not pending.done(), pending.result().payload  # nothing to report yet
             fake.set_ready("gpu-3", False)
             return (await asyncio.wait_for(pending, 20)).payload
         finally:

@@ -91,6 +91,7 @@ class KubernetesLauncher:
         self.node_check_seconds = NODE_CHECK_SECONDS
         self._checked: dict[str, tuple[float, str | None]] = {}  # host -> (when, problem)
         self._leases: dict[str, tuple[Any, float]] = {}  # host -> (renewTime, first seen)
+        self._launched_at: dict[str, float] = {}  # Job name -> its launch time
 
     # -- the API ---------------------------------------------------------------
 
@@ -221,11 +222,14 @@ class KubernetesLauncher:
                           label_selector=selector).items
 
     def started_at(self, root: Path) -> float:
-        """Return when Relay launched the attempt (its Job's annotation)."""
-        job = self._job(AttemptKey.from_dir(root))
-        if job is None:
-            raise KeyError(f"no Job for {root}")
-        return float(job.metadata.annotations[ANNOTATION_LAUNCHED_AT])
+        """Return when Relay launched the attempt (its Job's annotation; read once)."""
+        name = AttemptKey.from_dir(root).name
+        if name not in self._launched_at:
+            job = self._job_named(name)
+            if job is None:
+                raise KeyError(f"no Job for {root}")
+            self._launched_at[name] = float(job.metadata.annotations[ANNOTATION_LAUNCHED_AT])
+        return self._launched_at[name]
 
     def status(self, root: Path) -> LaunchStatus:
         """Read the Job, its pods and their nodes; say what each node slot is doing."""

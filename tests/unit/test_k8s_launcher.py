@@ -285,11 +285,16 @@ def test_node_health_is_read_every_few_seconds_not_every_poll(
     launcher.node_check_seconds = 60
     cfg, _ = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-2"])
 
-    for _ in range(5):
+    fake.requests.clear()
+    for _ in range(5):  # what the trigger does each poll
         launcher.status(cfg.root)
+        launcher.started_at(cfg.root)
 
     node_reads = [p for m, p in fake.requests if m == "GET" and p.startswith("/api/v1/nodes/")]
     assert sorted(node_reads) == ["/api/v1/nodes/gpu-1", "/api/v1/nodes/gpu-2"]
+    job_reads = [p for m, p in fake.requests if m == "GET" and "/jobs/" in p]
+    pod_lists = [p for m, p in fake.requests if m == "GET" and p.endswith("/pods")]
+    assert (len(job_reads), len(pod_lists)) == (5 + 1, 5)  # started_at reads the Job once
 
 
 def test_pod_stuck_terminating_is_node_unresponsive_and_stop_clears_it(

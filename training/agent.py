@@ -247,15 +247,25 @@ def run_standby(directory: Path, node: str, ttl_seconds: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m training.agent (--launch FILE | --standby DIR) --node NAME``."""
+    """Entry point: ``python -m training.agent (--launch F | --standby D) --node[-index] N``."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--launch", type=Path, help="the attempt's launch file")
     parser.add_argument("--standby", type=Path,
                         help="preload, then wait in this folder for a launcher to claim it")
     parser.add_argument("--ttl", type=float, default=STANDBY_TTL_SECONDS,
                         help="a standby nobody claims within this many seconds leaves")
-    parser.add_argument("--node", required=True)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--node")
+    which.add_argument("--node-index", type=int,
+                       help="this node's index in the launch file's nodes (on Kubernetes: the "
+                       "Indexed Job's completion index)")
     args = parser.parse_args(argv)
+    if args.node is None:
+        nodes = LaunchConfig.read(args.launch).nodes if args.launch else []
+        if not 0 <= args.node_index < len(nodes):
+            parser.error(f"--node-index: expected 0..{len(nodes) - 1} with --launch FILE, "
+                         f"found {args.node_index}")
+        args.node = nodes[args.node_index]
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s agent {args.node} %(levelname)s: %(message)s",

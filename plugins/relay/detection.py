@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from relay.faults import Fault, FaultKind, classify_exit, only_secondary_exits
-from relay.launchers.local import LaunchState, LaunchStatus
+from relay.launchers.base import UNRESPONSIVE, LaunchState, LaunchStatus
 from relay.policy import Detection
 from training.heartbeat import Heartbeat, Phase
 
@@ -99,6 +99,7 @@ class Detector:
             ({FaultKind.CRASH, FaultKind.LAUNCH_FAILURE}, self._exits),
             ({FaultKind.NAN_LOSS}, self._nan),
             ({FaultKind.LAUNCH_FAILURE}, self._startup),
+            ({FaultKind.NODE_UNRESPONSIVE}, self._platform_unresponsive),
             ({FaultKind.NODE_UNRESPONSIVE, FaultKind.RANK_UNRESPONSIVE}, self._stale),
             ({FaultKind.HANG}, self._hang),
             ({FaultKind.STRAGGLER}, self._stragglers),
@@ -198,6 +199,17 @@ class Detector:
             return None
         seen = obs.launch.nodes[node].last_seen
         return float("inf") if seen is None else obs.now - seen
+
+    def _platform_unresponsive(self, obs: Observation) -> Fault | None:
+        """A node the launcher's platform says stopped answering (NotReady, stuck pod)."""
+        if obs.launch is None:
+            return None
+        for node in obs.launch.nodes.values():
+            if node.state == UNRESPONSIVE:
+                return Fault(FaultKind.NODE_UNRESPONSIVE, None, node.node,
+                             {"summary": node.detail or f"{node.node} stopped answering",
+                              "host": node.host}, obs.now)
+        return None
 
     def _stale(self, obs: Observation) -> Fault | None:
         stale = {r for r, b in obs.heartbeats.items() if self._is_stale(b, obs.now)}

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from relay.launchers.local import LaunchState, LaunchStatus
+from relay.launchers.base import LaunchState, LaunchStatus
 
 
 class FaultKind(StrEnum):

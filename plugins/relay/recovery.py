@@ -20,7 +20,7 @@ from airflow.sdk.definitions.retry_policy import RetryDecision, RetryPolicy
 
 from relay.decide import Decision
 from relay.faults import Fault, FaultKind
-from relay.launchers.local import LaunchState, LocalLauncher
+from relay.launchers import Launcher, LaunchState, launcher_from
 from relay.nodes import NodePool
 from training.heartbeat import read_heartbeats, write_atomically
 from training.launch import DRAIN_FILE
@@ -94,14 +94,16 @@ class PolicyRetry(RetryPolicy):
         return cls()
 
 
-def drain(attempt_dir: Path, timeout_seconds: float) -> int | None:
+def drain(
+    attempt_dir: Path, timeout_seconds: float, launcher: Launcher | None = None
+) -> int | None:
     """Ask the ranks to checkpoint and stop a few steps ahead; return the step, if they did."""
     beats = read_heartbeats(attempt_dir / "heartbeats")
     if not beats:
         return None
     stop_at = max(b.step for b in beats.values()) + DRAIN_LEAD_STEPS
     write_atomically(attempt_dir / DRAIN_FILE, json.dumps({"stop_at": stop_at}))
-    launcher = LocalLauncher()
+    launcher = launcher or launcher_from(None)
     deadline = time.monotonic() + timeout_seconds
     while time.monotonic() < deadline:
         state = launcher.status(attempt_dir).state
@@ -116,12 +118,22 @@ def drain(attempt_dir: Path, timeout_seconds: float) -> int | None:
     return None
 
 
-def quarantine(decision: Decision, fault: Fault, where: str) -> None:
-    """Keep the culprit's node out, if the decision says so."""
-    if decision.quarantine_node and decision.quarantine_seconds:
-        NodePool().quarantine(
+def quarantine(decision: Decision, fault: Fault, where: str,
+               launcher: Launcher | None = None) -> None:
+    """Keep the culprit's node out, if the decision says so, and have the launcher enforce it."""
+    if not (decision.quarantine_node and decision.quarantine_seconds):
+        return
+    pool = NodePool()
+    try:
+        pool.quarantine(
             decision.quarantine_node,
             decision.quarantine_seconds,
             reason=f"{fault.kind.value}: {fault.evidence.get('summary', '')}",
             by=f"{decision.rule} (policy {decision.policy_sha256[:12]}) in {where}",
         )
+    except ValueError as exc:  # a host the pool does not list: record it, keep deciding
+        log.error("Quarantine of %s not recorded: %s. Add it to RELAY_NODES.",
+                  decision.quarantine_node, exc)
+        return
+    if launcher is not None:
+        launcher.enforce_quarantines(pool.quarantines())

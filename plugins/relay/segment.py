@@ -9,6 +9,7 @@ the policy gives up.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import tempfile
@@ -22,7 +23,8 @@ from relay.chaosconf import ChaosConfError, chaos_faults
 from relay.decide import Decision, decide
 from relay.evidence import ask_for_evidence, attach_evidence, collect_evidence
 from relay.faults import RESCUABLE, Fault, FaultKind
-from relay.launchers.local import STANDBY_DIR, LaunchState, LocalLauncher, free_port
+from relay.launchers import Launcher, LaunchState, launcher_for
+from relay.launchers.local import STANDBY_DIR, free_port
 from relay.nodes import NodePool, NotEnoughNodesError
 from relay.notify import escalate
 from relay.observe import ENDS_ATTEMPT, log_observations, record_observation, watched_kinds
@@ -116,7 +118,8 @@ class TrainSegmentOperator(RelayOperator):
         seg_dir = segment_dir(spec, dag_run.run_id, index)
         # A task killed mid-segment leaves its workload running: stop it first, and close
         # the MLflow runs of such launches so the lineage shows them as abandoned.
-        LocalLauncher().stop_all(seg_dir)
+        launcher = launcher_for(spec)
+        launcher.stop_all(seg_dir)
         lineage.abandon_running(parent, index)
         attempt_dir = seg_dir / f"try-{try_number}"
         if attempt_dir.exists():
@@ -136,7 +139,8 @@ class TrainSegmentOperator(RelayOperator):
         if resume_step != start:
             log.warning("Segment %d starts at step %d; resuming from the latest valid checkpoint "
                         "at step %d", index, start, resume_step)
-        nodes = self._nodes(spec, policy, holder=_lease_holder(spec.dag_id, dag_run.run_id))
+        holder = _lease_holder(spec.dag_id, dag_run.run_id)
+        nodes = launcher.slots(self._nodes(spec, policy, holder=holder))
         run_id = lineage.attempt_run(parent, index, try_number, {
             "segment": index, "attempt": try_number, "nodes": ",".join(nodes),
             "resume_step": resume_step, "end_step": end, "world_size": spec.world_size,
@@ -158,14 +162,14 @@ class TrainSegmentOperator(RelayOperator):
             entrypoint=spec.launch_entrypoint(Path(self.spec_file)), backend=spec.backend,
             deterministic=spec.deterministic,
         )
-        LocalLauncher().launch(cfg, standby_dir=seg_dir / STANDBY_DIR)
+        launcher.launch(cfg, standby_dir=seg_dir / STANDBY_DIR)
         log.info("Segment %d try %d: steps [%d, %d) on %s; MLflow child run %s; attempt folder %s",
                  index, try_number, resume_step, end, ", ".join(nodes), run_id, attempt_dir)
-        self._watch(attempt_dir, cfg, policy)
+        self._watch(attempt_dir, cfg, policy, launcher)
         return None
 
     def _watch(self, attempt_dir: Path, cfg: LaunchConfig, policy: LoadedPolicy,
-               kinds: list[str] | None = None) -> None:
+               launcher: Launcher, kinds: list[str] | None = None) -> None:
         """Defer to the watcher (``kinds``: the fault kinds to watch; None: all)."""
         node_ranks = {n: [cfg.global_rank(n, r) for r in range(cfg.ranks_per_node)]
                       for n in cfg.nodes}
@@ -178,20 +182,22 @@ class TrainSegmentOperator(RelayOperator):
                 detection=detection.model_dump(),
                 heartbeat_interval_seconds=cfg.heartbeat_interval_seconds,
                 poll_interval_seconds=detection.poll_interval, kinds=kinds,
+                launcher=launcher.config(),
             ),
             method_name="execute_complete",
         )
 
     # -- decide --------------------------------------------------------------------
 
-    def _prestart(self, spec: JobSpec, decision: Decision, seg_dir: Path, holder: str) -> None:
+    def _prestart(self, spec: JobSpec, decision: Decision, seg_dir: Path, holder: str,
+                  launcher: Launcher) -> None:
         """Have the retry's node agents preload while this attempt is wound down."""
         out = {decision.quarantine_node} if decision.quarantine_node else set()
         nodes = [n for n in NodePool().available(holder) if n not in out][: spec.nodes]
         if len(nodes) == spec.nodes:  # else the retry waits for nodes: nothing to warm up
             # They wait out the backoff too, and leave by themselves if the retry never comes.
             ttl = decision.backoff_seconds + STANDBY_TTL_SECONDS
-            LocalLauncher().prestart(seg_dir / STANDBY_DIR, nodes, ttl)
+            launcher.prestart(seg_dir / STANDBY_DIR, launcher.slots(nodes), ttl)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401
         """Stop the workload, decide per policy, record, and succeed or raise.
@@ -213,40 +219,48 @@ class TrainSegmentOperator(RelayOperator):
         attempt_dir = Path(event["attempt_dir"])
         cfg = LaunchConfig.read(attempt_dir / LAUNCH_FILE)
         lineage = lineage_store()
+        launcher = launcher_for(self.spec())
         status = event.get("status")
         if status == "completed":
-            survivors = LocalLauncher().stop(attempt_dir)
+            survivors = launcher.stop(attempt_dir)
             best_effort("log the observations",
                         lambda: log_observations(lineage, cfg.run_id, attempt_dir))
             if not survivors:
                 lineage.finish_run(cfg.run_id, "completed")
                 log.info("Segment %d trained steps [%d, %d) in %.1fs", self.segment,
                          cfg.start_step, cfg.end_step,
-                         time.time() - LocalLauncher.started_at(attempt_dir))
+                         time.time() - launcher.started_at(attempt_dir))
                 return {"segment": self.segment, "resumed_from": cfg.start_step,
                         "trained_steps": cfg.end_step - cfg.start_step}
             lineage.finish_run(cfg.run_id, "orphans")
             raise AirflowException(f"Segment {self.segment}: processes {survivors} survived")
         if status != "fault":
-            LocalLauncher().stop(attempt_dir)
+            launcher.stop(attempt_dir)
             lineage.finish_run(cfg.run_id, "watcher_error")
             raise AirflowException(f"Segment {self.segment}: watcher error "
                                    f"{event.get('message')}\n{event.get('traceback', '')}")
-        return self._on_fault(context, Fault.from_event(event["fault"]), attempt_dir, cfg, lineage)
+        return self._on_fault(context, Fault.from_event(event["fault"]), attempt_dir, cfg, lineage,
+                              launcher)
 
     def _on_fault(self, context: Any, fault: Fault, attempt_dir: Path,  # noqa: ANN401
-                  cfg: LaunchConfig, lineage: Any) -> dict[str, Any]:  # noqa: ANN401
+                  cfg: LaunchConfig, lineage: Any,  # noqa: ANN401
+                  launcher: Launcher | None = None) -> dict[str, Any]:
         spec = self.spec()
         policy = self.policy(spec)
+        launcher = launcher or launcher_for(spec)
         # Decide, drain and stop before touching MLflow: a frozen rank may hold the
         # tracking store's lock (SQLite) until its process is gone.
         history = fault_history(attempt_dir.parent, exclude=attempt_dir)
         decision = decide(fault, history, policy.policy, policy.sha256)
+        if decision.quarantine_node:  # a quarantine names the machine, not the node's slot
+            host = launcher.host_of(attempt_dir, decision.quarantine_node)
+            decision = dataclasses.replace(decision, quarantine_node=host)
         if decision.observe:
-            return self._observe(context, fault, decision, attempt_dir, cfg, lineage, policy)
+            return self._observe(context, fault, decision, attempt_dir, cfg, lineage, policy,
+                                 launcher)
         if decision.retry:
             self._prestart(spec, decision, attempt_dir.parent,
-                           _lease_holder(spec.dag_id, context["dag_run"].run_id))
+                           _lease_holder(spec.dag_id, context["dag_run"].run_id), launcher)
         beats = read_heartbeats(attempt_dir / "heartbeats")
         progress = max((b.step for b in beats.values()), default=cfg.start_step)
         # Where is it stuck? Ask every rank now (after the stop nobody answers); the
@@ -254,14 +268,14 @@ class TrainSegmentOperator(RelayOperator):
         asked = ask_for_evidence(attempt_dir, fault, cfg.world_size)
         drained = rescued = None
         if decision.checkpoint_first:
-            drained = drain(attempt_dir, policy.policy.detection.checkpoint_timeout)
+            drained = drain(attempt_dir, policy.policy.detection.checkpoint_timeout, launcher)
         elif decision.retry and not decision.rollback and fault.kind in RESCUABLE:
             rescued = request_rescue(attempt_dir, cfg, fault,
                                      policy.policy.detection.checkpoint_timeout)
         evidence = (collect_evidence(asked, policy.policy.detection.evidence_timeout)
                     if asked else None)
-        survivors = LocalLauncher().stop(attempt_dir)
-        quarantine(decision, fault, f"{spec.dag_id}/{context['dag_run'].run_id}")
+        survivors = launcher.stop(attempt_dir)
+        quarantine(decision, fault, f"{spec.dag_id}/{context['dag_run'].run_id}", launcher)
         found = best_effort("find the resume point", lambda: self._resume_point(
             context, spec, decision, fault, lineage))
         latest = found[0] if found else None
@@ -317,19 +331,19 @@ class TrainSegmentOperator(RelayOperator):
 
     def _observe(self, context: Any, fault: Fault, decision: Decision,  # noqa: ANN401
                  attempt_dir: Path, cfg: LaunchConfig, lineage: Any,  # noqa: ANN401
-                 policy: LoadedPolicy) -> dict[str, Any]:
+                 policy: LoadedPolicy, launcher: Launcher) -> dict[str, Any]:
         """Record and notify what Relay would do; keep watching unless the job has ended."""
         message = "OBSERVE MODE (not applied): " + _fault_message(self.segment, fault, decision,
                                                                   None)
         record = record_observation(attempt_dir, fault, decision, policy, message)
-        state = LocalLauncher().status(attempt_dir).state
+        state = launcher.status(attempt_dir).state
         if state is LaunchState.RUNNING and fault.kind not in ENDS_ATTEMPT:
-            self._watch(attempt_dir, cfg, policy, kinds=watched_kinds(attempt_dir))
+            self._watch(attempt_dir, cfg, policy, launcher, kinds=watched_kinds(attempt_dir))
         if state is LaunchState.SUCCEEDED:
             return self._complete(context, {"status": "completed",
                                             "attempt_dir": str(attempt_dir)})
         # The processes are gone (a crash ends the job, observed or not): record and fail.
-        survivors = LocalLauncher().stop(attempt_dir)
+        survivors = launcher.stop(attempt_dir)
         write_atomically(attempt_dir / "decision.json", json.dumps(
             {**record, "survivors": survivors}, indent=2, default=str), durable=True)
         record_fault(lineage, cfg.run_id, attempt_dir, record, {

@@ -120,6 +120,28 @@ class EntrypointSpec(BaseModel):
         return Entrypoint(module=self.module, script=script, args=list(self.args))
 
 
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+
+
+class KubernetesSpec(BaseModel):
+    """Where and how segment attempts run when ``launcher: kubernetes``."""
+
+    model_config = _FROZEN
+
+    image: str = Field(strict=True, min_length=1)
+    namespace: str = Field("default", strict=True, pattern=DNS_LABEL_PATTERN)
+    service_account: str = Field("relay-worker", strict=True, pattern=DNS_LABEL_PATTERN)
+    gpus_per_pod: int = Field(0, strict=True, ge=0)
+    active_deadline: float = Field(6 * 3600.0, gt=0)
+    taint_quarantine: bool = Field(False, strict=True)
+
+    @field_validator("active_deadline", mode="before")
+    @classmethod
+    def _duration(cls, value: object) -> float:
+        """Parse "30m", "6h" or a number of seconds."""
+        return parse_duration(value)
+
+
 class JobSpec(BaseModel):
     """One training job: what to train, how to cut it into segments, how to recover."""
 
@@ -145,6 +167,8 @@ class JobSpec(BaseModel):
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # see training/device.py
     deterministic: bool = Field(True, strict=True)  # bit-exact resume (deterministic GPU kernels)
     chaos: Literal["allowed", "forbidden"] = "forbidden"
+    launcher: Literal["local", "kubernetes"] = "local"
+    kubernetes: KubernetesSpec | None = Field(None, validate_default=True)
 
     @field_validator("retry_delay", "collective_timeout", "heartbeat_interval", mode="before")
     @classmethod
@@ -164,6 +188,20 @@ class JobSpec(BaseModel):
                 f"lower checkpoint_every to at most {per_segment} (e.g. checkpoint_every: "
                 f"{per_segment}), or raise steps_per_segment "
                 f"to at least {value}",
+            )
+        return value
+
+    @field_validator("kubernetes")
+    @classmethod
+    def _kubernetes_when_used(
+        cls, value: KubernetesSpec | None, info: ValidationInfo
+    ) -> KubernetesSpec | None:
+        """Require the kubernetes section when the launcher is kubernetes."""
+        if value is None and info.data.get("launcher") == "kubernetes":
+            raise FieldValueError(
+                "a kubernetes section when launcher is kubernetes", None,
+                "add kubernetes: {image: REGISTRY/relay-worker:TAG} (see docs/kubernetes.md), "
+                "or set launcher: local",
             )
         return value
 
@@ -272,6 +310,22 @@ FIXES: dict[str, str] = {
         "set chaos: allowed to let DAG runs inject faults (test and demo jobs only), or remove "
         "the line (the default, forbidden)"
     ),
+    "launcher": "set launcher to local (processes on this machine) or kubernetes (a Job per "
+    "segment attempt), e.g. launcher: local",
+    "kubernetes": "write kubernetes as a mapping, e.g. kubernetes: {image: "
+    "registry.example.com/relay-worker:0.1.0, namespace: relay}",
+    "kubernetes.image": "set kubernetes.image to the worker image the pods run, e.g. "
+    "image: registry.example.com/relay-worker:0.1.0 (built from deploy/worker.Dockerfile)",
+    "kubernetes.namespace": "set kubernetes.namespace to a namespace name (lowercase letters, "
+    "digits, '-'), e.g. namespace: relay",
+    "kubernetes.service_account": "set kubernetes.service_account to the pods' service account "
+    "(lowercase letters, digits, '-'), e.g. service_account: relay-worker",
+    "kubernetes.gpus_per_pod": "set kubernetes.gpus_per_pod to a whole number >= 0 (0: CPU "
+    "only), e.g. gpus_per_pod: 8",
+    "kubernetes.active_deadline": "set kubernetes.active_deadline to a duration > 0 that one "
+    "segment attempt may not outlive, e.g. active_deadline: 6h",
+    "kubernetes.taint_quarantine": "set kubernetes.taint_quarantine to true (quarantined nodes "
+    "also get a NoSchedule taint; needs RBAC to patch nodes) or false",
 }
 
 EMPTY_FIX = (

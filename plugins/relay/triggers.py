@@ -20,16 +20,17 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from relay.detection import Detector, Observation
 from relay.faults import FaultKind
-from relay.launchers.local import LaunchState, LocalLauncher
+from relay.launchers import Launcher, LaunchState, launcher_from
 from relay.policy import Detection
 from training.heartbeat import Phase, read_heartbeats
 
 
 def observe_attempt(
-    attempt_dir: Path, node_ranks: dict[str, list[int]], heartbeat_interval: float
+    attempt_dir: Path, node_ranks: dict[str, list[int]], heartbeat_interval: float,
+    launcher: Launcher | None = None,
 ) -> Observation:
-    """Read one snapshot of a launched segment attempt (blocking file I/O)."""
-    launcher = LocalLauncher()
+    """Read one snapshot of a launched segment attempt (blocking I/O)."""
+    launcher = launcher or launcher_from(None)
     status = launcher.status(attempt_dir)
     try:
         launched_at = launcher.started_at(attempt_dir)
@@ -67,6 +68,7 @@ class SegmentWatchTrigger(BaseTrigger):
         heartbeat_interval_seconds: float = 0.5,
         poll_interval_seconds: float = 0.5,
         kinds: list[str] | None = None,
+        launcher: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.attempt_dir = attempt_dir
@@ -75,6 +77,7 @@ class SegmentWatchTrigger(BaseTrigger):
         self.heartbeat_interval_seconds = heartbeat_interval_seconds
         self.poll_interval_seconds = poll_interval_seconds
         self.kinds = kinds  # the fault kinds to report (None: all); observe mode narrows it
+        self.launcher = launcher
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Return the classpath and the exact ``__init__`` arguments."""
@@ -87,6 +90,7 @@ class SegmentWatchTrigger(BaseTrigger):
                 "heartbeat_interval_seconds": self.heartbeat_interval_seconds,
                 "poll_interval_seconds": self.poll_interval_seconds,
                 "kinds": self.kinds,
+                "launcher": self.launcher,
             },
         )
 
@@ -96,9 +100,11 @@ class SegmentWatchTrigger(BaseTrigger):
         try:
             enabled = None if self.kinds is None else frozenset(FaultKind(k) for k in self.kinds)
             detector = Detector(Detection.model_validate(self.detection), enabled)
+            launcher = launcher_from(self.launcher)  # one per run: it remembers lease renewals
             while True:
                 obs = await asyncio.to_thread(
-                    observe_attempt, root, self.node_ranks, self.heartbeat_interval_seconds
+                    observe_attempt, root, self.node_ranks, self.heartbeat_interval_seconds,
+                    launcher,
                 )
                 if obs.launch is not None and obs.launch.state is LaunchState.SUCCEEDED:
                     late = detector.at_completion(obs)

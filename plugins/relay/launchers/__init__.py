@@ -1,1 +1,46 @@
-"""Where a segment runs: local processes or Kubernetes."""
+"""Where a segment runs: local processes or Kubernetes, behind one :class:`Launcher` seam.
+
+Everything outside this package gets its launcher from :func:`launcher_from`
+(or :func:`launcher_for` a job spec) and uses only the protocol in
+:mod:`relay.launchers.base`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from relay.launchers.base import Launcher, LaunchState, LaunchStatus, NodeStatus
+
+if TYPE_CHECKING:
+    from relay.spec import JobSpec
+
+__all__ = ["Launcher", "LaunchState", "LaunchStatus", "NodeStatus", "launcher_for",
+           "launcher_from"]
+
+ENV_KUBERNETES_CONN_ID = "RELAY_KUBERNETES_CONN_ID"  # Airflow connection of the cluster
+
+
+def launcher_from(config: Mapping[str, Any] | None = None) -> Launcher:
+    """Build the launcher a ``config()`` describes (None or ``{"kind": "local"}``: local)."""
+    settings = dict(config or {"kind": "local"})
+    kind = settings.pop("kind", "local")
+    if kind == "local":
+        from relay.launchers.local import LocalLauncher
+
+        return LocalLauncher()
+    if kind == "kubernetes":
+        from relay.launchers.k8s import KubernetesLauncher
+        from relay.spec import KubernetesSpec
+
+        conn_id = settings.pop("conn_id", None) or os.environ.get(ENV_KUBERNETES_CONN_ID)
+        return KubernetesLauncher(KubernetesSpec.model_validate(settings), conn_id=conn_id)
+    raise ValueError(f"launcher kind: expected 'local' or 'kubernetes', found {kind!r}")
+
+
+def launcher_for(spec: JobSpec) -> Launcher:
+    """Return the launcher a job spec asks for (``launcher:`` and its ``kubernetes:`` section)."""
+    if spec.launcher == "kubernetes" and spec.kubernetes is not None:
+        return launcher_from({"kind": "kubernetes", **spec.kubernetes.model_dump()})
+    return launcher_from(None)

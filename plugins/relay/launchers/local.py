@@ -18,12 +18,12 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from relay.launchers.base import LaunchState, LaunchStatus, NodeStatus, overall_state
 from training import pids
-from training.heartbeat import write_atomically
+from training.heartbeat import read_heartbeats, write_atomically
 from training.launch import LAUNCH_FILE, LaunchConfig
 from training.standby import (
     STANDBY_TTL_SECONDS,
@@ -33,6 +33,13 @@ from training.standby import (
     standby_file,
 )
 
+if TYPE_CHECKING:
+    from relay.nodes import Quarantine
+
+__all__ = [
+    "LaunchState", "LaunchStatus", "LocalLauncher", "NodeStatus", "NotOursError", "free_port",
+]
+
 log = logging.getLogger(__name__)
 
 HANDLE_FILE = "handle.json"
@@ -41,42 +48,8 @@ STANDBY_DIR = "standby"  # in a segment's folder: agents preloading for its next
 STANDBY_WAIT_SECONDS = 10.0  # a standby still preloading is worth waiting for this long
 
 
-class LaunchState(StrEnum):
-    """What the launcher knows of a workload."""
-
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-
-
-@dataclass
-class NodeStatus:
-    """One node agent's state as the launcher sees it."""
-
-    node: str
-    state: str
-    exit_codes: dict[int, int | None] = field(default_factory=dict)
-    detail: str = ""
-    last_seen: float | None = None
-    errors: dict[int, str] = field(default_factory=dict)  # failed rank -> the end of its log
-
-
-@dataclass
-class LaunchStatus:
-    """The whole workload's state, with per-node detail."""
-
-    state: LaunchState
-    nodes: dict[str, NodeStatus]
-
-    def errors(self) -> dict[int, str]:
-        """Return the end of each failed rank's log (its own error message)."""
-        return {r: t for n in self.nodes.values() for r, t in n.errors.items()}
-
-    def failed_ranks(self) -> dict[int, int]:
-        """Return exit codes of ranks that ended badly."""
-        return {
-            r: c for n in self.nodes.values() for r, c in n.exit_codes.items() if c not in (None, 0)
-        }
+class NotOursError(LookupError):
+    """A recorded process is gone and its PID (or PGID) may now belong to another process."""
 
 
 def free_port() -> int:
@@ -128,6 +101,21 @@ class LocalLauncher:
     """Start, watch and stop segment attempts as local process groups."""
 
     name = "local"
+
+    def config(self) -> dict[str, Any]:
+        """Return the factory's description of this launcher."""
+        return {"kind": self.name}
+
+    def slots(self, nodes: list[str]) -> list[str]:
+        """Return ``nodes``: a simulated node is its own slot."""
+        return list(nodes)
+
+    def host_of(self, root: Path, node: str) -> str:
+        """Return ``node``: a simulated node is its own host."""
+        return node
+
+    def enforce_quarantines(self, held: dict[str, Quarantine]) -> None:
+        """Do nothing: the node pool's selection already keeps quarantined nodes out."""
 
     def launch(self, cfg: LaunchConfig, standby_dir: Path | None = None) -> Path:
         """Write the launch file, start one agent per node; return the attempt folder.
@@ -252,20 +240,12 @@ class LocalLauncher:
             if state in ("starting", "running") and not alive:
                 state, detail = "failed", "agent died without a final status (killed?)"
             errors = {int(r): str(t) for r, t in (record.get("errors") or {}).items()}
-            nodes[node] = NodeStatus(node, state, codes, detail, record.get("wall_clock"), errors)
-        if not nodes:
-            return LaunchStatus(LaunchState.FAILED, {})
-        states = {n.state for n in nodes.values()}
-        if "failed" in states:
-            overall = LaunchState.FAILED
-        elif states == {"succeeded"}:
-            overall = LaunchState.SUCCEEDED
-        else:
-            overall = LaunchState.RUNNING
-        return LaunchStatus(overall, nodes)
+            nodes[node] = NodeStatus(node, state, codes, detail, record.get("wall_clock"),
+                                     errors=errors)
+        return LaunchStatus(overall_state(nodes), nodes)
 
-    def stop(self, root: Path, grace_seconds: float = STOP_GRACE_SECONDS) -> list[int]:
-        """Stop every process of the attempt; return PIDs that survived (should be none)."""
+    def stop(self, root: Path, grace_seconds: float = STOP_GRACE_SECONDS) -> list[str]:
+        """Stop every process of the attempt; return the PIDs that survived (should be none)."""
         groups = {ids["pgid"]: ids["started"] for ids in self._handle(root).values()}
         ours = {g: s for g, s in groups.items() if self._ours(g, s)}
         live = [g for g in ours if group_members(g)]
@@ -291,7 +271,7 @@ class LocalLauncher:
             time.sleep(0.05)
         if survivors:
             log.error("Processes %s survived SIGKILL in %s", survivors, root)
-        return survivors
+        return [f"pid {p}" for p in survivors]
 
     @staticmethod
     def _ours(pgid: int, started: int | None) -> bool:
@@ -303,11 +283,86 @@ class LocalLauncher:
                     pids.start_time(pgid))
         return False
 
-    def stop_all(self, segment_dir: Path) -> list[int]:
+    def stop_all(self, segment_dir: Path) -> list[str]:
         """Stop every earlier attempt of a segment (e.g. left behind by a killed task)."""
-        survivors: list[int] = []
+        survivors: list[str] = []
         if segment_dir.is_dir():
             for attempt in sorted(segment_dir.iterdir()):
                 if (attempt / HANDLE_FILE).exists():
                     survivors += self.stop(attempt)
         return survivors
+
+    # -- chaos: only local process groups can be frozen and killed from here --------
+
+    def running_attempts(self, base: Path) -> list[Path]:
+        """Return the running attempts under ``base``, newest first."""
+        handles = sorted(base.rglob(HANDLE_FILE), key=lambda p: p.stat().st_mtime, reverse=True)
+        return [h.parent for h in handles if self.status(h.parent).state is LaunchState.RUNNING]
+
+    def signal_node(self, root: Path, node: str, sig: signal.Signals) -> int:
+        """Send ``sig`` to every process of ``node`` (its agent and its ranks); return the PGID.
+
+        Raise KeyError for a node the attempt does not have, and :class:`NotOursError`
+        when the group's recorded leader PID now belongs to another process.
+        """
+        handle = self._handle(root)
+        if node not in handle:
+            raise KeyError(f"node {node!r}: expected one of {sorted(handle)} in {root}")
+        pgid = handle[node]["pgid"]
+        if not pids.signal_group(pgid, handle[node]["started"], sig):
+            raise NotOursError(f"node {node!r} (process group {pgid})")
+        return pgid
+
+    @staticmethod
+    def _rank(root: Path, rank: int) -> tuple[int, int | None] | None:
+        """Return a rank's PID and start time from its heartbeat (None before its first one)."""
+        beat = read_heartbeats(root / "heartbeats").get(rank)
+        return None if beat is None else (beat.pid, beat.pid_started)
+
+    @classmethod
+    def rank_pid(cls, root: Path, rank: int) -> int | None:
+        """Return the PID a rank reported in its heartbeat (None before its first one).
+
+        Raise :class:`NotOursError` if that PID is no longer the rank's process.
+        """
+        found = cls._rank(root, rank)
+        if found is None:
+            return None
+        if not pids.is_same_process(*found):
+            raise NotOursError(f"rank {rank} (pid {found[0]})")
+        return found[0]
+
+    @classmethod
+    def _rank_or_raise(cls, root: Path, rank: int) -> tuple[int, int | None]:
+        found = cls._rank(root, rank)
+        if found is None:
+            raise KeyError(f"rank {rank}: no heartbeat in {root / 'heartbeats'} yet")
+        return found
+
+    @classmethod
+    def signal_rank(cls, root: Path, rank: int, sig: signal.Signals) -> int:
+        """Send ``sig`` to one rank (by the PID in its heartbeat, if still its); return the PID."""
+        pid, started = cls._rank_or_raise(root, rank)
+        if not pids.signal_process(pid, started, sig):
+            raise NotOursError(f"rank {rank} (pid {pid})")
+        return pid
+
+    @classmethod
+    def throttle_rank(cls, root: Path, rank: int, running: float, period: float,
+                      seconds: float) -> bool:
+        """Freeze a rank for ``1 - running`` of every ``period`` for ``seconds``.
+
+        Return False if the rank ended meanwhile (its PID is then never signalled again).
+        """
+        pid, started = cls._rank_or_raise(root, rank)
+        deadline = time.monotonic() + seconds
+        try:
+            while time.monotonic() < deadline:
+                if not pids.signal_process(pid, started, signal.SIGSTOP):
+                    return False
+                time.sleep(period * (1 - running))
+                pids.signal_process(pid, started, signal.SIGCONT)
+                time.sleep(period * running)
+        finally:
+            pids.signal_process(pid, started, signal.SIGCONT)
+        return True

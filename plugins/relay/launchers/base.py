@@ -1,0 +1,131 @@
+"""The launcher seam: what Relay needs from wherever a segment attempt runs.
+
+Operators, triggers and recovery talk to a :class:`Launcher` only, and get one
+from :func:`relay.launchers.launcher_from`. An attempt is named by its attempt
+folder (``.../<dag_id>/<run>/segment-NNN/try-N``): the local launcher keeps its
+handle there; the Kubernetes launcher only derives its object names from the
+folder's last four parts, so any worker finds the same Job again.
+
+Lifecycle of one attempt, as a launcher reports it (:class:`LaunchState`)::
+
+    launch() --> RUNNING --> SUCCEEDED      every node's agent ended well
+                     \\--> FAILED          an agent or a rank failed, or the attempt vanished
+
+Per node, :class:`NodeStatus` says ``starting``, ``running``, ``succeeded``,
+``failed`` or ``unresponsive`` (the platform says the node stopped answering:
+a NotReady Kubernetes node, a pod stuck terminating); the detector turns
+``unresponsive`` into a ``node_unresponsive`` fault at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from relay.nodes import Quarantine
+    from training.launch import LaunchConfig
+
+UNRESPONSIVE = "unresponsive"  # NodeStatus.state of a node the platform says stopped answering
+
+
+class LaunchState(StrEnum):
+    """What the launcher knows of a workload."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+@dataclass
+class NodeStatus:
+    """One node agent's state as the launcher sees it.
+
+    ``host`` is the machine the node's agent runs on when that differs from
+    ``node`` (a Kubernetes pod's node); quarantines name hosts.
+    """
+
+    node: str
+    state: str
+    exit_codes: dict[int, int | None] = field(default_factory=dict)
+    detail: str = ""
+    last_seen: float | None = None
+    host: str | None = None
+    errors: dict[int, str] = field(default_factory=dict)  # failed rank -> the end of its log
+
+
+@dataclass
+class LaunchStatus:
+    """The whole workload's state, with per-node detail."""
+
+    state: LaunchState
+    nodes: dict[str, NodeStatus]
+
+    def errors(self) -> dict[int, str]:
+        """Return the end of each failed rank's log (its own error message)."""
+        return {r: t for n in self.nodes.values() for r, t in n.errors.items()}
+
+    def failed_ranks(self) -> dict[int, int]:
+        """Return exit codes of ranks that ended badly."""
+        return {
+            r: c for n in self.nodes.values() for r, c in n.exit_codes.items() if c not in (None, 0)
+        }
+
+
+def overall_state(nodes: dict[str, NodeStatus]) -> LaunchState:
+    """Return the attempt's state from its nodes' states."""
+    states = {n.state for n in nodes.values()}
+    if not nodes or "failed" in states:
+        return LaunchState.FAILED
+    if states == {"succeeded"}:
+        return LaunchState.SUCCEEDED
+    return LaunchState.RUNNING
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    """Start, watch and stop segment attempts on some set of nodes."""
+
+    name: str
+
+    def config(self) -> dict[str, Any]:
+        """Return what :func:`relay.launchers.launcher_from` needs to rebuild this launcher."""
+        ...
+
+    def slots(self, nodes: list[str]) -> list[str]:
+        """Return the node names an attempt on ``nodes`` (healthy ones Relay picked) uses."""
+        ...
+
+    def launch(self, cfg: LaunchConfig, standby_dir: Path | None = None) -> Path:
+        """Start one node agent per node of ``cfg``; return the attempt folder."""
+        ...
+
+    def status(self, root: Path) -> LaunchStatus:
+        """Return the attempt's state now; never blocks for long."""
+        ...
+
+    def started_at(self, root: Path) -> float:
+        """Return when the attempt was launched (epoch seconds, on Relay's clock)."""
+        ...
+
+    def host_of(self, root: Path, node: str) -> str:
+        """Return the machine ``node`` of a running attempt is on (what a quarantine names)."""
+        ...
+
+    def stop(self, root: Path, grace_seconds: float = 5.0) -> list[str]:
+        """Stop every process of the attempt; return what survived (should be nothing)."""
+        ...
+
+    def stop_all(self, segment_dir: Path) -> list[str]:
+        """Stop every attempt of a segment (e.g. one left behind by a killed task)."""
+        ...
+
+    def prestart(self, directory: Path, nodes: list[str], ttl_seconds: float) -> None:
+        """Warm up agents for the next attempt on ``nodes`` while this one is wound down."""
+        ...
+
+    def enforce_quarantines(self, held: dict[str, Quarantine]) -> None:
+        """Make the platform keep quarantined hosts out (and let released ones back)."""
+        ...

@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from training.chaos import ENV_NODE_AGENT_PID
 from training.heartbeat import ENV_NODE
 from training.launch import LaunchConfig
 from training.worker import ENV_INIT_METHOD, exit_now, train
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     node = cfg.nodes[rank // cfg.ranks_per_node]
     os.environ[ENV_NODE] = node
     os.environ[ENV_INIT_METHOD] = "env://"
+    # torchrun gives every rank a session of its own: a frozen node must freeze the
+    # torchrun agent (our parent) and its other ranks as well (see training.chaos).
+    os.environ[ENV_NODE_AGENT_PID] = str(os.getppid())
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {node} rank{rank} %(levelname)s %(name)s: %(message)s",

@@ -230,7 +230,8 @@ def train(
         if checkpointer is None:
             continue
         if step == cfg.start_step:  # when the attempt became productive (time to resume)
-            first = {"step": step + 1, "at": time.time()}
+            first = {"step": step + 1, "at": time.time(), "node": node,
+                     "spawned_at": startup.origin, "startup": startup.phases}
             (cfg.root / FIRST_STEP_FILE).write_text(json.dumps(first))
         rate = rate_avg.value or 0.0
         pending_metrics.append(

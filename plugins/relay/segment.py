@@ -18,6 +18,7 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from relay import resume_time
 from relay.decide import Decision, decide
 from relay.faults import RESCUABLE, Fault, FaultKind
 from relay.launchers.local import STANDBY_DIR, LocalLauncher, free_port
@@ -110,6 +111,7 @@ class TrainSegmentOperator(RelayOperator):
 
     def execute(self, context: Any) -> dict[str, Any] | None:  # noqa: ANN401
         """Launch the segment and defer to the watcher (or do nothing if already past it)."""
+        task_started = time.time()
         spec = self.spec()
         policy = self.policy(spec)
         index, start, end = spec.segments[self.segment]
@@ -165,7 +167,9 @@ class TrainSegmentOperator(RelayOperator):
             heartbeat_interval_seconds=spec.heartbeat_interval,
             collective_timeout_seconds=spec.collective_timeout, resume=resume, chaos=chaos,
         )
+        launch_called = time.time()
         LocalLauncher().launch(cfg, standby_dir=seg_dir / STANDBY_DIR)
+        resume_time.note_launch(attempt_dir, task_started, launch_called)
         log.info("Segment %d try %d: steps [%d, %d) on %s; MLflow child run %s; attempt folder %s",
                  index, try_number, resume_step, end, ", ".join(nodes), run_id, attempt_dir)
         node_ranks = {n: [cfg.global_rank(n, r) for r in range(spec.ranks_per_node)] for n in nodes}
@@ -196,9 +200,11 @@ class TrainSegmentOperator(RelayOperator):
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401
         """Stop the workload, decide per policy, record, and succeed or raise."""
+        woke = time.time()
         attempt_dir = Path(event["attempt_dir"])
         cfg = LaunchConfig.read(attempt_dir / LAUNCH_FILE)
         lineage = lineage_store()
+        self._complete_resume_time(attempt_dir, lineage)
         status = event.get("status")
         if status == "completed":
             survivors = LocalLauncher().stop(attempt_dir)
@@ -216,10 +222,26 @@ class TrainSegmentOperator(RelayOperator):
             lineage.finish_run(cfg.run_id, "watcher_error")
             raise AirflowException(f"Segment {self.segment}: watcher error "
                                    f"{event.get('message')}\n{event.get('traceback', '')}")
-        return self._on_fault(context, Fault.from_event(event["fault"]), attempt_dir, cfg, lineage)
+        return self._on_fault(context, Fault.from_event(event["fault"]), attempt_dir, cfg, lineage,
+                              woke)
+
+    @staticmethod
+    def _complete_resume_time(attempt_dir: Path, lineage: Any) -> None:  # noqa: ANN401
+        """Finish the time-to-resume breakdown of the recovery that started this attempt."""
+        try:
+            done = resume_time.complete_previous(attempt_dir)
+            if done is not None:
+                previous, result = done
+                run_id = LaunchConfig.read(previous / LAUNCH_FILE).run_id
+                resume_time.log_to_mlflow(lineage, run_id, result)
+                log.info("Time to resume after %s: %.1fs", previous, result["total"])
+        except Exception:  # noqa: BLE001 - a report must never fail the segment
+            log.exception("Could not record the time to resume of the previous attempt")
 
     def _on_fault(self, context: Any, fault: Fault, attempt_dir: Path,  # noqa: ANN401
-                  cfg: LaunchConfig, lineage: Any) -> dict[str, Any]:  # noqa: ANN401
+                  cfg: LaunchConfig, lineage: Any, woke: float) -> dict[str, Any]:  # noqa: ANN401
+        clock = resume_time.ResumeClock(resume_time.fault_onset(attempt_dir), fault.detected_at,
+                                        woke)
         spec = self.spec()
         policy = self.policy(spec)
         # Decide, drain and stop before touching MLflow: a frozen rank may hold the
@@ -227,6 +249,7 @@ class TrainSegmentOperator(RelayOperator):
         decision = decide(fault, _local_history(attempt_dir), policy.policy, policy.sha256)
         if decision.retry:
             self._prestart(spec, decision, attempt_dir.parent)
+        clock.mark("decide", time.time())
         beats = read_heartbeats(attempt_dir / "heartbeats")
         progress = max((b.step for b in beats.values()), default=cfg.start_step)
         drained = rescued = None
@@ -235,7 +258,9 @@ class TrainSegmentOperator(RelayOperator):
         elif decision.retry and not decision.rollback and fault.kind in RESCUABLE:
             rescued = request_rescue(attempt_dir, cfg, fault,
                                      policy.policy.detection.checkpoint_timeout)
+        clock.mark("rescue", time.time())
         survivors = LocalLauncher().stop(attempt_dir)
+        clock.mark("stop", time.time())
         quarantine(decision, fault, f"{spec.dag_id}/{context['dag_run'].run_id}")
         parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id)
         with tempfile.TemporaryDirectory() as tmp:
@@ -255,7 +280,7 @@ class TrainSegmentOperator(RelayOperator):
         record = {"fault": fault.to_event()["fault"], "decision": decision.to_dict(),
                   "progress_step": progress, "next_resume_step": next_resume,
                   "lost_steps": lost, "drained_at_step": drained, "rescued": rescue_record,
-                  "survivors": survivors,
+                  "survivors": survivors, "time_to_resume": clock.to_dict(),
                   "policy_file": str(policy.path)}
         # Next to the attempt's logs for whoever is on call, and in MLflow for the record.
         write_atomically(attempt_dir / "decision.json", json.dumps(record, indent=2, default=str))
@@ -267,6 +292,9 @@ class TrainSegmentOperator(RelayOperator):
             "relay.culprit_node": str(fault.culprit_node), "relay.lost_steps": str(lost),
             "relay.culprit_rank": str(fault.culprit_rank),
         })
+        clock.mark("record", time.time())  # the retry's task completes the breakdown
+        record["time_to_resume"] = clock.to_dict()
+        write_atomically(attempt_dir / "decision.json", json.dumps(record, indent=2, default=str))
         message = _fault_message(self.segment, fault, decision, lost)
         log.error("%s Logs: %s", message, attempt_dir / "logs")
         if decision.retry:

@@ -92,7 +92,7 @@ def _cmd_bench_goodput(args: argparse.Namespace) -> int:
 def _cmd_bench_watcher(args: argparse.Namespace) -> int:
     from relay.bench.watcher import main as bench_main
 
-    return bench_main(ranks=args.ranks, seconds=args.seconds)
+    return bench_main(ranks=args.ranks, seconds=args.seconds, smoke=args.smoke)
 
 
 def _cmd_chaos(args: argparse.Namespace) -> int:
@@ -281,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--smoke", action="store_true", help="1 round of 40 steps: no figures")
     overhead.set_defaults(func=_cmd_bench_overhead)
     watcher = bench.add_parser("watcher", help="watcher CPU with many simulated ranks")
-    watcher.add_argument("--ranks", type=int, default=1024)
+    watcher.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096])
+    watcher.add_argument("--smoke", action="store_true", help="64 and 256 ranks for 5 s")
     watcher.add_argument("--seconds", type=float, default=30.0)
     watcher.set_defaults(func=_cmd_bench_watcher)
     goodput = bench.add_parser("goodput", help="ETTR under faults: Relay vs a torchrun baseline")

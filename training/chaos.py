@@ -248,17 +248,17 @@ def _node_bound(fault: Fault) -> bool:
     return fault.once and fault.kind in LASTING
 
 
-def _children(pid: int) -> list[int]:
-    found = []
+def child_pids() -> dict[int, list[int]]:
+    """Return the PIDs of every process's children, by parent PID (read from /proc)."""
+    children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
-            if ppid == pid:
-                found.append(int(entry.name))
-    return found
+            children.setdefault(ppid, []).append(int(entry.name))
+    return children
 
 
 def _freeze_node() -> None:
@@ -267,7 +267,7 @@ def _freeze_node() -> None:
     agent = os.environ.get(ENV_NODE_AGENT_PID)
     groups: set[int] = set()
     if agent:
-        pids = [int(agent), *_children(int(agent))]
+        pids = [int(agent), *child_pids().get(int(agent), [])]
         for pid in pids:
             try:
                 groups.add(os.getpgid(pid))

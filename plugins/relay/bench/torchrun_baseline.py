@@ -34,7 +34,7 @@ from typing import Any
 
 from relay.launchers.local import free_port
 from relay.report import chaos_strikes, first_step_at
-from training.chaos import LASTING
+from training.chaos import LASTING, child_pids
 from training.heartbeat import read_heartbeats
 from training.launch import LaunchConfig, ResumeFrom
 
@@ -81,14 +81,7 @@ class BaselineRun:
 
 
 def _descendants(pid: int) -> list[int]:
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry.name))
+    parents = child_pids()
     found, todo = [], [pid]
     while todo:
         children = parents.get(todo.pop(), [])

@@ -46,7 +46,7 @@ MODEL = {"context": 64, "d_model": 64, "n_layers": 2, "n_heads": 4, "dropout": 0
 DATA = {"corpus": "builtin:python_docs", "batch_size": 16}
 NODE_POOL = ["node-a", "node-b", "node-c", "node-d", "node-e"]
 GLOO_DEFAULT_TIMEOUT_SECONDS = 1800.0
-SMOKE = {"steps": 160, "segment": 80, "every": 10, "collective_timeout": 15.0, "repeats": 1}
+SMOKE = {"steps": 160, "segment": 80, "every": 20, "collective_timeout": 15.0, "repeats": 1}
 
 
 @dataclass
@@ -110,7 +110,9 @@ def relay_faults(attempts: list[Path]) -> list[dict[str, Any]]:
         detected = record["fault"]["detected_at"] - onset if onset is not None else None
         rows.append({"kind": record["fault"]["kind"], "lost_steps": record.get("lost_steps"),
                      "detected_after": detected, "fault_to_resume": resume,
-                     "ended_by": "Relay's watcher", "parts": breakdown.get("parts")})
+                     "ended_by": "Relay's watcher" if onset is not None
+                     else "Relay's watcher; nothing was injected: a false alarm",
+                     "parts": breakdown.get("parts")})
     return rows
 
 

@@ -32,20 +32,20 @@ def ettr(run: Run, productive: float) -> float:
 def print_repeat(runs: list[Run], productive: float) -> None:
     """Print one repeat's runs."""
     print(f"    productive time: {productive:.1f}s")
-    print(f"    {'run':22} {'ok':>3} {'wall':>8} {'ETTR':>5} {'tries':>5}  faults: kind "
+    print(f"    {'run':24} {'ok':>3} {'wall':>8} {'ETTR':>5} {'tries':>5}  faults: kind "
           "(ended by; detected after; lost steps; fault -> first productive step)")
     for run in runs:
         detail = "; ".join(
             f"{f['kind']} ({f['ended_by']}; {_sec(f['detected_after'])}; {f['lost_steps']}; "
             f"{_sec(f['fault_to_resume'])})" for f in run.faults) or "-"
-        print(f"    {run.name:22} {'yes' if run.ok else 'NO':>3} {run.wall:7.1f}s "
+        print(f"    {run.name:24} {'yes' if run.ok else 'NO':>3} {run.wall:7.1f}s "
               f"{ettr(run, productive):5.2f} {run.attempts:>5}  {detail}")
         if run.note:
-            print(f"    {'':22} {run.note}")
+            print(f"    {'':24} {run.note}")
         for f in run.faults:
             if f.get("parts"):
                 parts = ", ".join(f"{p} {_sec(s)}" for p, s in f["parts"].items())
-                print(f"    {'':22} {f['kind']} time to resume: {parts}")
+                print(f"    {'':24} {f['kind']} time to resume: {parts}")
 
 
 def _by_name(all_runs: list[list[Run]]) -> dict[str, list[tuple[Run, int]]]:
@@ -70,25 +70,25 @@ def print_summary(all_runs: list[list[Run]], productive: list[float], short: flo
     n = len(all_runs)
     print(f"\n  Over {n} repeat(s): median [min-max]. ETTR = productive time / wall time "
           "(absolute, every run).")
-    print(f"  {'run':22} {'finished':>8}  {'wall':22} {'ETTR':22} lost steps per fault kind")
+    print(f"  {'run':24} {'finished':>8}  {'wall':22} {'ETTR':22} lost steps per fault kind")
     for name, runs in _by_name(all_runs).items():
         walls = [r.wall for r, _ in runs]
         ettrs = [ettr(r, productive[i]) for r, i in runs]
         lost = "; ".join(f"{k} {'/'.join(str(int(v)) for v in vs)}"
                          for k, vs in _faults_of(runs, "lost_steps").items()) or "-"
         ok = sum(r.ok for r, _ in runs)
-        print(f"  {name:22} {ok:>4}/{len(runs):<3}  {spread(walls):22} "
+        print(f"  {name:24} {ok:>4}/{len(runs):<3}  {spread(walls):22} "
               f"{spread(ettrs, '', 2):22} {lost}")
         derived = [r.note for r, _ in runs if r.note.startswith("DERIVED")]
         if derived:
-            print(f"  {'':22} {derived[0]} (per repeat; the timeout only ends a hang or frozen "
+            print(f"  {'':24} {derived[0]} (per repeat; the timeout only ends a hang or frozen "
                   f"node later, all else equal)")
     print("\n  Fault -> first productive step, per kind (a fault a run never noticed has no "
           "row: it just ran slower):")
     for name, runs in _by_name(all_runs).items():
         for kind, values in _faults_of(runs, "fault_to_resume").items():
             detected = _faults_of(runs, "detected_after").get(kind, [])
-            print(f"  {name:22} {kind:18} {spread(values):22} detected after "
+            print(f"  {name:24} {kind:18} {spread(values):22} detected after "
                   f"{spread(detected)}")
     _print_breakdown(all_runs)
 

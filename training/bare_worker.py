@@ -6,7 +6,10 @@ no heartbeat thread, comm hook, rescue responder, drain check, chaos check or
 checkpointer. Run under torchrun:
 ``torchrun --standalone --nproc-per-node 4 -m training.bare_worker --launch FILE``.
 Rank 0 writes ``result.json`` (steps, loop seconds, steps/s) in the launch's
-attempt folder, like the Relay loop.
+attempt folder, like the Relay loop. ``--relay-ddp`` adds exactly one piece of
+Relay back - its DDP set-up and comm hook (one bucket, all-gather then a sum in
+rank order, for bit-exact resumes) - so the benchmark can tell that piece's
+cost from the rest.
 """
 
 from __future__ import annotations
@@ -27,12 +30,24 @@ from training.launch import LaunchConfig
 from training.model import ModelConfig, build_model
 
 
-def train(cfg: LaunchConfig, rank: int) -> None:
+def _relay_ddp(module: torch.nn.Module, root: Path, rank: int) -> DistributedDataParallel:
+    from training.heartbeat import HeartbeatWriter
+    from training.worker import ordered_allreduce_hook
+
+    ddp = DistributedDataParallel(module, bucket_cap_mb=1024, forward_sync_buffers=False)
+    off = HeartbeatWriter(root / "heartbeats", rank, "-", interval_seconds=0.0)  # writes nothing
+    ddp.register_comm_hook(None, ordered_allreduce_hook(off, {}))
+    return ddp
+
+
+def train(cfg: LaunchConfig, rank: int, relay_ddp: bool = False) -> None:
     """Train steps ``[start_step, end_step)`` and nothing else."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://")
     model_cfg = ModelConfig(**cfg.model)
-    model = DistributedDataParallel(build_model(model_cfg, cfg.seed))
+    module = build_model(model_cfg, cfg.seed)
+    model = (_relay_ddp(module, cfg.root, rank) if relay_ddp
+             else DistributedDataParallel(module))
     optimizer = torch.optim.AdamW(model.parameters(), **cfg.optimizer)
     stream = CharStream(
         load_corpus(cfg.data["corpus"]), model_cfg.context, cfg.data["batch_size"], cfg.seed
@@ -58,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: ``torchrun ... -m training.bare_worker --launch FILE``."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--launch", type=Path, required=True)
+    parser.add_argument("--relay-ddp", action="store_true",
+                        help="use Relay's DDP buckets and ordered all-gather comm hook")
     args = parser.parse_args(argv)
-    train(LaunchConfig.read(args.launch), int(os.environ["RANK"]))
+    train(LaunchConfig.read(args.launch), int(os.environ["RANK"]), args.relay_ddp)
     return 0
 
 

@@ -10,8 +10,10 @@ so only the code inside the ranks differs:
   heartbeat thread, the ordered all-gather comm hook, the rescue responder
   thread, the drain check, the chaos checks and rank 0's checkpoint publisher
   (no periodic checkpoints; one at the end, as in every segment);
-- ``relay-no-heartbeat``: the same with the heartbeat thread off, to show how
-  much of the difference is the heartbeat.
+- ``relay-no-heartbeat``: the same with the heartbeat thread off, and
+  ``bare+relay-ddp``: the bare loop with only Relay's DDP set-up and comm hook
+  (one bucket, all-gather then an ordered sum, for bit-exact resumes), to show
+  which piece the difference comes from.
 
 Runs are interleaved round by round, in a rotating order, so every variant sees
 the same machine; rank 0 reports steps/s over its training loop alone
@@ -30,8 +32,9 @@ from pathlib import Path
 
 from relay.bench.common import Store, launch_config
 
-VARIANTS = {"bare": "training.bare_worker", "relay": "training.torchrun_worker",
-            "relay-no-heartbeat": "training.torchrun_worker"}
+VARIANTS = {"bare": ["training.bare_worker"], "relay": ["training.torchrun_worker"],
+            "relay-no-heartbeat": ["training.torchrun_worker"],
+            "bare+relay-ddp": ["training.bare_worker", "--relay-ddp"]}
 
 
 def _run(store: Store, root: Path, variant: str, steps: int, interval: float) -> float:
@@ -44,7 +47,7 @@ def _run(store: Store, root: Path, variant: str, steps: int, interval: float) ->
     with (root / "torchrun.log").open("wb") as out:
         code = subprocess.run(
             [torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", str(cfg.world_size),
-             "--max-restarts", "0", "-m", VARIANTS[variant], "--launch", str(launch)],
+             "--max-restarts", "0", "-m", *VARIANTS[variant], "--launch", str(launch)],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=1800, check=False,
         ).returncode

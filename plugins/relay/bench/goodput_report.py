@@ -31,7 +31,8 @@ def ettr(run: Run, productive: float) -> float:
 
 def print_repeat(runs: list[Run], productive: float) -> None:
     """Print one repeat's runs."""
-    print(f"    productive time: {productive:.1f}s")
+    print(f"    productive time: {productive:.1f}s (total steps x seconds per step of the two "
+          "fault-free runs' training loops, pooled)")
     print(f"    {'run':24} {'ok':>3} {'wall':>8} {'ETTR':>5} {'tries':>5}  faults: kind "
           "(ended by; detected after; lost steps; fault -> first productive step)")
     for run in runs:

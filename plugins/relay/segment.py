@@ -204,12 +204,12 @@ class TrainSegmentOperator(RelayOperator):
         attempt_dir = Path(event["attempt_dir"])
         cfg = LaunchConfig.read(attempt_dir / LAUNCH_FILE)
         lineage = lineage_store()
-        self._complete_resume_time(attempt_dir, lineage)
         status = event.get("status")
         if status == "completed":
             survivors = LocalLauncher().stop(attempt_dir)
             if not survivors:
                 lineage.finish_run(cfg.run_id, "completed")
+                self._complete_resume_time(attempt_dir, lineage)
                 log.info("Segment %d trained steps [%d, %d) in %.1fs", self.segment,
                          cfg.start_step, cfg.end_step,
                          time.time() - LocalLauncher.started_at(attempt_dir))
@@ -295,6 +295,7 @@ class TrainSegmentOperator(RelayOperator):
         clock.mark("record", time.time())  # the retry's task completes the breakdown
         record["time_to_resume"] = clock.to_dict()
         write_atomically(attempt_dir / "decision.json", json.dumps(record, indent=2, default=str))
+        self._complete_resume_time(attempt_dir, lineage)  # off this recovery's critical path
         message = _fault_message(self.segment, fault, decision, lost)
         log.error("%s Logs: %s", message, attempt_dir / "logs")
         if decision.retry:

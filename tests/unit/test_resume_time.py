@@ -108,3 +108,41 @@ def test_marking_an_unknown_part_is_refused() -> None:
     clock = ResumeClock(None, T0, T0)
     with pytest.raises(ValueError, match="expected one of"):
         clock.mark("coffee", T0)
+
+
+def test_the_worker_api_leaves_what_the_retry_marks_are_read_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real Session: rank 0's first_step.json carries its node, spawn time and phases."""
+    from relay.resume_time import retry_marks
+    from training import api
+    from training.launch import LaunchConfig
+    from training.timing import ENV_SPAWNED_AT
+
+    monkeypatch.setenv(ENV_SPAWNED_AT, str(T0))
+    cfg = LaunchConfig(
+        job="t", seed=1, model={}, data={}, optimizer={}, start_step=35, end_step=40,
+        checkpoint_every=5, nodes=["node-c"], ranks_per_node=1, master_addr="127.0.0.1",
+        master_port=1, tracking_uri="sqlite:///unused.db", run_id="r",
+        attempt_dir=str(tmp_path), attempt=2, segment=0, heartbeat_interval_seconds=0,
+    )
+    session = api.Session(cfg, rank=1, node="node-c")  # rank 1: no MLflow publisher...
+    try:
+        session.startup.mark("rendezvous")
+        session.rank = 0  # ...but rank 0's first-step record
+        session._first_step(35)
+    finally:
+        session._responder.close()
+        session._evidence.close()
+    note_launch(tmp_path, T0 - 1.0, T0 - 0.5)
+
+    first = json.loads((tmp_path / FIRST_STEP_FILE).read_text())
+    marks = retry_marks(tmp_path)
+
+    assert (first["step"], first["node"], first["spawned_at"]) == (36, "node-c", T0)
+    assert list(first["startup"]) == ["rendezvous", "first step"]
+    assert marks is not None
+    assert marks["agent_start"] == T0
+    assert marks["rendezvous"] == pytest.approx(T0 + first["startup"]["rendezvous"])
+    assert marks["first_step"] == first["at"] >= marks["rendezvous"]
+    assert marks["agent_start_kind"] == "agent start"  # no launcher handle: not a standby

@@ -76,6 +76,7 @@ def _job_yaml(steps: int, segment: int, every: int) -> str:
     return (
         f"job: goodput\nseed: 11\ntotal_steps: {steps}\nsteps_per_segment: {segment}\n"
         f"checkpoint_every: {every}\nnodes: 2\nranks_per_node: 2\n"
+        "chaos: allowed\n"  # the benchmark's fault schedule comes in the DAG run's conf
         f"model: {json.dumps(MODEL)}\ndata: {json.dumps(DATA)}\n"
     )
 

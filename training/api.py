@@ -385,7 +385,8 @@ class Session:
         self.startup.mark("first step")
         log.info("rank %d productive after %s", self.rank, self.startup.summary())
         if self.rank == 0:  # when the attempt became productive (time to resume)
-            first = {"step": step + 1, "at": time.time()}
+            first = {"step": step + 1, "at": time.time(), "node": self.node,
+                     "spawned_at": self.startup.origin, "startup": self.startup.phases}
             (self.cfg.root / FIRST_STEP_FILE).write_text(json.dumps(first))
 
     def _checkpoint(self, step: int, loss: float | None) -> None:

@@ -19,7 +19,17 @@ appended to ``chaos.jsonl`` in the attempt folder with its wall-clock time.
 ``once: true`` makes a one-shot fault strike only the first time the job
 reaches ``step``, whichever attempt that is (use ``attempt: null`` with it):
 the first rank to strike leaves a marker two folders up from the attempt
-folder (the DAG run's folder), which later attempts see.
+folder (the DAG run's folder), which later attempts see. A lasting fault with
+``once: true`` is a property of a *node*: the first time the job reaches
+``step``, the node then hosting ``rank`` turns slow and stays slow, so every
+rank on that node, in this attempt and every later one, is struck from then
+on (a job that moves away from the node leaves it behind; one that stays keeps
+paying).
+
+``stop_node`` freezes every process of the node: under Relay's node agent that
+is the rank's process group; under torchrun (whose ranks each get a session of
+their own) ``training.torchrun_worker`` sets ``RELAY_NODE_AGENT_PID``, and the
+agent and all its children are frozen too.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ ONE_SHOT = ("crash", "hang", "stop_rank", "stop_node", "nan", "launch_failure")
 LASTING = ("straggler", "jitter", "pace")
 KINDS = ONE_SHOT + LASTING
 CHAOS_LOG = "chaos.jsonl"
+ENV_NODE_AGENT_PID = "RELAY_NODE_AGENT_PID"  # set where a node's ranks are not one process group
 
 
 @dataclass(frozen=True)
@@ -121,26 +132,57 @@ class ChaosMonkey:
     ) -> None:
         where = {"segment": segment, "attempt": attempt, "rank": rank, "node": node}
         self._faults = [
-            f for f in (Fault.from_dict(raw) for raw in faults) if f.targets(**where)
+            f for f in (Fault.from_dict(raw) for raw in faults)
+            if f.targets(**where) or _node_bound(f)
         ]
         self._where = where
         self._record_dir = record_dir
         self._struck: set[int] = set()
         self._markers = record_dir.parent.parent / "chaos-once" if record_dir else None
         self._rng = random.Random(f"{segment}-{attempt}-{rank}")  # never the training RNG
+        self._slow_nodes: dict[int, str] = {}  # node-bound faults: the node each one struck
 
     def _due(self, step: int, kinds: tuple[str, ...]) -> list[tuple[int, Fault]]:
         return [
             (i, f) for i, f in enumerate(self._faults)
-            if f.kind in kinds and f.strikes(step=step, **self._where) and self._first_time(i, f)
+            if f.kind in kinds and (
+                self._on_struck_node(i, f, step) if _node_bound(f)
+                else f.strikes(step=step, **self._where) and self._first_time(i, f)
+            )
         ]
+
+    def _marker(self, fault: Fault) -> Path | None:
+        if self._markers is None:
+            return None
+        return self._markers / f"{fault.kind}-{fault.step}-{fault.rank}-{fault.node}"
+
+    def _on_struck_node(self, index: int, fault: Fault, step: int) -> bool:
+        """Return whether a node-bound fault holds on this rank's node now."""
+        node = self._slow_nodes.get(index)
+        marker = self._marker(fault)
+        if node is None and marker is not None and marker.exists():
+            node = self._slow_nodes[index] = marker.read_text()
+        if node is None and fault.strikes(step=step, **self._where):
+            node = self._where["node"]
+            if marker is not None:  # first writer wins; written whole, then linked in place
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                draft = marker.with_name(f"{marker.name}.{os.getpid()}")
+                draft.write_text(node)
+                try:
+                    os.link(draft, marker)
+                except FileExistsError:
+                    node = marker.read_text()
+                finally:
+                    draft.unlink()
+            self._slow_nodes[index] = node
+        return node == self._where["node"]
 
     def _first_time(self, index: int, fault: Fault) -> bool:
         """Return False for a ``once`` fault that an earlier attempt already struck."""
-        if not fault.once or self._markers is None or index in self._struck:
+        marker = self._marker(fault)
+        if not fault.once or marker is None or index in self._struck:
             return True
-        self._markers.mkdir(parents=True, exist_ok=True)
-        marker = self._markers / f"{fault.kind}-{fault.step}-{fault.rank}-{fault.node}"
+        marker.parent.mkdir(parents=True, exist_ok=True)
         attempt = str(self._where["attempt"])
         try:
             fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -179,7 +221,7 @@ class ChaosMonkey:
             elif fault.kind == "stop_rank":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
-                os.killpg(os.getpgid(0), signal.SIGSTOP)
+                _freeze_node()
 
     def delay(self, step: int, compute_estimate: float) -> float:
         """Spend the extra compute time planned for ``step``; return it (a hang never returns).
@@ -208,3 +250,37 @@ class ChaosMonkey:
             self._record(index, fault, step)
             return loss * math.nan
         return loss
+
+
+def _node_bound(fault: Fault) -> bool:
+    return fault.once and fault.kind in LASTING
+
+
+def child_pids() -> dict[int, list[int]]:
+    """Return the PIDs of every process's children, by parent PID (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def _freeze_node() -> None:
+    """SIGSTOP every process of this rank's node: its agent, its ranks, this rank last."""
+    own = os.getpgid(0)
+    agent = os.environ.get(ENV_NODE_AGENT_PID)
+    groups: set[int] = set()
+    if agent:
+        pids = [int(agent), *child_pids().get(int(agent), [])]
+        for pid in pids:
+            try:
+                groups.add(os.getpgid(pid))
+            except ProcessLookupError:
+                continue
+    for group in groups - {own}:
+        os.killpg(group, signal.SIGSTOP)
+    os.killpg(own, signal.SIGSTOP)

@@ -14,7 +14,7 @@ from typing import Any
 
 LAUNCH_FILE = "launch.json"
 DRAIN_FILE = "drain.json"  # written by Relay: {"stop_at": STEP}; see training.worker
-FIRST_STEP_FILE = "first_step.json"  # written by rank 0 after its first step: {"step", "at"}
+FIRST_STEP_FILE = "first_step.json"  # rank 0, first step: step, at, node, spawned_at, startup
 RESULT_FILE = "result.json"  # written by rank 0 when the attempt ends: steps and loop time
 ENV_LAUNCH = "RELAY_LAUNCH"  # the launch file, for relay_train.init() in a rank
 BUILTIN_ENTRYPOINT = "training.examples.charlm"  # what a spec without an entrypoint runs

@@ -12,6 +12,7 @@ import argparse
 import os
 from pathlib import Path
 
+from training.chaos import ENV_NODE_AGENT_PID
 from training.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE
 from training.launch import ENV_LAUNCH, LaunchConfig
 from training.worker import exit_now, run_rank
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[ENV_LAUNCH] = str(args.launch)
     os.environ[ENV_HEARTBEAT_DIR] = str(cfg.heartbeat_dir)
     os.environ[ENV_HEARTBEAT_INTERVAL] = str(cfg.heartbeat_interval_seconds)
+    # torchrun gives every rank a session of its own: a frozen node must freeze the
+    # torchrun agent (our parent) and its other ranks as well (see training.chaos).
+    os.environ[ENV_NODE_AGENT_PID] = str(os.getppid())
     return run_rank(args.launch)
 
 

@@ -65,32 +65,35 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
 def _cmd_bench_checkpoint(args: argparse.Namespace) -> int:
     from relay.bench.checkpoint import main as bench_main
 
-    return bench_main(checkpoints=args.checkpoints, d_model=args.d_model, n_layers=args.n_layers)
+    return bench_main(checkpoints=args.checkpoints, d_model=args.d_model, n_layers=args.n_layers,
+                      steps_between=args.steps_between, smoke=args.smoke)
 
 
 def _cmd_bench_detect(args: argparse.Namespace) -> int:
     from relay.bench.detect import main as bench_main
 
-    return bench_main(repeats=args.repeats, only=args.only, startup_timeout=args.startup_timeout)
+    return bench_main(repeats=1 if args.smoke else args.repeats, only=args.only,
+                      startup_timeout=args.startup_timeout)
 
 
 def _cmd_bench_overhead(args: argparse.Namespace) -> int:
     from relay.bench.overhead import main as bench_main
 
-    return bench_main(pairs=args.pairs, steps=args.steps)
+    return bench_main(rounds=args.rounds, steps=args.steps, smoke=args.smoke)
 
 
 def _cmd_bench_goodput(args: argparse.Namespace) -> int:
     from relay.bench.goodput import main as bench_main
 
     return bench_main(steps=args.steps, segment=args.segment, every=args.every,
-                      collective_timeout=args.collective_timeout)
+                      collective_timeout=args.collective_timeout, repeats=args.repeats,
+                      smoke=args.smoke, measure_default_timeout=args.measure_default_timeout)
 
 
 def _cmd_bench_watcher(args: argparse.Namespace) -> int:
     from relay.bench.watcher import main as bench_main
 
-    return bench_main(ranks=args.ranks, seconds=args.seconds)
+    return bench_main(ranks=args.ranks, seconds=args.seconds, smoke=args.smoke)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -311,19 +314,26 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--checkpoints", type=int, default=8)
     ckpt.add_argument("--d-model", type=int, default=384)
     ckpt.add_argument("--n-layers", type=int, default=6)
+    ckpt.add_argument("--steps-between", type=int, default=10)
+    ckpt.add_argument("--smoke", action="store_true", help="a tiny model, 2 saves: no figures")
     ckpt.set_defaults(func=_cmd_bench_checkpoint)
     detect = bench.add_parser("detect", help="latency from injected fault to watcher event")
     detect.add_argument("--repeats", type=int, default=5)
     detect.add_argument("--only", nargs="*", help="scenarios: hang rank node crash straggler "
                         "throughput nan launch")
     detect.add_argument("--startup-timeout", type=float, default=20.0)
+    detect.add_argument("--smoke", action="store_true",
+                        help="1 trial per kind: checks it works, no figures")
     detect.set_defaults(func=_cmd_bench_detect)
-    overhead = bench.add_parser("overhead", help="steps/s with heartbeats on vs off")
-    overhead.add_argument("--pairs", type=int, default=4)
+    overhead = bench.add_parser(
+        "overhead", help="steps/s of Relay's loop vs the same loop with no Relay code")
+    overhead.add_argument("--rounds", type=int, default=5)
     overhead.add_argument("--steps", type=int, default=300)
+    overhead.add_argument("--smoke", action="store_true", help="1 round of 40 steps: no figures")
     overhead.set_defaults(func=_cmd_bench_overhead)
     watcher = bench.add_parser("watcher", help="watcher CPU with many simulated ranks")
-    watcher.add_argument("--ranks", type=int, default=1024)
+    watcher.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096])
+    watcher.add_argument("--smoke", action="store_true", help="64 and 256 ranks for 5 s")
     watcher.add_argument("--seconds", type=float, default=30.0)
     watcher.set_defaults(func=_cmd_bench_watcher)
     goodput = bench.add_parser("goodput", help="ETTR under faults: Relay vs a torchrun baseline")
@@ -331,7 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
     goodput.add_argument("--segment", type=int, default=300)
     goodput.add_argument("--every", type=int, default=25)
     goodput.add_argument("--collective-timeout", type=float, default=120.0,
-                         help="the baseline's gloo timeout in seconds (default %(default)s)")
+                         help="the baseline's short gloo timeout in seconds, as a careful team "
+                         "would set it (default %(default)s); gloo's default 1800 s is derived "
+                         "from it unless --measure-default-timeout")
+    goodput.add_argument("--measure-default-timeout", action="store_true",
+                         help="also run the baseline with gloo's default 1800 s timeout (slow)")
+    goodput.add_argument("--repeats", type=int, default=3)
+    goodput.add_argument("--smoke", action="store_true",
+                         help="160 steps, 1 repeat, 15 s timeout: checks it works, no figures")
     goodput.set_defaults(func=_cmd_bench_goodput)
     add_commands(sub)
     return parser

@@ -19,6 +19,7 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
 
+from relay import resume_time
 from relay.chaosconf import ChaosConfError, chaos_faults
 from relay.decide import Decision, decide
 from relay.evidence import ask_for_evidence, attach_evidence, collect_evidence
@@ -107,6 +108,7 @@ class TrainSegmentOperator(RelayOperator):
 
     def execute(self, context: Any) -> dict[str, Any] | None:  # noqa: ANN401
         """Launch the segment and defer to the watcher (or do nothing if already past it)."""
+        task_started = time.time()
         spec = self.spec()
         policy = self.policy(spec)
         index, start, end = spec.segments[self.segment]
@@ -162,7 +164,9 @@ class TrainSegmentOperator(RelayOperator):
             entrypoint=spec.launch_entrypoint(Path(self.spec_file)), backend=spec.backend,
             deterministic=spec.deterministic,
         )
+        launch_called = time.time()
         launcher.launch(cfg, standby_dir=seg_dir / STANDBY_DIR)
+        resume_time.note_launch(attempt_dir, task_started, launch_called)
         log.info("Segment %d try %d: steps [%d, %d) on %s; MLflow child run %s; attempt folder %s",
                  index, try_number, resume_step, end, ", ".join(nodes), run_id, attempt_dir)
         self._watch(attempt_dir, cfg, policy, launcher)
@@ -216,6 +220,7 @@ class TrainSegmentOperator(RelayOperator):
                                                        context["dag_run"].run_id))
 
     def _complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401
+        woke = time.time()  # the deferred task runs again (time to resume: wake)
         attempt_dir = Path(event["attempt_dir"])
         cfg = LaunchConfig.read(attempt_dir / LAUNCH_FILE)
         lineage = lineage_store()
@@ -227,6 +232,7 @@ class TrainSegmentOperator(RelayOperator):
                         lambda: log_observations(lineage, cfg.run_id, attempt_dir))
             if not survivors:
                 lineage.finish_run(cfg.run_id, "completed")
+                self._complete_resume_time(attempt_dir, lineage)
                 log.info("Segment %d trained steps [%d, %d) in %.1fs", self.segment,
                          cfg.start_step, cfg.end_step,
                          time.time() - launcher.started_at(attempt_dir))
@@ -240,11 +246,28 @@ class TrainSegmentOperator(RelayOperator):
             raise AirflowException(f"Segment {self.segment}: watcher error "
                                    f"{event.get('message')}\n{event.get('traceback', '')}")
         return self._on_fault(context, Fault.from_event(event["fault"]), attempt_dir, cfg, lineage,
-                              launcher)
+                              launcher, woke)
+
+    @staticmethod
+    def _complete_resume_time(attempt_dir: Path, lineage: Any) -> None:  # noqa: ANN401
+        """Finish the time-to-resume breakdown of the recovery that started this attempt."""
+        try:
+            done = resume_time.complete_previous(attempt_dir)
+            if done is not None:
+                previous, result = done
+                run_id = LaunchConfig.read(previous / LAUNCH_FILE).run_id
+                resume_time.log_to_mlflow(lineage, run_id, result)
+                log.info("Time to resume after %s: %.1fs", previous, result["total"])
+        except Exception:  # noqa: BLE001 - a report must never fail the segment
+            log.exception("Could not record the time to resume of the previous attempt")
 
     def _on_fault(self, context: Any, fault: Fault, attempt_dir: Path,  # noqa: ANN401
                   cfg: LaunchConfig, lineage: Any,  # noqa: ANN401
-                  launcher: Launcher | None = None) -> dict[str, Any]:
+                  launcher: Launcher | None = None,
+                  woke: float | None = None) -> dict[str, Any]:
+        """Decide and apply the policy; ``woke``: when the task ran again (default: now)."""
+        clock = resume_time.ResumeClock(resume_time.fault_onset(attempt_dir), fault.detected_at,
+                                        time.time() if woke is None else woke)
         spec = self.spec()
         policy = self.policy(spec)
         launcher = launcher or launcher_for(spec)
@@ -261,6 +284,7 @@ class TrainSegmentOperator(RelayOperator):
         if decision.retry:
             self._prestart(spec, decision, attempt_dir.parent,
                            _lease_holder(spec.dag_id, context["dag_run"].run_id), launcher)
+        clock.mark("decide", time.time())
         beats = read_heartbeats(attempt_dir / "heartbeats")
         progress = max((b.step for b in beats.values()), default=cfg.start_step)
         # Where is it stuck? Ask every rank now (after the stop nobody answers); the
@@ -274,7 +298,9 @@ class TrainSegmentOperator(RelayOperator):
                                      policy.policy.detection.checkpoint_timeout)
         evidence = (collect_evidence(asked, policy.policy.detection.evidence_timeout)
                     if asked else None)
+        clock.mark("rescue", time.time())
         survivors = launcher.stop(attempt_dir)
+        clock.mark("stop", time.time())
         quarantine(decision, fault, f"{spec.dag_id}/{context['dag_run'].run_id}", launcher)
         found = best_effort("find the resume point", lambda: self._resume_point(
             context, spec, decision, fault, lineage))
@@ -301,6 +327,7 @@ class TrainSegmentOperator(RelayOperator):
                   "progress_step": progress, "next_resume_step": next_resume,
                   "lost_steps": lost, "drained_at_step": drained, "rescued": rescue_record,
                   "survivors": survivors, "notification": delivery,
+                  "time_to_resume": clock.to_dict(),
                   "policy_file": str(policy.path)}
         if evidence is not None:  # into fault.json only: the task log's message stays one line
             attach_evidence(record["fault"], evidence, lineage, cfg.run_id)
@@ -313,6 +340,11 @@ class TrainSegmentOperator(RelayOperator):
             "relay.culprit_node": str(fault.culprit_node), "relay.lost_steps": str(lost),
             "relay.culprit_rank": str(fault.culprit_rank),
         })
+        clock.mark("record", time.time())  # the retry's task completes the breakdown
+        record["time_to_resume"] = clock.to_dict()
+        write_atomically(attempt_dir / "decision.json", json.dumps(record, indent=2, default=str),
+                         durable=True)
+        self._complete_resume_time(attempt_dir, lineage)  # off this recovery's critical path
         log.error("%s Logs: %s", message, attempt_dir / "logs")
         if decision.retry:
             raise SegmentFaultError(message, decision)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,9 @@ from processes import workload_processes
 
 from relay.airflow_env import airflow_bin
 from relay.lineage import TAG_OUTCOME, TAG_SEGMENT, Lineage
+from relay.resume_time import PARTS, fault_onset
 from relay.settings import REPO_ROOT
+from training.launch import FIRST_STEP_FILE
 
 pytestmark = pytest.mark.integration
 
@@ -115,6 +118,27 @@ THREE_FAULTS = [
 ]
 
 
+def _assert_time_to_resume_recorded(lineage: Lineage, parent: str, where: Path) -> None:
+    """Every recovery's breakdown is in MLflow, complete, and its parts add up (not speed)."""
+    faults = [c for c in lineage.child_runs(parent) if c.data.tags[TAG_OUTCOME] == "fault"]
+    assert faults
+    for child in faults:
+        path = lineage.client.download_artifacts(child.info.run_id, "time_to_resume.json",
+                                                 str(where / child.info.run_id))
+        result = json.loads(Path(path).read_text())
+        assert result["complete"], result
+        assert list(result["parts"]) == list(PARTS)
+        assert all(s is not None for s in result["parts"].values())
+        assert math.fsum(result["parts"].values()) == pytest.approx(result["total"], abs=0.02)
+        # The whole, independently: the injected strike to the retry's first step.
+        attempt = Path(child.data.params["attempt_dir"])
+        retry = attempt.with_name(f"try-{int(attempt.name.split('-')[1]) + 1}")
+        first = json.loads((retry / FIRST_STEP_FILE).read_text())["at"]
+        assert result["total"] == pytest.approx(first - fault_onset(attempt), abs=0.01)
+        assert lineage.client.get_run(child.info.run_id).data.metrics["time_to_resume.total"] \
+            == pytest.approx(result["total"])
+
+
 def test_stalled_rank_dead_node_and_straggler_recover_on_healthy_nodes_bit_for_bit(
     airflow_job: dict[str, str], relay_home: Path, tmp_path: Path, clean_run: dict[str, Any]
 ) -> None:
@@ -166,6 +190,8 @@ def test_stalled_rank_dead_node_and_straggler_recover_on_healthy_nodes_bit_for_b
     assert not {"node-a", "node-b"} & placed[("1", "2")]
     culprit_node = slow["fault"]["culprit_node"]
     assert not {"node-a", "node-b", culprit_node} & placed[("2", "2")]
+
+    _assert_time_to_resume_recorded(lineage, faulty, tmp_path / "resume")
 
     log = (relay_home / "logs" / "three-faults.log").read_text()
     assert "Segment 0 fault: hang (node node-b, rank 2)" in log

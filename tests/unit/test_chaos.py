@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +129,66 @@ def test_non_matching_fault_does_not_kill() -> None:
 
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["survived", "29", "survived", "30", "survived", "31"]
+
+
+def _slow(faults: list[dict], root: Path, attempt: int, rank: int, node: str, step: int) -> float:
+    where = root / "run" / "segment-000" / f"try-{attempt}"
+    where.mkdir(parents=True, exist_ok=True)
+    monkey = ChaosMonkey(faults, segment=0, attempt=attempt, rank=rank, node=node,
+                         record_dir=where)
+    return monkey.delay(step, 0.001)
+
+
+def test_a_node_bound_straggler_stays_with_the_node_not_the_rank(tmp_path: Path) -> None:
+    faults = [{"kind": "straggler", "step": 10, "rank": 3, "attempt": None, "once": True,
+               "factor": 3.0}]
+
+    assert _slow(faults, tmp_path, 1, 2, "node-b", 10) == 0.0  # nothing struck yet
+    assert _slow(faults, tmp_path, 1, 3, "node-b", 9) == 0.0
+    assert _slow(faults, tmp_path, 1, 3, "node-b", 10) > 0.0  # node-b turns slow
+    assert _slow(faults, tmp_path, 1, 2, "node-b", 11) > 0.0  # for every rank on it
+    # A later attempt resumes before step 10: node-b is still slow, whoever runs there;
+    # rank 3 on another node is not.
+    assert _slow(faults, tmp_path, 2, 0, "node-b", 5) > 0.0
+    assert _slow(faults, tmp_path, 2, 3, "node-c", 12) == 0.0
+
+
+_FROZEN_NODE = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    from training.chaos import ENV_NODE_AGENT_PID
+    monkey = (
+        "from training.chaos import ChaosMonkey;"
+        "m = ChaosMonkey([{'kind': 'stop_node', 'step': 1, 'rank': 1}], segment=0, attempt=1,"
+        " rank=1, node='node-b');"
+        "import time; time.sleep(1.0); m.before_step(1)"
+    )
+    env = dict(os.environ, **{ENV_NODE_AGENT_PID: str(os.getpid())})
+    # Like torchrun: each rank in a session of its own.
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            start_new_session=True)
+    rank = subprocess.Popen([sys.executable, "-c", monkey], env=env, start_new_session=True)
+    print(peer.pid, rank.pid, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_stop_node_under_torchrun_freezes_the_agent_and_every_rank() -> None:
+    agent = subprocess.Popen([sys.executable, "-c", _FROZEN_NODE], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    assert agent.stdout is not None
+    pids = [agent.pid, *map(int, agent.stdout.readline().split())]
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_state(p) != "T" for p in pids):
+            time.sleep(0.1)
+        assert [_state(p) for p in pids] == ["T", "T", "T"]
+    finally:
+        for pid in pids:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        agent.wait()

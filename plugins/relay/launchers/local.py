@@ -132,7 +132,7 @@ class LocalLauncher:
         for node in cfg.nodes:
             pid = self._claim(standby_dir, node, launch_file) if standby_dir else None
             if pid is not None:
-                handle[node] = agent_handle(pid)
+                handle[node] = {**agent_handle(pid), "standby": True}
                 log.info("Handed %s to its standby agent (pid %d, preloaded)", node, pid)
                 continue
             with (cfg.log_dir / f"agent-{node}.log").open("ab") as out:

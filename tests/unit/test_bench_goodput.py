@@ -1,0 +1,94 @@
+"""Unit tests for how `relay bench goodput` compares: the schedule, the rows, the derivation.
+
+No benchmark runs here and nothing is timed; the smoke runs are `relay bench
+goodput --smoke` and friends.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from relay.bench.goodput import (
+    GLOO_DEFAULT_TIMEOUT_SECONDS,
+    Run,
+    derive_default_timeout,
+    fault_schedule,
+    relay_faults,
+)
+from relay.bench.goodput_report import ettr, spread
+from relay.bench.torchrun_baseline import _cause
+from training.chaos import Fault
+
+
+def test_the_schedule_is_valid_chaos_and_strikes_rank_positions_once() -> None:
+    schedule = fault_schedule(1200)
+
+    faults = [Fault.from_dict(raw) for raw in schedule]
+    assert [f.kind for f in faults] == ["hang", "stop_node", "straggler"]
+    assert [f.rank for f in faults] == [1, 2, 3]
+    assert all(f.once and f.attempt is None and f.node is None for f in faults)
+    assert [f.step for f in faults] == sorted(f.step for f in faults)
+
+
+def test_the_default_timeout_is_derived_only_for_faults_the_timeout_ended() -> None:
+    measured = Run("torchrun, timeout 120s", True, 500.0, 3, [
+        {"kind": "hang", "ended_by": "collective timeout", "detected_after": 121.0,
+         "fault_to_resume": 130.0, "lost_steps": 3},
+        {"kind": "crash", "ended_by": "connection reset", "detected_after": 0.1,
+         "fault_to_resume": 9.0, "lost_steps": 5},
+    ])
+
+    derived = derive_default_timeout(measured, 120.0)
+
+    extra = GLOO_DEFAULT_TIMEOUT_SECONDS - 120.0
+    assert derived.wall == pytest.approx(500.0 + extra)
+    assert derived.faults[0]["fault_to_resume"] == pytest.approx(130.0 + extra)
+    assert derived.faults[0]["detected_after"] == pytest.approx(121.0 + extra)
+    assert derived.faults[1] == measured.faults[1]
+    assert derived.note.startswith("DERIVED")
+    assert measured.faults[0]["fault_to_resume"] == 130.0  # the measured row is untouched
+
+
+def _attempt(root: Path, name: str, strikes: list[dict], decision: dict | None) -> Path:
+    attempt = root / "segment-000" / name
+    attempt.mkdir(parents=True)
+    (attempt / "chaos.jsonl").write_text("".join(json.dumps(s) + "\n" for s in strikes))
+    if decision is not None:
+        (attempt / "decision.json").write_text(json.dumps(decision))
+    return attempt
+
+
+def test_relay_rows_come_from_decisions_not_from_strikes(tmp_path: Path) -> None:
+    breakdown = {"complete": True, "total": 7.5, "parts": {"detect": 3.0, "wake": 4.5}}
+    faulty = _attempt(tmp_path, "try-1", [{"kind": "hang", "at": 100.0}], {
+        "fault": {"kind": "hang", "detected_at": 103.0}, "lost_steps": 0,
+        "time_to_resume": breakdown})
+    # A strike nobody detected (the segment ended first) is no recovery: no row.
+    quiet = _attempt(tmp_path, "try-2", [{"kind": "straggler", "at": 110.0}], None)
+
+    rows = relay_faults([faulty, quiet])
+
+    assert rows == [{"kind": "hang", "lost_steps": 0, "detected_after": 3.0,
+                     "fault_to_resume": 7.5, "ended_by": "Relay's watcher",
+                     "parts": breakdown["parts"]}]
+
+
+def test_the_baseline_blames_the_one_shot_strike_not_a_slow_node(tmp_path: Path) -> None:
+    attempt = _attempt(tmp_path, "try-1", [
+        {"kind": "straggler", "at": 5.0}, {"kind": "stop_node", "at": 9.0}], None)
+
+    assert _cause(attempt) == ("stop_node", 9.0)
+    assert _cause(tmp_path) == ("unknown", None)
+
+
+def test_ettr_is_absolute_and_zero_for_an_unfinished_run() -> None:
+    assert ettr(Run("r", True, 200.0, 4), 150.0) == pytest.approx(0.75)
+    assert ettr(Run("r", False, 200.0, 4), 150.0) == 0.0
+
+
+def test_spread_prints_median_and_range() -> None:
+    assert spread([3.0, 1.0, 2.0]) == "2.0s [1.0s-3.0s]"
+    assert spread([]) == "-"

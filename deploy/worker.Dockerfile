@@ -1,4 +1,4 @@
-# The image Relay's pods run: a node agent (`python -m training.agent`) and its ranks.
+# The image Relay's pods run: a node agent (`python -m relay_train.agent`) and its ranks.
 # Only the worker side: torch, MLflow's client (rank 0 publishes checkpoints), tenacity;
 # never Airflow. Not built in CI: these machines have no Docker engine.
 #
@@ -23,4 +23,4 @@ COPY training ./training
 RUN useradd --uid 50000 --no-create-home --shell /usr/sbin/nologin relay
 USER 50000
 ENTRYPOINT []
-CMD ["python", "-m", "training.agent", "--help"]
+CMD ["python", "-m", "relay_train.agent", "--help"]

@@ -26,13 +26,18 @@ import traceback
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from training.device import FLIGHT_RECORDER_DIR, rank_environment, rank_start_method
-from training.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE, write_atomically
-from training.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
-from training.standby import STANDBY_TTL_SECONDS, announce_ready, wait_for_launch
-from training.timing import ENV_SPAWNED_AT
+from relay_train.device import FLIGHT_RECORDER_DIR, rank_environment, rank_start_method
+from relay_train.heartbeat import (
+    ENV_HEARTBEAT_DIR,
+    ENV_HEARTBEAT_INTERVAL,
+    ENV_NODE,
+    write_atomically,
+)
+from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
+from relay_train.standby import STANDBY_TTL_SECONDS, announce_ready, wait_for_launch
+from relay_train.timing import ENV_SPAWNED_AT
 
-log = logging.getLogger("training.agent")
+log = logging.getLogger("relay_train.agent")
 
 STATUS_INTERVAL_SECONDS = 1.0
 TERM_GRACE_SECONDS = 5.0
@@ -179,14 +184,14 @@ def preload_worker(entrypoint: Entrypoint, *, publisher: bool) -> None:
 
     import torch
 
-    import training.api  # noqa: F401 - the import is the point
+    import relay_train.api  # noqa: F401 - the import is the point
 
     torch.set_num_threads(1)
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
     if entrypoint.module == BUILTIN_ENTRYPOINT:
         importlib.import_module(BUILTIN_ENTRYPOINT)
     if publisher:
-        import training.publish  # noqa: F401
+        import relay_train.publish  # noqa: F401
 
 
 def log_tail(path: Path, lines: int = 12, max_chars: int = 4000) -> str:
@@ -209,7 +214,7 @@ def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    from training import worker
+    from relay_train import worker
 
     try:
         code = worker.run_rank(launch_file)
@@ -220,7 +225,7 @@ def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
 
 
 def run_standby(directory: Path, node: str, ttl_seconds: float) -> int:
-    """Preload, wait to be claimed (see training.standby), then run as the node's agent."""
+    """Preload, wait to be claimed (see relay_train.standby), then run as the node's agent."""
     started = time.perf_counter()
     # It may turn out to host rank 0; the entrypoint is not known yet: preload the example's.
     preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=True)
@@ -247,7 +252,7 @@ def run_standby(directory: Path, node: str, ttl_seconds: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m training.agent (--launch F | --standby D) --node[-index] N``."""
+    """Entry point: ``python -m relay_train.agent (--launch F | --standby D) --node[-index] N``."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--launch", type=Path, help="the attempt's launch file")
     parser.add_argument("--standby", type=Path,

@@ -43,16 +43,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training.chaos import ChaosMonkey
-from training.checkpoint import Checkpointer, load_verified, restore_rng, snapshot_state
-from training.device import RankDevice, setup_rank_device, wait_for_compute
-from training.evidence import EvidenceResponder
-from training.heartbeat import ENV_NODE, HeartbeatWriter, Phase
-from training.launch import DRAIN_FILE, ENV_LAUNCH, FIRST_STEP_FILE, RESULT_FILE, LaunchConfig
-from training.manifest import CheckpointRef
-from training.reduce import comm_hook
-from training.rescue import DrainRequest, RescueResponder, TrainingState
-from training.timing import Ewma, StartupClock, keep_ddp_alive
+from relay_train.chaos import ChaosMonkey
+from relay_train.checkpoint import Checkpointer, load_verified, restore_rng, snapshot_state
+from relay_train.device import RankDevice, setup_rank_device, wait_for_compute
+from relay_train.evidence import EvidenceResponder
+from relay_train.heartbeat import ENV_NODE, HeartbeatWriter, Phase
+from relay_train.launch import DRAIN_FILE, ENV_LAUNCH, FIRST_STEP_FILE, RESULT_FILE, LaunchConfig
+from relay_train.manifest import CheckpointRef
+from relay_train.reduce import comm_hook
+from relay_train.rescue import DrainRequest, RescueResponder, TrainingState
+from relay_train.timing import Ewma, StartupClock, keep_ddp_alive
 
 log = logging.getLogger("relay_train")
 
@@ -93,7 +93,7 @@ class Session:
         resume = cfg.resume
         self._parent = CheckpointRef(resume.run_id, resume.step, resume.sha256) if resume else None
         self._checkpointer: Checkpointer | None = None
-        self._dcp: Any = None  # training.dcp.DcpCheckpointer, made on the first sharded save
+        self._dcp: Any = None  # relay_train.dcp.DcpCheckpointer, made on the first sharded save
         self._sink: Any = None
         self._metrics: list[tuple[int, dict[str, float], int]] = []
         self._clock: dict[str, float] = {}
@@ -226,7 +226,7 @@ class Session:
         verified file by file before any resume (:meth:`resume_sharded`).
         """
         if self._dcp is None:
-            from training.dcp import DcpCheckpointer
+            from relay_train.dcp import DcpCheckpointer
 
             self._dcp = DcpCheckpointer(self.cfg.root / "staging",
                                         self._publisher() if self.rank == 0 else None)
@@ -247,7 +247,7 @@ class Session:
                 f"relay_train: expected a torch.distributed.checkpoint folder to resume "
                 f"from; found a {resume.format!r} checkpoint at {resume.path}. Use "
                 "session.resume_state() for checkpoints made by session.save().")
-        from training.dcp import load_dcp
+        from relay_train.dcp import load_dcp
 
         load_dcp(resume, state)
         self.startup.mark("restore")
@@ -432,7 +432,7 @@ class Session:
 
     def _publisher(self) -> Checkpointer:
         if self._checkpointer is None:
-            from training.publish import MlflowCheckpointSink  # rank 0 only
+            from relay_train.publish import MlflowCheckpointSink  # rank 0 only
 
             self._sink = MlflowCheckpointSink(self.cfg.tracking_uri, self.cfg.run_id)
             self._checkpointer = Checkpointer(
@@ -478,7 +478,7 @@ def seed_step(seed: int, step: int, rank: int) -> int:
     """
     import random
 
-    from training.data import mix_seed
+    from relay_train.data import mix_seed
 
     value = mix_seed(seed, step, rank)
     torch.manual_seed(value)

@@ -1,10 +1,10 @@
 """The training loop with no Relay code at all: `relay bench overhead`'s reference.
 
 The same model, data, optimizer, per-step seeding and loss read-out as
-``training.examples.charlm`` (the built-in job, through Relay's worker API),
+``relay_train.examples.charlm`` (the built-in job, through Relay's worker API),
 under plain DDP (default buckets, gloo's own all-reduce); no heartbeat thread,
 comm hook, rescue responder, drain check, chaos check or checkpointer. Run under torchrun:
-``torchrun --standalone --nproc-per-node 4 -m training.bare_worker --launch FILE``.
+``torchrun --standalone --nproc-per-node 4 -m relay_train.bare_worker --launch FILE``.
 Rank 0 writes ``result.json`` (steps, loop seconds, steps/s) in the launch's
 attempt folder, like the Relay loop. ``--relay-ddp`` adds exactly one piece of
 Relay back - its DDP set-up and comm hook (one bucket, all-gather then a sum in
@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from training.data import CharStream, load_corpus, mix_seed
-from training.launch import LaunchConfig
-from training.model import ModelConfig, build_model
+from relay_train.data import CharStream, load_corpus, mix_seed
+from relay_train.launch import LaunchConfig
+from relay_train.model import ModelConfig, build_model
 
 
 def _relay_ddp(module: torch.nn.Module) -> DistributedDataParallel:
-    from training.reduce import comm_hook  # the hook Session.comm_hook(ordered=True) returns
+    from relay_train.reduce import comm_hook  # the hook Session.comm_hook(ordered=True) returns
 
     ddp = DistributedDataParallel(module, bucket_cap_mb=1024, forward_sync_buffers=False)
     ddp.register_comm_hook(None, comm_hook(lambda: None, ordered=True))  # no phase marks
@@ -67,7 +67,7 @@ def train(cfg: LaunchConfig, rank: int, relay_ddp: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``torchrun ... -m training.bare_worker --launch FILE``."""
+    """Entry point: ``torchrun ... -m relay_train.bare_worker --launch FILE``."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--launch", type=Path, required=True)
     parser.add_argument("--relay-ddp", action="store_true",
@@ -81,4 +81,4 @@ if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # skip gloo's teardown, as the Relay loop does (see training.worker)
+    os._exit(code)  # skip gloo's teardown, as the Relay loop does (see relay_train.worker)

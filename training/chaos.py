@@ -28,7 +28,7 @@ paying).
 
 ``stop_node`` freezes every process of the node: under Relay's node agent that
 is the rank's process group; under torchrun (whose ranks each get a session of
-their own) ``training.torchrun_worker`` sets ``RELAY_NODE_AGENT_PID``, and the
+their own) ``relay_train.torchrun_worker`` sets ``RELAY_NODE_AGENT_PID``, and the
 agent and all its children are frozen too.
 """
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from training.manifest import (
+from relay_train.manifest import (
     CHECKPOINT_FILE,
     FORMAT_DCP,
     FORMAT_TORCH,
@@ -86,7 +86,7 @@ def load_verified(path: Path, expected_sha256: str) -> dict[str, Any]:
     if path.is_dir():
         raise ValueError(
             f"checkpoint {path}: expected one checkpoint file, found a folder (a DCP "
-            "checkpoint); load it with training.dcp.load_dcp"
+            "checkpoint); load it with relay_train.dcp.load_dcp"
         )
     actual = file_sha256(path)
     if actual != expected_sha256:

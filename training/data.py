@@ -37,7 +37,7 @@ def load_corpus(source: str) -> torch.Tensor:
         if not BUILTIN_NAME.fullmatch(name):  # never a path out of the corpus folder
             raise ValueError(f"corpus {source!r}: expected builtin:<name> of letters, digits, "
                              "'_' or '-', e.g. builtin:python_docs")
-        text = resources.files("training").joinpath(f"corpus/{name}.txt").read_text()
+        text = resources.files("relay_train").joinpath(f"corpus/{name}.txt").read_text()
     else:
         text = Path(source).read_text(errors="replace")
     codes = text.encode("ascii", "replace")  # every code < VOCAB_SIZE: non-ASCII became "?"

@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from training.checkpoint import Checkpointer, CorruptCheckpointError, SaveStats
-from training.launch import ResumeFrom
-from training.manifest import DCP_DIR, FORMAT_DCP, files_digest, tree_mismatches
+from relay_train.checkpoint import Checkpointer, CorruptCheckpointError, SaveStats
+from relay_train.launch import ResumeFrom
+from relay_train.manifest import DCP_DIR, FORMAT_DCP, files_digest, tree_mismatches
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def verify_dcp(resume: ResumeFrom, process_group: dist.ProcessGroup | None = Non
     if resume.format != FORMAT_DCP:
         raise ValueError(
             f"resume point {resume.path}: expected format {FORMAT_DCP!r}, found "
-            f"{resume.format!r}; load it with training.checkpoint.load_verified"
+            f"{resume.format!r}; load it with relay_train.checkpoint.load_verified"
         )
     where = f"DCP checkpoint {resume.path} (step {resume.step}, run {resume.run_id})"
     if files_digest(resume.files) != resume.sha256:

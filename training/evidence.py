@@ -38,7 +38,7 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
-from training.heartbeat import write_atomically
+from relay_train.heartbeat import write_atomically
 
 log = logging.getLogger(__name__)
 

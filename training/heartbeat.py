@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from training.pids import start_time
+from relay_train.pids import start_time
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class Heartbeat:
     rank: int
     node: str
     pid: int
-    pid_started: int | None = None  # the rank's start time (training.pids): who may signal it
+    pid_started: int | None = None  # the rank's start time (relay_train.pids): who may signal it
     step: int = 0
     phase: str = Phase.STARTING.value
     phase_started_at: float = field(default_factory=time.time)

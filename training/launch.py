@@ -1,7 +1,7 @@
 """The launch file: everything a node agent and its ranks need, as one JSON document.
 
-Written by a Relay launcher into the attempt folder; read by ``training.agent``
-and ``training.worker``. Stdlib only, like the heartbeat module.
+Written by a Relay launcher into the attempt folder; read by ``relay_train.agent``
+and ``relay_train.worker``. Stdlib only, like the heartbeat module.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 LAUNCH_FILE = "launch.json"
-DRAIN_FILE = "drain.json"  # written by Relay: {"stop_at": STEP}; see training.worker
+DRAIN_FILE = "drain.json"  # written by Relay: {"stop_at": STEP}; see relay_train.worker
 FIRST_STEP_FILE = "first_step.json"  # rank 0, first step: step, at, node, spawned_at, startup
 RESULT_FILE = "result.json"  # written by rank 0 when the attempt ends: steps and loop time
 ENV_LAUNCH = "RELAY_LAUNCH"  # the launch file, for relay_train.init() in a rank
-BUILTIN_ENTRYPOINT = "training.examples.charlm"  # what a spec without an entrypoint runs
+BUILTIN_ENTRYPOINT = "relay_train.examples.charlm"  # what a spec without an entrypoint runs
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class ResumeFrom:
 
     ``format`` ``torch``: ``path`` is one file with ``sha256``; ``dcp``: ``path`` is a
     ``torch.distributed.checkpoint`` folder whose files ``files`` lists (relative path:
-    sha256), and ``sha256`` is the digest of that table (see ``training.manifest``).
+    sha256), and ``sha256`` is the digest of that table (see ``relay_train.manifest``).
     """
 
     path: str
@@ -74,7 +74,7 @@ class LaunchConfig:
     segment: int
     heartbeat_interval_seconds: float = 0.5
     collective_timeout_seconds: float = 1800.0
-    backend: str = "auto"  # auto | gloo | nccl, resolved per rank by training.device
+    backend: str = "auto"  # auto | gloo | nccl, resolved per rank by relay_train.device
     deterministic: bool = True
     resume: ResumeFrom | None = None
     chaos: list[dict[str, Any]] = field(default_factory=list)

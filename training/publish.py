@@ -23,7 +23,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from training.manifest import DCP_DIR, FORMAT_DCP, MANIFEST_FILE, CheckpointManifest, step_dir
+from relay_train.manifest import DCP_DIR, FORMAT_DCP, MANIFEST_FILE, CheckpointManifest, step_dir
 
 log = logging.getLogger(__name__)
 

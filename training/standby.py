@@ -25,7 +25,7 @@ import os
 import time
 from pathlib import Path
 
-from training.heartbeat import write_atomically
+from relay_train.heartbeat import write_atomically
 
 STANDBY_TTL_SECONDS = 60.0
 CLAIMED_GRACE_SECONDS = 10.0  # from a claim to its launch file: the launcher writes it at once

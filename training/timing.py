@@ -48,7 +48,7 @@ class Ewma:
 # Freeing DDP's reducer can deadlock with gloo: ~ProcessGroupGloo waits for a work thread
 # that needs the GIL to free the last all-gather's tensors, while the freeing thread holds
 # it (seen as a rank stuck at exit after its segment). close() keeps every DDP module
-# referenced here, and the rank leaves through os._exit (training.worker) without freeing them.
+# referenced here, and the rank leaves through os._exit (relay_train.worker) without freeing them.
 _KEEP_ALIVE: list[Any] = []
 
 

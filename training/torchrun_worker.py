@@ -12,14 +12,14 @@ import argparse
 import os
 from pathlib import Path
 
-from training.chaos import ENV_NODE_AGENT_PID
-from training.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE
-from training.launch import ENV_LAUNCH, LaunchConfig
-from training.worker import exit_now, run_rank
+from relay_train.chaos import ENV_NODE_AGENT_PID
+from relay_train.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE
+from relay_train.launch import ENV_LAUNCH, LaunchConfig
+from relay_train.worker import exit_now, run_rank
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``torchrun ... -m training.torchrun_worker --launch FILE``."""
+    """Entry point: ``torchrun ... -m relay_train.torchrun_worker --launch FILE``."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--launch", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[ENV_HEARTBEAT_DIR] = str(cfg.heartbeat_dir)
     os.environ[ENV_HEARTBEAT_INTERVAL] = str(cfg.heartbeat_interval_seconds)
     # torchrun gives every rank a session of its own: a frozen node must freeze the
-    # torchrun agent (our parent) and its other ranks as well (see training.chaos).
+    # torchrun agent (our parent) and its other ranks as well (see relay_train.chaos).
     os.environ[ENV_NODE_AGENT_PID] = str(os.getppid())
     return run_rank(args.launch)
 

@@ -19,11 +19,11 @@ import sys
 import traceback
 from pathlib import Path
 
-from training.heartbeat import ENV_NODE
-from training.launch import Entrypoint, LaunchConfig
-from training.timing import StartupClock
+from relay_train.heartbeat import ENV_NODE
+from relay_train.launch import Entrypoint, LaunchConfig
+from relay_train.timing import StartupClock
 
-log = logging.getLogger("training.worker")
+log = logging.getLogger("relay_train.worker")
 
 
 def run_entrypoint(entry: Entrypoint) -> int:
@@ -75,7 +75,7 @@ def run_rank(launch_file: Path) -> int:
     except BaseException:  # noqa: BLE001 - a rank's death must reach its log and exit code
         traceback.print_exc()
         code = 1
-    from training import api
+    from relay_train import api
 
     session = api.current()
     if session is not None and code == 0:
@@ -86,7 +86,7 @@ def run_rank(launch_file: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m training.worker --launch FILE`` (RANK etc. in the environment)."""
+    """Entry point: ``python -m relay_train.worker --launch FILE``."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--launch", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -98,7 +98,7 @@ def exit_now(code: int) -> None:
 
     Everything that matters (checkpoints, result.json, the last heartbeat) is
     written before the session closes; DDP objects are never freed (see
-    ``training.timing._KEEP_ALIVE``).
+    ``relay_train.timing._KEEP_ALIVE``).
     """
     logging.shutdown()
     sys.stdout.flush()

@@ -5,7 +5,7 @@ rank, or slow a rank by freezing it for part of every 100 ms. Each action is
 appended to the attempt's ``chaos.jsonl`` with its time, like the in-rank
 injector's, so detection latency can be measured the same way. Every signal
 goes through the local launcher, which checks each PID's start time
-(:mod:`training.pids`): a target whose PID now belongs to another process is
+(:mod:`relay_train.pids`): a target whose PID now belongs to another process is
 left alone and the mismatch logged.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from relay import settings
 from relay.launchers import launcher_from
 from relay.launchers.local import HANDLE_FILE, LocalLauncher, NotOursError
-from training.chaos import CHAOS_LOG
+from relay_train.chaos import CHAOS_LOG
 
 log = logging.getLogger(__name__)
 SLOW_PERIOD_SECONDS = 0.1

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from relay.spec import JobSpec
-from training.chaos import KINDS
-from training.chaos import Fault as ChaosFault
+from relay_train.chaos import KINDS
+from relay_train.chaos import Fault as ChaosFault
 
 CHAOS_EXAMPLE = '[{"kind": "crash", "segment": 1, "step": 75, "rank": 1, "attempt": 1}]'
 

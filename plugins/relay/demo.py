@@ -14,7 +14,7 @@ from relay import settings
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
 from relay.notify import redact
 from relay.spec import JobSpec, load_job_spec
-from training.heartbeat import read_heartbeats
+from relay_train.heartbeat import read_heartbeats
 
 # The three failure modes Relay exists for, one per segment of the demo job.
 DEMO_FAULTS = [

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from relay.faults import Fault, FaultKind, classify_exit, only_secondary_exits
 from relay.launchers.base import UNRESPONSIVE, LaunchState, LaunchStatus
 from relay.policy import Detection
-from training.heartbeat import Heartbeat, Phase
+from relay_train.heartbeat import Heartbeat, Phase
 
-AGENT_STATUS_INTERVAL_SECONDS = 1.0  # training.agent rewrites its status this often
+AGENT_STATUS_INTERVAL_SECONDS = 1.0  # relay_train.agent rewrites its status this often
 _WAITING = {Phase.COLLECTIVE.value}
 _WORKING = {Phase.COMPUTE.value, Phase.COLLECTIVE.value}
 

@@ -1,7 +1,7 @@
 """Evidence from the culprit before it is killed: every rank's stacks and collective trace.
 
 On a hang, or a silent rank or node, Relay asks every rank of the attempt
-where it is (see :mod:`training.evidence`) *before* it stops the workload:
+where it is (see :mod:`relay_train.evidence`) *before* it stops the workload:
 after the stop there is nothing left to ask. The request goes out first, the
 rescue runs meanwhile, and the answers are gathered for at most
 ``detection.evidence_timeout`` from the request (2 s by default). A rank that
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from relay.faults import RESCUABLE, Fault
-from training.evidence import (
+from relay_train.evidence import (
     EVIDENCE_DIR,
     REQUEST_FILE,
     answer_path,
@@ -40,7 +40,7 @@ from training.evidence import (
     process_start,
     trace_path,
 )
-from training.heartbeat import write_atomically
+from relay_train.heartbeat import write_atomically
 
 log = logging.getLogger(__name__)
 

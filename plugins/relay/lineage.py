@@ -21,8 +21,8 @@ from mlflow.tracking import MlflowClient
 from tenacity import Retrying
 
 from relay import settings
-from training.launch import ResumeFrom
-from training.manifest import (
+from relay_train.launch import ResumeFrom
+from relay_train.manifest import (
     CHECKPOINT_FILE,
     CHECKPOINT_ROOT,
     DCP_DIR,
@@ -34,7 +34,7 @@ from training.manifest import (
     tree_mismatches,
     tree_sha256s,
 )
-from training.publish import mlflow_retrying
+from relay_train.publish import mlflow_retrying
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from relay.lineage import TAG_SEGMENT, TAG_TRY, Lineage
-from training.manifest import CheckpointManifest, CheckpointRef
+from relay_train.manifest import CheckpointManifest, CheckpointRef
 
 log = logging.getLogger(__name__)
 LINEAGE_VERSION = 2

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from relay import settings
-from training.heartbeat import write_atomically
+from relay_train.heartbeat import write_atomically
 
 log = logging.getLogger(__name__)
 

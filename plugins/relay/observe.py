@@ -21,7 +21,7 @@ from relay.decide import Decision
 from relay.faults import Fault, FaultKind
 from relay.notify import escalate
 from relay.policy import LoadedPolicy
-from training.heartbeat import write_atomically
+from relay_train.heartbeat import write_atomically
 
 log = logging.getLogger(__name__)
 

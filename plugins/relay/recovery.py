@@ -22,8 +22,8 @@ from relay.decide import Decision
 from relay.faults import Fault, FaultKind
 from relay.launchers import Launcher, LaunchState, launcher_from
 from relay.nodes import NodePool
-from training.heartbeat import read_heartbeats, write_atomically
-from training.launch import DRAIN_FILE
+from relay_train.heartbeat import read_heartbeats, write_atomically
+from relay_train.launch import DRAIN_FILE
 
 log = logging.getLogger(__name__)
 DRAIN_LEAD_STEPS = 2

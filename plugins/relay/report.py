@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from relay.lineage import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, TAG_TRY, Lineage
-from training.chaos import CHAOS_LOG
-from training.launch import FIRST_STEP_FILE
+from relay_train.chaos import CHAOS_LOG
+from relay_train.launch import FIRST_STEP_FILE
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 After a hang or an unresponsive rank or node, the healthy ranks wait in the
 step's collective with weights complete up to the last finished step. One of
-them writes that state next to the attempt (see :mod:`training.rescue`);
+them writes that state next to the attempt (see :mod:`relay_train.rescue`);
 after the workload is stopped Relay verifies it and publishes it to the
 attempt's MLflow run as a checkpoint like any other, whose manifest says where
 it came from. The retry then resumes from it, and the steps since the last
@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 from relay.faults import RESCUABLE, Fault, FaultKind
-from training.heartbeat import Heartbeat, read_heartbeats, write_atomically
-from training.launch import LaunchConfig
-from training.manifest import CheckpointManifest, CheckpointRef, file_sha256
-from training.rescue import ACK_FILE, DONE_FILE, REQUEST_FILE, RESCUE_DIR, RescueResult
+from relay_train.heartbeat import Heartbeat, read_heartbeats, write_atomically
+from relay_train.launch import LaunchConfig
+from relay_train.manifest import CheckpointManifest, CheckpointRef, file_sha256
+from relay_train.rescue import ACK_FILE, DONE_FILE, REQUEST_FILE, RESCUE_DIR, RescueResult
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def publish_rescue(
     result: RescueResult, cfg: LaunchConfig, fault: Fault, parent: CheckpointRef | None
 ) -> CheckpointManifest:
     """Log the rescued checkpoint to the attempt's MLflow run; return its manifest."""
-    from training.publish import MlflowCheckpointSink  # MLflow: only once there is one
+    from relay_train.publish import MlflowCheckpointSink  # MLflow: only once there is one
 
     assert result.path is not None and result.step is not None and result.sha256 is not None
     manifest = CheckpointManifest(

@@ -35,9 +35,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from training.chaos import CHAOS_LOG
-from training.heartbeat import write_atomically
-from training.launch import FIRST_STEP_FILE
+from relay_train.chaos import CHAOS_LOG
+from relay_train.heartbeat import write_atomically
+from relay_train.launch import FIRST_STEP_FILE
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 from relay.lineage import TAG_DAG_RUN, TAG_OUTCOME, TAG_SEGMENT, TAG_TRY, Lineage
 from relay.nodes import NodePool
 from relay.report import FaultRow, _json_artifact, fault_rows, first_step_at
-from training.heartbeat import read_heartbeats
+from relay_train.heartbeat import read_heartbeats
 
 
 @dataclass(frozen=True)

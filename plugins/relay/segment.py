@@ -36,9 +36,9 @@ from relay.recovery import SegmentFaultError, drain, fault_history, quarantine
 from relay.rescue import publish_rescue, request_rescue
 from relay.spec import JobSpec
 from relay.triggers import SegmentWatchTrigger
-from training.heartbeat import read_heartbeats, write_atomically
-from training.launch import LAUNCH_FILE, LaunchConfig
-from training.standby import STANDBY_TTL_SECONDS
+from relay_train.heartbeat import read_heartbeats, write_atomically
+from relay_train.launch import LAUNCH_FILE, LaunchConfig
+from relay_train.standby import STANDBY_TTL_SECONDS
 
 log = logging.getLogger(__name__)
 

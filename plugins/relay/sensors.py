@@ -1,7 +1,7 @@
 """Public deferrable sensors on the watcher's logic, for any job that writes Relay heartbeats.
 
 They need no Relay launcher: point them at a heartbeat folder (the job writes
-records with ``training.heartbeat.HeartbeatWriter``) and the number of ranks.
+records with ``relay_train.heartbeat.HeartbeatWriter``) and the number of ranks.
 They succeed when every rank reports ``done`` and fail, naming the fault, its
 culprit and the evidence, as soon as the watched signals show one.
 """
@@ -21,7 +21,7 @@ from relay.paths import ENV_WATCH_ROOTS, PathEscapeError, inside
 from relay.policy import Detection, load_policy
 from relay.spec import policies_dir
 from relay.triggers import HEARTBEAT_KINDS, THROUGHPUT_KINDS, HeartbeatWatchTrigger
-from training.heartbeat import Phase
+from relay_train.heartbeat import Phase
 
 
 class _HeartbeatWatchSensor(BaseSensorOperator):

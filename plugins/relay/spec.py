@@ -24,7 +24,7 @@ from relay.yamlsource import (
     model_problems,
     parse_duration,
 )
-from training.launch import BUILTIN_ENTRYPOINT, Entrypoint
+from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint
 
 MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 JOB_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"

@@ -22,7 +22,7 @@ from relay.detection import Detector, Observation
 from relay.faults import FaultKind
 from relay.launchers import Launcher, LaunchState, launcher_from
 from relay.policy import Detection
-from training.heartbeat import Phase, read_heartbeats
+from relay_train.heartbeat import Phase, read_heartbeats
 
 
 def observe_attempt(

@@ -54,7 +54,7 @@ def launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
 def launch_config(tmp_path: Path, launcher, attempt: int, steps: int):  # noqa: ANN001, ANN201
     from mlflow.tracking import MlflowClient
 
-    from training.launch import LaunchConfig
+    from relay_train.launch import LaunchConfig
 
     client = MlflowClient(MLFLOW)
     experiment = client.get_experiment_by_name("relay-e2e-k8s")

@@ -1,7 +1,7 @@
 """Rank programs for the DCP checkpoint tests: a tiny FSDP2 model over gloo on CPU.
 
 ``save_ranks`` trains, saves DCP checkpoints (async) to a real MLflow store and dumps
-each rank's local shards; ``resume_ranks`` loads checkpoints through ``training.dcp``
+each rank's local shards; ``resume_ranks`` loads checkpoints through ``relay_train.dcp``
 and dumps what it loaded. Started with ``torch.multiprocessing.start_processes``.
 """
 
@@ -20,9 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from training.checkpoint import Checkpointer, CorruptCheckpointError
-from training.dcp import DcpCheckpointer, load_model
-from training.launch import ResumeFrom
+from relay_train.checkpoint import Checkpointer, CorruptCheckpointError
+from relay_train.dcp import DcpCheckpointer, load_model
+from relay_train.launch import ResumeFrom
 
 WORLD_SIZE = 2
 JOB = "dcp-test"
@@ -78,7 +78,7 @@ def save_ranks(rank: int, port: int, work: str, tracking_uri: str, run_id: str) 
     model, optimizer = _model(seed=0)
     publisher = None
     if rank == 0:
-        from training.publish import MlflowCheckpointSink  # only rank 0 talks to MLflow
+        from relay_train.publish import MlflowCheckpointSink  # only rank 0 talks to MLflow
 
         sink = MlflowCheckpointSink(tracking_uri, run_id)
         publisher = Checkpointer(sink, out / "staging", job=JOB, world_size=WORLD_SIZE,

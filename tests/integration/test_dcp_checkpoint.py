@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from relay.launchers.local import free_port
 from relay.lineage import Lineage
-from training.manifest import DCP_DIR, FORMAT_DCP, files_digest
+from relay_train.manifest import DCP_DIR, FORMAT_DCP, files_digest
 
 pytestmark = pytest.mark.integration
 

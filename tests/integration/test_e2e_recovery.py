@@ -21,7 +21,7 @@ from relay.airflow_env import airflow_bin
 from relay.lineage import TAG_OUTCOME, TAG_SEGMENT, Lineage
 from relay.resume_time import PARTS, fault_onset
 from relay.settings import REPO_ROOT
-from training.launch import FIRST_STEP_FILE
+from relay_train.launch import FIRST_STEP_FILE
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ from processes import workload_processes
 from relay.bench.common import Store, launch_config, watch
 from relay.launchers.local import LocalLauncher, group_members
 from relay.policy import Detection
-from training.standby import ready_file, standby_file
+from relay_train.standby import ready_file, standby_file
 
 pytestmark = pytest.mark.integration
 

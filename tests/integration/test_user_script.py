@@ -21,7 +21,7 @@ from relay.lineage import Lineage
 from relay.nodes import NodePool
 from relay.policy import Detection
 from relay.settings import REPO_ROOT
-from training.launch import Entrypoint
+from relay_train.launch import Entrypoint
 
 pytestmark = pytest.mark.integration
 

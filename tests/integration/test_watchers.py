@@ -15,7 +15,7 @@ from relay.bench.common import Store, launch_config, launched, watch
 from relay.bench.detect import SCENARIOS, Scenario, run_trial
 from relay.demo import run_dag_test
 from relay.policy import Detection
-from training.heartbeat import HeartbeatWriter, Phase, read_heartbeats
+from relay_train.heartbeat import HeartbeatWriter, Phase, read_heartbeats
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ from relay.bench.goodput import (
 )
 from relay.bench.goodput_report import ettr, spread
 from relay.bench.torchrun_baseline import _cause
-from training.chaos import Fault
+from relay_train.chaos import Fault
 
 
 def test_the_schedule_is_valid_chaos_and_strikes_rank_positions_once() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from training.chaos import ChaosMonkey, Fault
+from relay_train.chaos import ChaosMonkey, Fault
 
 WHERE = {"segment": 1, "attempt": 1, "step": 30, "rank": 1, "node": "node-b"}
 
@@ -94,7 +94,7 @@ def run_monkey(faults: list[dict], steps: list[int]) -> subprocess.CompletedProc
     code = textwrap.dedent(
         f"""
         import json
-        from training.chaos import ChaosMonkey
+        from relay_train.chaos import ChaosMonkey
 
         monkey = ChaosMonkey(
             json.loads({json.dumps(faults)!r}),
@@ -156,9 +156,9 @@ def test_a_node_bound_straggler_stays_with_the_node_not_the_rank(tmp_path: Path)
 _FROZEN_NODE = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from training.chaos import ENV_NODE_AGENT_PID
+    from relay_train.chaos import ENV_NODE_AGENT_PID
     monkey = (
-        "from training.chaos import ChaosMonkey;"
+        "from relay_train.chaos import ChaosMonkey;"
         "m = ChaosMonkey([{'kind': 'stop_node', 'step': 1, 'rank': 1}], segment=0, attempt=1,"
         " rank=1, node='node-b');"
         "import time; time.sleep(1.0); m.before_step(1)"

@@ -13,14 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-from training.checkpoint import (
+from relay_train.checkpoint import (
     Checkpointer,
     CorruptCheckpointError,
     load_verified,
     restore_rng,
     snapshot,
 )
-from training.manifest import (
+from relay_train.manifest import (
     CHECKPOINT_FILE,
     CheckpointManifest,
     CheckpointRef,

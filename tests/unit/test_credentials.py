@@ -6,7 +6,7 @@ import stat
 from pathlib import Path
 
 from relay.notify import redact
-from training.launch import LaunchConfig
+from relay_train.launch import LaunchConfig
 
 URI = "postgresql://relay:s3cret@db.internal:5432/mlflow"
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from training.checkpoint import Checkpointer, CorruptCheckpointError, load_verified
-from training.dcp import DcpCheckpointer, load_dcp, load_model, model_state, verify_dcp
-from training.launch import LaunchConfig, ResumeFrom
-from training.manifest import (
+from relay_train.checkpoint import Checkpointer, CorruptCheckpointError, load_verified
+from relay_train.dcp import DcpCheckpointer, load_dcp, load_model, model_state, verify_dcp
+from relay_train.launch import LaunchConfig, ResumeFrom
+from relay_train.manifest import (
     DCP_DIR,
     FORMAT_DCP,
     FORMAT_TORCH,
@@ -197,7 +197,7 @@ def test_a_resume_point_whose_file_table_was_altered_is_refused(published: tuple
 
 def test_single_file_loader_points_a_dcp_folder_to_load_dcp(published: tuple) -> None:
     _, _, folder, manifest = published
-    with pytest.raises(ValueError, match="training.dcp.load_dcp"):
+    with pytest.raises(ValueError, match="relay_train.dcp.load_dcp"):
         load_verified(folder, manifest.sha256)
 
 

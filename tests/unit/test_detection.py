@@ -20,7 +20,7 @@ from relay.detection import AGENT_STATUS_INTERVAL_SECONDS, Detector, Observation
 from relay.faults import Fault, FaultKind
 from relay.launchers.local import LaunchState, LaunchStatus, NodeStatus
 from relay.policy import Detection
-from training.heartbeat import Heartbeat, HeartbeatWriter, Phase, read_heartbeats
+from relay_train.heartbeat import Heartbeat, HeartbeatWriter, Phase, read_heartbeats
 
 NODE_RANKS = {"node-a": [0, 1], "node-b": [2, 3]}
 NODE_OF = {r: n for n, ranks in NODE_RANKS.items() for r in ranks}

@@ -1,4 +1,4 @@
-"""Unit tests for training.device: backend choice, rank device, rank environment, fork safety.
+"""Unit tests for relay_train.device: backend choice, rank device, rank environment, fork safety.
 
 This machine has no GPU and a CPU-only torch. Every CUDA branch below runs
 against a FAKE CUDA: ``torch.cuda.*`` and ``torch.distributed.is_nccl_available``
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from training import device as dev
+from relay_train import device as dev
 
 
 class FakeCuda:
@@ -263,8 +263,8 @@ def test_agent_starts_ranks_with_the_device_environment(
     """FAKE CUDA for the spawn case: an agent with CUDA up spawns; every rank gets FR/NCCL env."""
     import multiprocessing
 
-    from training.agent import NodeAgent
-    from training.launch import LaunchConfig
+    from relay_train.agent import NodeAgent
+    from relay_train.launch import LaunchConfig
 
     FakeCuda(2, initialized=initialized).install(monkeypatch)
     contexts: list[RecordingContext] = []
@@ -302,10 +302,10 @@ def test_comm_hook_fences_compute_before_flipping_to_collective(
     from datetime import timedelta
 
     from relay.launchers.local import free_port
-    from training import api
-    from training.device import RankDevice
-    from training.heartbeat import Phase
-    from training.launch import LaunchConfig
+    from relay_train import api
+    from relay_train.device import RankDevice
+    from relay_train.heartbeat import Phase
+    from relay_train.launch import LaunchConfig
 
     events: list[str] = []
 
@@ -352,8 +352,8 @@ def test_spawned_rank_refuses_forced_nccl_on_cpu_with_the_fix_in_its_log(
     ``backend: nccl`` on this CPU machine must end the rank at once with exit code
     1 and the expected/found/fix message in its log, never a hang.
     """
-    from training import agent
-    from training.launch import LaunchConfig
+    from relay_train import agent
+    from relay_train.launch import LaunchConfig
 
     monkeypatch.setattr(agent, "rank_start_method", lambda: "spawn")
     cfg = LaunchConfig(

@@ -29,7 +29,7 @@ from relay.evidence import (
 )
 from relay.faults import Fault, FaultKind
 from relay.lineage import Lineage
-from training.evidence import (
+from relay_train.evidence import (
     EVIDENCE_DIR,
     FR_DIR,
     EvidenceResponder,
@@ -38,7 +38,7 @@ from training.evidence import (
     flight_recorder_environment,
     process_start,
 )
-from training.publish import mlflow_retrying
+from relay_train.publish import mlflow_retrying
 
 REPO = Path(__file__).resolve().parents[2]
 # Generous: the machine is shared; a bound only matters for ranks that never answer.
@@ -105,7 +105,7 @@ def test_a_new_request_gets_a_new_answer(tmp_path: Path) -> None:
 RANK_SCRIPT = """
 import re, sys, time
 from pathlib import Path
-from training.evidence import EvidenceResponder
+from relay_train.evidence import EvidenceResponder
 
 def stuck_in_c_holding_the_gil():
     re.match(r"(a+)+$", "a" * 64 + "b")  # catastrophic backtracking: never lets go of the GIL
@@ -177,7 +177,7 @@ import os, sys, time
 from datetime import timedelta
 from pathlib import Path
 import torch, torch.distributed as dist
-from training.evidence import EvidenceResponder
+from relay_train.evidence import EvidenceResponder
 
 def rank_one_never_joins():
     while True:

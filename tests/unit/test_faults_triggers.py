@@ -17,8 +17,8 @@ from airflow.triggers.base import TriggerEvent
 from relay.faults import Fault, FaultKind, classify_exit
 from relay.launchers.local import HANDLE_FILE, LaunchState, LaunchStatus, LocalLauncher, NodeStatus
 from relay.triggers import SegmentWatchTrigger
-from training.heartbeat import Heartbeat, heartbeat_path, write_atomically
-from training.pids import start_time
+from relay_train.heartbeat import Heartbeat, heartbeat_path, write_atomically
+from relay_train.pids import start_time
 
 NODE_RANKS = {"node-a": [0, 1], "node-b": [2, 3]}
 Record = tuple[str, dict[int, int | None]]  # (state, exit codes by rank)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from training.heartbeat import (
+from relay_train.heartbeat import (
     Heartbeat,
     HeartbeatWriter,
     Phase,

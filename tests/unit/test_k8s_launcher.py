@@ -29,7 +29,7 @@ from relay.nodes import NodePool
 from relay.policy import Detection, load_policy
 from relay.recovery import quarantine
 from relay.spec import KubernetesSpec
-from training.launch import LaunchConfig
+from relay_train.launch import LaunchConfig
 
 HOSTS = ["gpu-1", "gpu-2", "gpu-3"]
 POLICIES = Path(__file__).resolve().parents[2] / "policies"

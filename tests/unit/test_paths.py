@@ -13,7 +13,7 @@ from relay.sensors import HeartbeatSensor
 from relay.settings import runs_dir
 from relay.spec import JobSpec, load_job_spec
 from relay.yamlsource import ConfigError
-from training.data import load_corpus
+from relay_train.data import load_corpus
 
 
 def test_inside_accepts_children_and_refuses_escapes(tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ import pytest
 
 from relay import chaos
 from relay.launchers.local import HANDLE_FILE, LaunchState, LocalLauncher
-from training import pids
-from training.heartbeat import Heartbeat, heartbeat_path, write_atomically
+from relay_train import pids
+from relay_train.heartbeat import Heartbeat, heartbeat_path, write_atomically
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def test_start_time_is_read_from_proc_and_none_for_a_reaped_pid() -> None:
 def test_signal_process_sends_only_to_the_recorded_process(
     stranger: subprocess.Popen[bytes], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="training.pids"):
+    with caplog.at_level(logging.WARNING, logger="relay_train.pids"):
         assert not pids.signal_process(stranger.pid, stale_start(stranger), signal.SIGKILL)
         assert not pids.signal_group(stranger.pid, stale_start(stranger), signal.SIGKILL)
         assert not pids.signal_process(stranger.pid, None, signal.SIGKILL)
@@ -107,7 +107,7 @@ def test_chaos_refuses_targets_whose_pid_was_reused(
 def test_heartbeat_records_the_writers_start_time(tmp_path: Path) -> None:
     import os
 
-    from training.heartbeat import HeartbeatWriter, read_heartbeats
+    from relay_train.heartbeat import HeartbeatWriter, read_heartbeats
 
     HeartbeatWriter(tmp_path, rank=3, node="n", interval_seconds=1.0).start().close()
     beat = read_heartbeats(tmp_path)[3]

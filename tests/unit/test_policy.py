@@ -14,7 +14,7 @@ import relay.settings
 from relay.detection import Detector, Observation
 from relay.faults import FaultKind
 from relay.policy import Detection, load_policy
-from training.heartbeat import Heartbeat, Phase
+from relay_train.heartbeat import Heartbeat, Phase
 
 REPO = Path(relay.settings.REPO_ROOT)
 DEFAULT = REPO / "policies" / "default.yaml"

@@ -15,10 +15,10 @@ from torch import nn
 from relay.faults import Fault, FaultKind
 from relay.lineage import Lineage
 from relay.rescue import donor, publish_rescue, request_rescue
-from training.checkpoint import load_verified, snapshot
-from training.heartbeat import Heartbeat, HeartbeatWriter
-from training.launch import LaunchConfig
-from training.rescue import DONE_FILE, REQUEST_FILE, RESCUE_DIR, RescueResponder, TrainingState
+from relay_train.checkpoint import load_verified, snapshot
+from relay_train.heartbeat import Heartbeat, HeartbeatWriter
+from relay_train.launch import LaunchConfig
+from relay_train.rescue import DONE_FILE, REQUEST_FILE, RESCUE_DIR, RescueResponder, TrainingState
 
 
 def _cfg(tmp_path: Path, tracking_uri: str = "sqlite:///unused.db", run_id: str = "r") -> Any:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from relay.resume_time import PARTS, ResumeClock, complete_previous, fault_onset, note_launch
-from training.launch import FIRST_STEP_FILE
+from relay_train.launch import FIRST_STEP_FILE
 
 T0 = 1_800_000_000.0
 
@@ -115,9 +115,9 @@ def test_the_worker_api_leaves_what_the_retry_marks_are_read_from(
 ) -> None:
     """Real Session: rank 0's first_step.json carries its node, spawn time and phases."""
     from relay.resume_time import retry_marks
-    from training import api
-    from training.launch import LaunchConfig
-    from training.timing import ENV_SPAWNED_AT
+    from relay_train import api
+    from relay_train.launch import LaunchConfig
+    from relay_train.timing import ENV_SPAWNED_AT
 
     monkeypatch.setenv(ENV_SPAWNED_AT, str(T0))
     cfg = LaunchConfig(

@@ -10,7 +10,7 @@ from relay.lineage_json import lineage_record
 from relay.report import FaultRow
 from relay.report_files import plot_timeline, render, summary_text
 from relay.run_view import AttemptView, RunView, _progress, find_parent, goodput, run_view
-from training.manifest import CheckpointManifest, CheckpointRef
+from relay_train.manifest import CheckpointManifest, CheckpointRef
 
 T0 = 1_000.0
 HANG = {"kind": "hang", "culprit_rank": 1, "culprit_node": "node-a",

@@ -8,7 +8,7 @@ import pytest
 
 from relay.spec import load_job_spec
 from relay.yamlsource import ConfigError
-from training.launch import LaunchConfig
+from relay_train.launch import LaunchConfig
 
 BASE = "job: demo\ntotal_steps: 240\nsteps_per_segment: 60\ncheckpoint_every: 20\n"
 

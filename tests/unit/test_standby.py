@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from relay.launchers.local import LocalLauncher
-from training.pids import start_time
-from training.standby import (
+from relay_train.pids import start_time
+from relay_train.standby import (
     announce_ready,
     claimed_file,
     hand_over,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from relay.nodes import NodePool
-from training.heartbeat import write_atomically
+from relay_train.heartbeat import write_atomically
 
 
 def test_two_writers_in_one_process_never_collide(tmp_path: Path) -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-import training as relay_train
-from training.data import CharStream, load_corpus
-from training.model import ModelConfig, build_model
+import relay_train
+from relay_train.data import CharStream, load_corpus
+from relay_train.model import ModelConfig, build_model
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-import training as relay_train
+import relay_train
 
 
 def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:

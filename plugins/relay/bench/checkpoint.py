@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from mlflow.tracking import MlflowClient
 
-from training.checkpoint import Checkpointer
-from training.data import CharStream, load_corpus, mix_seed
-from training.model import ModelConfig, build_model
-from training.publish import MlflowCheckpointSink
+from relay_train.checkpoint import Checkpointer
+from relay_train.data import CharStream, load_corpus, mix_seed
+from relay_train.model import ModelConfig, build_model
+from relay_train.publish import MlflowCheckpointSink
 
 
 @dataclass

@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from relay.launchers.local import LocalLauncher, free_port
 from relay.policy import Detection
 from relay.triggers import SegmentWatchTrigger
-from training.launch import LaunchConfig
+from relay_train.launch import LaunchConfig
 
 TINY_MODEL = {"context": 32, "d_model": 32, "n_layers": 1, "n_heads": 4, "dropout": 0.1}
 

@@ -4,11 +4,11 @@ Three variants of the same job (2 nodes x 2 ranks of the tiny model, real DDP
 over gloo), all started the same way (one ``torchrun --standalone``, 4 ranks),
 so only the code inside the ranks differs:
 
-- ``bare``: ``training.bare_worker`` - the same model, data, optimizer and
+- ``bare``: ``relay_train.bare_worker`` - the same model, data, optimizer and
   per-step seeding under plain DDP; no Relay code at all;
 - ``relay``: the built-in job as it runs in a segment: the launch's entrypoint
-  (``training.examples.charlm``, through ``relay_train``'s Session) run by
-  ``training.torchrun_worker`` -> ``training.worker.run_rank``: heartbeat thread,
+  (``relay_train.examples.charlm``, through ``relay_train``'s Session) run by
+  ``relay_train.torchrun_worker`` -> ``relay_train.worker.run_rank``: heartbeat thread,
   the ordered all-gather comm hook, the rescue and evidence responder threads,
   the drain check, the chaos checks and rank 0's checkpoint publisher (no
   periodic checkpoints; one at the end, as in every segment);
@@ -34,9 +34,9 @@ from pathlib import Path
 
 from relay.bench.common import Store, launch_config
 
-VARIANTS = {"bare": ["training.bare_worker"], "relay": ["training.torchrun_worker"],
-            "relay-no-heartbeat": ["training.torchrun_worker"],
-            "bare+relay-ddp": ["training.bare_worker", "--relay-ddp"]}
+VARIANTS = {"bare": ["relay_train.bare_worker"], "relay": ["relay_train.torchrun_worker"],
+            "relay-no-heartbeat": ["relay_train.torchrun_worker"],
+            "bare+relay-ddp": ["relay_train.bare_worker", "--relay-ddp"]}
 
 
 def _run(store: Store, root: Path, variant: str, steps: int, interval: float) -> float:
@@ -76,7 +76,7 @@ def main(rounds: int = 5, steps: int = 300, interval: float = 0.5, smoke: bool =
                 rates[name].append(rate)
                 print(f"  round {i + 1} {name:19}: {rate:7.2f} steps/s", flush=True)
     bare = statistics.median(rates["bare"])
-    print("\n  Compared with: the same loop with no Relay code (training.bare_worker, plain DDP)")
+    print("\n  Compared with: the same loop with no Relay code (bare_worker.py, plain DDP)")
     print(f"  {'variant':19} {'median steps/s':>15} {'min-max':>17} {'vs bare':>9}")
     for name in names:
         values = rates[name]

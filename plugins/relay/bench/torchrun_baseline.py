@@ -1,7 +1,7 @@
 """The goodput benchmark's baseline: what a team has without Relay.
 
 One ``torchrun`` per node (static rendezvous, ``--max-restarts 0``), the same
-training loop (``training.torchrun_worker``), and a supervisor loop around
+training loop (``relay_train.torchrun_worker``), and a supervisor loop around
 whole torchrun runs: when a torchrun exits non-zero, every other one is ended
 (a frozen node at once, a live one after a 3 s grace to exit by itself), and
 the job starts again from the last checkpoint logged to MLflow, on fresh
@@ -34,9 +34,9 @@ from typing import Any
 
 from relay.launchers.local import free_port
 from relay.report import chaos_strikes, first_step_at
-from training.chaos import LASTING, child_pids
-from training.heartbeat import read_heartbeats
-from training.launch import LaunchConfig, ResumeFrom
+from relay_train.chaos import LASTING, child_pids
+from relay_train.heartbeat import read_heartbeats
+from relay_train.launch import LaunchConfig, ResumeFrom
 
 LIVE_GRACE_SECONDS = 3.0  # a healthy torchrun tears its ranks down and exits in ~2 s
 # Which mechanism ends a torchrun run after each injected fault kind (ENVIRONMENT.md).
@@ -141,7 +141,7 @@ def _start(cfg: LaunchConfig, launch: Path) -> dict[str, subprocess.Popen[bytes]
             [torchrun, "--nnodes", str(len(cfg.nodes)), "--node-rank", str(index),
              "--nproc-per-node", str(cfg.ranks_per_node), "--master-addr", cfg.master_addr,
              "--master-port", str(cfg.master_port), "--max-restarts", "0",
-             "-m", "training.torchrun_worker", "--launch", str(launch)],
+             "-m", "relay_train.torchrun_worker", "--launch", str(launch)],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True,
         )

@@ -28,7 +28,7 @@ from relay.triggers import SegmentWatchTrigger
 _SIMULATOR = r"""
 import json, random, sys, time
 from pathlib import Path
-from training.heartbeat import Heartbeat, heartbeat_path, write_atomically
+from relay_train.heartbeat import Heartbeat, heartbeat_path, write_atomically
 root, ranks, per_node = Path(sys.argv[1]), int(sys.argv[2]), 4
 interval, rounds = float(sys.argv[3]), 0
 started = time.time()

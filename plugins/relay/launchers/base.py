@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from relay.nodes import Quarantine
-    from training.launch import LaunchConfig
+    from relay_train.launch import LaunchConfig
 
 UNRESPONSIVE = "unresponsive"  # NodeStatus.state of a node the platform says stopped answering
 

@@ -51,7 +51,7 @@ from relay.launchers.k8s_objects import (
 )
 from relay.launchers.k8s_status import job_failure, newest_by_index, slot_status, stuck
 from relay.spec import KubernetesSpec
-from training.launch import LAUNCH_FILE, LaunchConfig
+from relay_train.launch import LAUNCH_FILE, LaunchConfig
 
 if TYPE_CHECKING:
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook

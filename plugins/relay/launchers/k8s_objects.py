@@ -146,7 +146,7 @@ def _container(k8s: KubernetesSpec, key: AttemptKey) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": AGENT_CONTAINER,
         "image": k8s.image,
-        "command": ["python", "-m", "training.agent"],
+        "command": ["python", "-m", "relay_train.agent"],
         "args": ["--launch", f"{LAUNCH_MOUNT}/launch.json", "--node-index", "$(RELAY_NODE_INDEX)"],
         "env": env,
         "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],

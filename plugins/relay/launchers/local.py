@@ -5,7 +5,7 @@ outlives the Airflow task that launched it while the task defers, and can be
 stopped as a whole by PGID. Everything needed to find the workload again is in
 the attempt folder: ``handle.json`` (PIDs, PGIDs and the agents' start times)
 and ``status/<node>.json`` (written by the agents). Every signal goes through
-:mod:`training.pids`, so a PID reused by another process is never touched.
+:mod:`relay_train.pids`, so a PID reused by another process is never touched.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relay.launchers.base import LaunchState, LaunchStatus, NodeStatus, overall_state
-from training import pids
-from training.heartbeat import read_heartbeats, write_atomically
-from training.launch import LAUNCH_FILE, LaunchConfig
-from training.standby import (
+from relay_train import pids
+from relay_train.heartbeat import read_heartbeats, write_atomically
+from relay_train.launch import LAUNCH_FILE, LaunchConfig
+from relay_train.standby import (
     STANDBY_TTL_SECONDS,
     claimed_file,
     hand_over,
@@ -137,7 +137,7 @@ class LocalLauncher:
                 continue
             with (cfg.log_dir / f"agent-{node}.log").open("ab") as out:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "training.agent", "--launch", str(launch_file),
+                    [sys.executable, "-m", "relay_train.agent", "--launch", str(launch_file),
                      "--node", node],
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -162,7 +162,7 @@ class LocalLauncher:
                 continue
             with (directory / f"{node}.log").open("ab") as out:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "training.agent", "--standby", str(directory),
+                    [sys.executable, "-m", "relay_train.agent", "--standby", str(directory),
                      "--node", node, "--ttl", str(ttl_seconds)],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     cwd=directory, start_new_session=True,

@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.relay-installed
 export RELAY_HOME ?= $(CURDIR)/.relay
 
-.PHONY: venv demo test lint bench clean up down test-services test-postgres
+.PHONY: venv demo test lint bench clean up down test-slow test-services test-postgres
 
 # This machine's pip config names local indexes that may not exist; pip warns about each.
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
@@ -41,6 +41,10 @@ up: $(STAMP)
 
 down: $(STAMP)
 	$(BIN)/relay services down
+
+# Long end-to-end recoveries through Airflow (user script, three faults, DCP, evidence, observe).
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q --tb=short -m slow
 
 # Slow tests against the services of `make up` (each test starts and stops its own).
 test-services: $(STAMP)

@@ -24,7 +24,7 @@ from relay.launchers.local import free_port
 from relay.lineage import Lineage
 from relay_train.manifest import DCP_DIR, FORMAT_DCP, files_digest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # `make test-slow`
 
 
 @dataclass

@@ -139,6 +139,7 @@ def _assert_time_to_resume_recorded(lineage: Lineage, parent: str, where: Path) 
             == pytest.approx(result["total"])
 
 
+@pytest.mark.slow  # `make test-slow`; `make demo` runs the same three faults
 def test_stalled_rank_dead_node_and_straggler_recover_on_healthy_nodes_bit_for_bit(
     airflow_job: dict[str, str], relay_home: Path, tmp_path: Path, clean_run: dict[str, Any]
 ) -> None:

@@ -15,7 +15,7 @@ from airflow_jobs import run_job, use_jobs
 
 from relay.lineage import TAG_OUTCOME, Lineage
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # `make test-slow`
 
 JOB = """\
 job: evidence

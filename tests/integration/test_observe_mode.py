@@ -21,7 +21,7 @@ from relay.lineage import TAG_DAG_ID, TAG_OUTCOME, Lineage
 from relay.nodes import NodePool
 from relay.settings import REPO_ROOT
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # `make test-slow`
 
 JOB = """\
 job: observe

@@ -53,6 +53,7 @@ def user_job(relay_home: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     return prepare_jobs(relay_home, tmp_path_factory.mktemp("jobs"), {"user": JOB})
 
 
+@pytest.mark.slow  # `make test-slow`
 def test_user_script_recovers_from_hang_node_and_crash_bit_for_bit(
     user_job: dict[str, str], relay_home: Path, tmp_path: Path
 ) -> None:

@@ -30,7 +30,7 @@ def run_entrypoint(entry: Entrypoint) -> int:
     """Run ``entry`` as ``__main__`` with its arguments; return its exit code."""
     if entry.module:
         sys.argv = [entry.module, *entry.args]
-        target = entry.module
+        run = lambda: runpy.run_module(entry.module, run_name="__main__", alter_sys=True)  # noqa: E731
     else:
         script = Path(str(entry.script))
         if not script.is_file():
@@ -40,20 +40,14 @@ def run_entrypoint(entry: Entrypoint) -> int:
             return 2
         sys.argv = [str(script), *entry.args]
         sys.path.insert(0, str(script.parent))
-        target = str(script)
+        run = lambda: runpy.run_path(str(script), run_name="__main__")  # noqa: E731
     try:
-        if entry.module:
-            runpy.run_module(entry.module, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(target, run_name="__main__")
+        run()
     except SystemExit as exc:
-        code = exc.code
-        if code is None:
-            return 0
-        if not isinstance(code, int):
-            print(code, file=sys.stderr)
-            return 1
-        return code
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
     return 0
 
 

@@ -62,7 +62,9 @@ class NodeAgent:
         """Import what the ranks need, once, before forking them; return the seconds it took."""
         started = time.perf_counter()
         hosts_rank0 = self.cfg.global_rank(self.node, 0) == 0
-        preload_worker(self.cfg.entrypoint, publisher=hosts_rank0)
+        # MLflow: rank 0's node publishes checkpoints; every node of a resumed attempt
+        # fetches its resume checkpoint (relay_train.fetch).
+        preload_worker(self.cfg.entrypoint, publisher=hosts_rank0 or self.cfg.resume is not None)
         return time.perf_counter() - started
 
     def start_ranks(self) -> None:

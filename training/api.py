@@ -47,8 +47,16 @@ from relay_train.chaos import ChaosMonkey
 from relay_train.checkpoint import Checkpointer, load_verified, restore_rng, snapshot_state
 from relay_train.device import RankDevice, setup_rank_device, wait_for_compute
 from relay_train.evidence import EvidenceResponder
+from relay_train.fetch import fetch_resume
 from relay_train.heartbeat import ENV_NODE, HeartbeatWriter, Phase
-from relay_train.launch import DRAIN_FILE, ENV_LAUNCH, FIRST_STEP_FILE, RESULT_FILE, LaunchConfig
+from relay_train.launch import (
+    DRAIN_FILE,
+    ENV_LAUNCH,
+    FIRST_STEP_FILE,
+    RESULT_FILE,
+    LaunchConfig,
+    ResumeFrom,
+)
 from relay_train.manifest import CheckpointRef
 from relay_train.reduce import comm_hook
 from relay_train.rescue import DrainRequest, RescueResponder, TrainingState
@@ -183,6 +191,7 @@ class Session:
             raise RuntimeError(
                 f"relay_train: the resume checkpoint {resume.path} is a sharded "
                 "torch.distributed.checkpoint folder; expected session.resume_sharded(state).")
+        resume = self._fetched_resume()
         state = load_verified(Path(resume.path), resume.sha256)
         if int(state["step"]) != self.start_step:
             raise RuntimeError(
@@ -194,6 +203,12 @@ class Session:
         log.info("rank %d resumes from step %d (%s)", self.rank, self.start_step, resume.path)
         self.startup.mark("restore")
         return state
+
+    def _fetched_resume(self) -> ResumeFrom:
+        """Return the resume point as a verified copy on this node, fetched from MLflow."""
+        assert self.cfg.resume is not None
+        cache = self.cfg.root / "resume" / os.environ.get(ENV_NODE, "node")  # node-local
+        return fetch_resume(self.cfg.resume, self.cfg.tracking_uri, cache)
 
     def track(self, state_fn: StateFn) -> None:
         """Name the state to checkpoint and to hand over in a rescue (a function returning it).
@@ -249,7 +264,7 @@ class Session:
                 "session.resume_state() for checkpoints made by session.save().")
         from relay_train.dcp import load_dcp
 
-        load_dcp(resume, state)
+        load_dcp(self._fetched_resume(), state)
         self.startup.mark("restore")
         return True
 

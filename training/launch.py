@@ -49,6 +49,7 @@ class ResumeFrom:
     step: int
     format: str = "torch"
     files: dict[str, str] = field(default_factory=dict, hash=False)
+    artifact: str = ""  # the checkpoint's URI in MLflow's artifact store; ranks fetch it there
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,11 @@ class LaunchConfig:
     segment: int
     heartbeat_interval_seconds: float = 0.5
     collective_timeout_seconds: float = 1800.0
-    backend: str = "auto"  # auto | gloo | nccl, resolved per rank by relay_train.device
+    backend: str = "auto"  # auto | gloo | nccl (NCCL when every local rank has a GPU)
     deterministic: bool = True
     resume: ResumeFrom | None = None
     chaos: list[dict[str, Any]] = field(default_factory=list)
     entrypoint: Entrypoint = field(default_factory=lambda: Entrypoint(BUILTIN_ENTRYPOINT))
-    backend: str = "auto"  # gloo | nccl | auto (NCCL when every local rank has a GPU)
-    deterministic: bool = True
 
     @property
     def world_size(self) -> int:

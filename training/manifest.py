@@ -138,6 +138,12 @@ class CheckpointManifest:
         """Return a reference to this checkpoint."""
         return CheckpointRef(run_id=self.run_id, step=self.step, sha256=self.sha256)
 
+    @property
+    def artifact(self) -> str:
+        """Return the checkpoint's file (or DCP folder) inside its MLflow run."""
+        name = DCP_DIR if self.format == FORMAT_DCP else CHECKPOINT_FILE
+        return f"{self.ref.artifact_dir}/{name}"
+
     def to_json(self) -> str:
         """Serialise the manifest."""
         return json.dumps(asdict(self), indent=2, sort_keys=True)

@@ -23,9 +23,7 @@ from tenacity import Retrying
 from relay import settings
 from relay_train.launch import ResumeFrom
 from relay_train.manifest import (
-    CHECKPOINT_FILE,
     CHECKPOINT_ROOT,
-    DCP_DIR,
     FORMAT_DCP,
     MANIFEST_FILE,
     CheckpointManifest,
@@ -58,12 +56,13 @@ class VerifiedCheckpoint:
 
     manifest: CheckpointManifest
     path: Path
+    artifact_uri: str = ""  # where the ranks fetch it from (the artifact store, not MLflow's API)
 
     def resume_from(self) -> ResumeFrom:
         """Return the resume point a segment attempt's workers load."""
         m = self.manifest
         return ResumeFrom(path=str(self.path), sha256=m.sha256, run_id=m.run_id, step=m.step,
-                          format=m.format, files=dict(m.files))
+                          format=m.format, files=dict(m.files), artifact=self.artifact_uri)
 
 
 @dataclass(frozen=True)
@@ -265,7 +264,9 @@ class Lineage:
             target.mkdir(parents=True, exist_ok=True)
             local, bad = self._download_verified(manifest, target)
             if bad is None:
-                return VerifiedCheckpoint(manifest=manifest, path=local), corrupt
+                uri = self._call(self.client.get_run, manifest.run_id).info.artifact_uri
+                return VerifiedCheckpoint(manifest=manifest, path=local,
+                                          artifact_uri=f"{uri}/{manifest.artifact}"), corrupt
             log.error(
                 "Corrupt checkpoint %s: expected sha256 %s, found %s%s; trying the previous one",
                 manifest.ref, manifest.sha256, bad.actual_sha256,
@@ -278,9 +279,8 @@ class Lineage:
         self, manifest: CheckpointManifest, target: Path
     ) -> tuple[Path, CorruptCheckpoint | None]:
         """Download one checkpoint (file or DCP folder) and check it against its manifest."""
-        name = DCP_DIR if manifest.format == FORMAT_DCP else CHECKPOINT_FILE
         local = Path(self._call(self.client.download_artifacts, manifest.run_id,
-                                f"{manifest.ref.artifact_dir}/{name}", str(target)))
+                                manifest.artifact, str(target)))
         if manifest.format != FORMAT_DCP:
             actual = file_sha256(local)
             return local, None if actual == manifest.sha256 else CorruptCheckpoint(manifest, actual)

@@ -22,6 +22,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskD
 from relay import journal, resume_time, testhooks, unattended
 from relay.chaosconf import ChaosConfError, chaos_faults
 from relay.decide import Decision, decide
+from relay.drain import drain
 from relay.evidence import ask_for_evidence, attach_evidence, collect_evidence
 from relay.faults import RESCUABLE, Fault, FaultKind
 from relay.launchers import Launcher, LaunchState, launcher_for
@@ -32,7 +33,7 @@ from relay.observe import ENDS_ATTEMPT, log_observations, record_observation, wa
 from relay.operators import RelayOperator, lineage_store, segment_dir
 from relay.policy import LoadedPolicy
 from relay.record import best_effort, record_fault
-from relay.recovery import SegmentFaultError, drain, fault_history, quarantine
+from relay.recovery import SegmentFaultError, fault_history, quarantine
 from relay.rescue import publish_rescue, request_rescue
 from relay.spec import JobSpec
 from relay.triggers import SegmentWatchTrigger

@@ -230,10 +230,10 @@ def results(warden: Stopped, decision: Any, fault: Any,  # noqa: ANN401 - Decisi
 
 def _act(args: dict[str, Any]) -> Stopped:
     """Snapshot what is cheap to save, then stop the attempt (run under the lease)."""
+    from relay.drain import drain
     from relay.evidence import ask_for_evidence, collect_evidence
     from relay.faults import Fault
     from relay.launchers import launcher_from
-    from relay.recovery import drain
     from relay.rescue import request_rescue
     from relay_train.launch import LAUNCH_FILE, LaunchConfig
 
@@ -241,14 +241,17 @@ def _act(args: dict[str, Any]) -> Stopped:
     fault = Fault.from_event(args["fault"]["fault"])
     cfg = LaunchConfig.read(attempt_dir / LAUNCH_FILE)
     launcher = launcher_from(args.get("launcher"))
-    asked = ask_for_evidence(attempt_dir, fault, cfg.world_size)
-    rescued = drained = None
-    if args["step"] == DRAIN:
-        drained = drain(attempt_dir, args["checkpoint_timeout"], launcher)
-    elif args["step"] == RESCUE:
-        rescued = request_rescue(attempt_dir, cfg, fault, args["checkpoint_timeout"])
-    if asked is not None:  # the answers are on disk now; execute_complete summarises them
-        collect_evidence(asked, args["evidence_timeout"])
+    asked = rescued = drained = None
+    try:  # whatever goes wrong saving, the stop below is the point
+        asked = ask_for_evidence(attempt_dir, fault, cfg.world_size)
+        if args["step"] == DRAIN:
+            drained = drain(attempt_dir, args["checkpoint_timeout"], launcher)
+        elif args["step"] == RESCUE:
+            rescued = request_rescue(attempt_dir, cfg, fault, args["checkpoint_timeout"])
+        if asked is not None:  # the answers are on disk now; execute_complete summarises them
+            collect_evidence(asked, args["evidence_timeout"])
+    except Exception:  # noqa: BLE001 - logged; the retry resumes from the last checkpoint
+        log.exception("Could not save the state of %s before stopping it", attempt_dir)
     survivors = launcher.stop(attempt_dir, STOP_GRACE_SECONDS)
     return Stopped(
         by=f"warden pid {os.getpid()}", detected_at=float(fault.detected_at),

@@ -75,7 +75,12 @@ def _wait_exit(pid: int, timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
-def test_an_unhandled_fault_is_stopped_by_one_warden(tmp_path: Path) -> None:
+def test_an_unhandled_fault_is_stopped_by_one_warden(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where the watcher runs, Airflow forbids its metadata DB (supervisor.py sets this):
+    # the warden must not even import Airflow.
+    for var in ("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "AIRFLOW__CORE__SQL_ALCHEMY_CONN"):
+        monkeypatch.setenv(var, "airflow-db-not-allowed:///")
     attempt = tmp_path / "try-1"
     proc = _workload(attempt)
     try:

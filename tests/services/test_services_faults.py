@@ -53,7 +53,9 @@ def _wait_for(path: Path, timeout: float) -> Path:
 
 
 def _processes_of(home: Path, attempt: Path) -> list[int]:
-    return [p for p, cmd in workload_processes(home).items() if str(attempt) in cmd]
+    """Return the attempt's agents and ranks (not its warden, whose files are there too)."""
+    return [p for p, cmd in workload_processes(home).items()
+            if str(attempt) in cmd and "relay_train." in cmd]
 
 
 def _pool(home: Path) -> NodePool:

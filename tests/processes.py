@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def workload_processes(home: Path) -> dict[int, str]:
-    """Return the training processes (agents and ranks) started under ``home``."""
+    """Return the training processes (agents, ranks) and wardens started under ``home``."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -15,6 +15,6 @@ def workload_processes(home: Path) -> dict[int, str]:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if "relay_train." in cmd and str(home) in cmd:
+        if ("relay_train." in cmd or "relay.unattended" in cmd) and str(home) in cmd:
             found[int(entry.name)] = cmd
     return found

@@ -103,6 +103,20 @@ def _channel_sentence(e: Escalation) -> str:
             "delivery is recorded with the decision, never stops it).")
 
 
+def _unattended_sentence(d: Detection) -> str:
+    if d.stop_unattended_after is None:
+        return ("When Airflow cannot act on a detected fault (its scheduler is down), the faulty "
+                "workload keeps its nodes until it can (stop_unattended_after is off).")
+    bound = d.stop_unattended_after + d.checkpoint_timeout + 10
+    return (
+        "When Airflow cannot act on a detected fault (its scheduler is down), Relay still stops "
+        f"the faulty workload {humanize(d.stop_unattended_after)} after detecting it, once a "
+        "healthy rank has handed over its state (or the ranks drained to a checkpoint): within "
+        f"{humanize(bound)} of the detection at most. The decision above is applied and "
+        "recorded when Airflow resumes the task."
+    )
+
+
 def explain(loaded: LoadedPolicy) -> str:
     """Return the whole policy in plain sentences."""
     p = loaded.policy
@@ -147,6 +161,7 @@ def explain(loaded: LoadedPolicy) -> str:
     else:
         lines.append("When fewer healthy nodes are left than a segment needs, Relay stops and "
                      f"notifies {p.escalation.target} at once.")
+    lines.append(_unattended_sentence(p.detection))
     lines.append(_channel_sentence(p.escalation))
     lines.append(f"Every decision records this policy's sha256 ({loaded.sha256}).")
     return "\n".join(lines)

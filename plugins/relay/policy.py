@@ -19,7 +19,7 @@ from relay.yamlsource import ConfigError, Duration, load_yaml_with_lines, valida
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _DURATIONS = (
     "poll_interval", "startup_timeout", "heartbeat_timeout", "hang_timeout", "checkpoint_timeout",
-    "evidence_timeout",
+    "evidence_timeout", "stop_unattended_after",
 )
 
 
@@ -54,14 +54,16 @@ class Detection(BaseModel):
     hang_timeout: Duration = 3.0
     checkpoint_timeout: Duration = 120.0
     evidence_timeout: Duration = 2.0  # ranks' stacks and collective trace; silent ones skipped
+    # A detected fault nobody handles this long (Airflow's scheduler down): stop it anyway.
+    stop_unattended_after: Duration | None = 30.0
     straggler: StragglerDetection | None = StragglerDetection()
     throughput: ThroughputDetection | None = ThroughputDetection()
     nan_loss: bool = True
 
     @field_validator(*_DURATIONS, mode="after")
     @classmethod
-    def _positive(cls, seconds: float) -> float:
-        if seconds <= 0:
+    def _positive(cls, seconds: float | None) -> float | None:
+        if seconds is not None and seconds <= 0:
             raise ValueError(f"expected a duration > 0 such as 2s, found {seconds:g}s")
         return seconds
 

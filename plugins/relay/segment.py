@@ -19,9 +19,10 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
 
-from relay import resume_time
+from relay import journal, resume_time, testhooks, unattended
 from relay.chaosconf import ChaosConfError, chaos_faults
 from relay.decide import Decision, decide
+from relay.drain import drain
 from relay.evidence import ask_for_evidence, attach_evidence, collect_evidence
 from relay.faults import RESCUABLE, Fault, FaultKind
 from relay.launchers import Launcher, LaunchState, launcher_for
@@ -32,7 +33,7 @@ from relay.observe import ENDS_ATTEMPT, log_observations, record_observation, wa
 from relay.operators import RelayOperator, lineage_store, segment_dir
 from relay.policy import LoadedPolicy
 from relay.record import best_effort, record_fault
-from relay.recovery import SegmentFaultError, drain, fault_history, quarantine
+from relay.recovery import SegmentFaultError, fault_history, quarantine
 from relay.rescue import publish_rescue, request_rescue
 from relay.spec import JobSpec
 from relay.triggers import SegmentWatchTrigger
@@ -118,9 +119,12 @@ class TrainSegmentOperator(RelayOperator):
         lineage = lineage_store()
         parent = lineage.parent_run(spec.job, spec.dag_id, dag_run.run_id)
         seg_dir = segment_dir(spec, dag_run.run_id, index)
+        launcher = launcher_for(spec)
+        # A try killed while stopping and recording a fault: finish that record first.
+        journal.finish_interrupted(context, seg_dir, lambda fault, where, cfg: self._on_fault(
+            context, fault, where, cfg, lineage, launcher))
         # A task killed mid-segment leaves its workload running: stop it first, and close
         # the MLflow runs of such launches so the lineage shows them as abandoned.
-        launcher = launcher_for(spec)
         launcher.stop_all(seg_dir)
         lineage.abandon_running(parent, index)
         attempt_dir = seg_dir / f"try-{try_number}"
@@ -166,6 +170,8 @@ class TrainSegmentOperator(RelayOperator):
         )
         launch_called = time.time()
         launcher.launch(cfg, standby_dir=seg_dir / STANDBY_DIR)
+        journal.write(context, seg_dir, journal.LAUNCHED, attempt_dir=str(attempt_dir),
+                      run_id=run_id, nodes=nodes)
         resume_time.note_launch(attempt_dir, task_started, launch_called)
         log.info("Segment %d try %d: steps [%d, %d) on %s; MLflow child run %s; attempt folder %s",
                  index, try_number, resume_step, end, ", ".join(nodes), run_id, attempt_dir)
@@ -178,6 +184,7 @@ class TrainSegmentOperator(RelayOperator):
         node_ranks = {n: [cfg.global_rank(n, r) for r in range(cfg.ranks_per_node)]
                       for n in cfg.nodes}
         detection = policy.policy.detection
+        history = fault_history(attempt_dir.parent, exclude=attempt_dir)
         # Only the trigger's own arguments survive deferral reliably (``dag.test``
         # drops defer kwargs); execute_complete re-reads the rest from the attempt folder.
         self.defer(
@@ -187,6 +194,7 @@ class TrainSegmentOperator(RelayOperator):
                 heartbeat_interval_seconds=cfg.heartbeat_interval_seconds,
                 poll_interval_seconds=detection.poll_interval, kinds=kinds,
                 launcher=launcher.config(),
+                unattended=unattended.plan(policy.policy, history, policy.sha256),
             ),
             method_name="execute_complete",
         )
@@ -281,26 +289,35 @@ class TrainSegmentOperator(RelayOperator):
         if decision.observe:
             return self._observe(context, fault, decision, attempt_dir, cfg, lineage, policy,
                                  launcher)
+        journal.write(context, attempt_dir.parent, journal.HANDLING,
+                      attempt_dir=str(attempt_dir), fault=fault.to_event()["fault"])
         if decision.retry:
             self._prestart(spec, decision, attempt_dir.parent,
                            _lease_holder(spec.dag_id, context["dag_run"].run_id), launcher)
         clock.mark("decide", time.time())
         beats = read_heartbeats(attempt_dir / "heartbeats")
         progress = max((b.step for b in beats.values()), default=cfg.start_step)
-        # Where is it stuck? Ask every rank now (after the stop nobody answers); the
-        # answers arrive while the rescue runs and are gathered, bounded, before the stop.
-        asked = ask_for_evidence(attempt_dir, fault, cfg.world_size)
-        drained = rescued = None
-        if decision.checkpoint_first:
-            drained = drain(attempt_dir, policy.policy.detection.checkpoint_timeout, launcher)
-        elif decision.retry and not decision.rollback and fault.kind in RESCUABLE:
-            rescued = request_rescue(attempt_dir, cfg, fault,
-                                     policy.policy.detection.checkpoint_timeout)
+        # Did the watcher's warden stop it already (no one resumed the task in time)?
+        detection = policy.policy.detection
+        warden = unattended.take_over(attempt_dir, detection.checkpoint_timeout + 30)
+        if warden is not None:
+            asked, drained, rescued = unattended.results(warden, decision, fault, attempt_dir)
+        else:
+            # Where is it stuck? Ask every rank now (after the stop nobody answers); the
+            # answers arrive while the rescue runs and are gathered, bounded, before the stop.
+            asked = ask_for_evidence(attempt_dir, fault, cfg.world_size)
+            drained = rescued = None
+            if decision.checkpoint_first:
+                drained = drain(attempt_dir, detection.checkpoint_timeout, launcher)
+            elif decision.retry and not decision.rollback and fault.kind in RESCUABLE:
+                rescued = request_rescue(attempt_dir, cfg, fault, detection.checkpoint_timeout)
         evidence = (collect_evidence(asked, policy.policy.detection.evidence_timeout)
                     if asked else None)
         clock.mark("rescue", time.time())
+        testhooks.pause("stop", attempt_dir=str(attempt_dir))
         survivors = launcher.stop(attempt_dir)
         clock.mark("stop", time.time())
+        testhooks.pause("record", attempt_dir=str(attempt_dir))
         quarantine(decision, fault, f"{spec.dag_id}/{context['dag_run'].run_id}", launcher)
         found = best_effort("find the resume point", lambda: self._resume_point(
             context, spec, decision, fault, lineage))
@@ -344,6 +361,7 @@ class TrainSegmentOperator(RelayOperator):
         record["time_to_resume"] = clock.to_dict()
         write_atomically(attempt_dir / "decision.json", json.dumps(record, indent=2, default=str),
                          durable=True)
+        journal.write(context, attempt_dir.parent, journal.RECORDED, attempt_dir=str(attempt_dir))
         self._complete_resume_time(attempt_dir, lineage)  # off this recovery's critical path
         log.error("%s Logs: %s", message, attempt_dir / "logs")
         if decision.retry:

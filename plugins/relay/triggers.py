@@ -22,6 +22,7 @@ from relay.detection import Detector, Observation
 from relay.faults import FaultKind
 from relay.launchers import Launcher, LaunchState, launcher_from
 from relay.policy import Detection
+from relay.unattended import start_warden
 from relay_train.heartbeat import Phase, read_heartbeats
 
 
@@ -69,6 +70,7 @@ class SegmentWatchTrigger(BaseTrigger):
         poll_interval_seconds: float = 0.5,
         kinds: list[str] | None = None,
         launcher: dict[str, Any] | None = None,
+        unattended: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
         self.attempt_dir = attempt_dir
@@ -78,6 +80,8 @@ class SegmentWatchTrigger(BaseTrigger):
         self.poll_interval_seconds = poll_interval_seconds
         self.kinds = kinds  # the fault kinds to report (None: all); observe mode narrows it
         self.launcher = launcher
+        # fault kind -> what a warden saves before stopping the workload (relay.unattended)
+        self.unattended = unattended
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Return the classpath and the exact ``__init__`` arguments."""
@@ -91,6 +95,7 @@ class SegmentWatchTrigger(BaseTrigger):
                 "poll_interval_seconds": self.poll_interval_seconds,
                 "kinds": self.kinds,
                 "launcher": self.launcher,
+                "unattended": self.unattended,
             },
         )
 
@@ -115,7 +120,12 @@ class SegmentWatchTrigger(BaseTrigger):
                     return
                 fault = detector.check(obs)
                 if fault is not None:
-                    yield TriggerEvent({**fault.to_event(), "attempt_dir": self.attempt_dir})
+                    event = {**fault.to_event(), "attempt_dir": self.attempt_dir}
+                    step = (self.unattended or {}).get(fault.kind.value)
+                    if step is not None:  # should no one resume the task (scheduler down)
+                        await asyncio.to_thread(start_warden, root, event, step,
+                                                self.detection, self.launcher)
+                    yield TriggerEvent(event)
                     return
                 await asyncio.sleep(self.poll_interval_seconds)
         except Exception as exc:  # an error event, never a dead trigger

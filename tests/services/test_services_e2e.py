@@ -10,19 +10,16 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlencode
 
 import pytest
 from airflow_runs import DAG_ID, run_to_end, wait_for_success, wait_for_task_state
 from browser import Chromium
-from processes import workload_processes
 
 from relay import services
 from relay.airflow_api import AirflowApi
 from relay.lineage import TAG_EXPERIMENT_KIND, Lineage
-from relay.proctree import alive
 from relay.report import final_state, same_bits
 from relay.run_view import RunView, find_parent, run_view
 from relay.settings import REPO_ROOT
@@ -31,40 +28,6 @@ pytestmark = pytest.mark.services
 
 HANG = {"kind": "hang", "segment": 0, "step": 35, "rank": 1}
 SCREENSHOT = REPO_ROOT / "docs" / "recovery-page.png"
-
-
-@pytest.fixture(scope="module")
-def deployment(relay_home: Path) -> Iterator[services.Deployment]:
-    """Start everything with `make up`'s code; stop it and check nothing is left behind."""
-    home = relay_home / "svc"
-    began = time.monotonic()
-    dep = services.up(home)
-    print(f"\nservices up in {time.monotonic() - began:.1f}s")
-    saved = os.environ.get("RELAY_MLFLOW_TRACKING_URI")
-    os.environ["RELAY_MLFLOW_TRACKING_URI"] = dep.mlflow_url
-    try:
-        yield dep
-    finally:
-        stopped = services.down(home)
-        if saved is None:
-            os.environ.pop("RELAY_MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["RELAY_MLFLOW_TRACKING_URI"] = saved
-    assert stopped, "make down found nothing to stop"
-    assert not [p for p in stopped if alive(p)], "processes outlived make down"
-    assert not [p for p in (dep.ports.api, dep.ports.mlflow) if services.port_open(p)]
-    assert not workload_processes(home), "training processes outlived make down"
-
-
-@pytest.fixture(scope="module")
-def api(deployment: services.Deployment) -> AirflowApi:
-    home = Path(deployment.home)
-    return AirflowApi(deployment.api_url, services.ADMIN_USER, services.admin_password(home))
-
-
-@pytest.fixture(scope="module")
-def clean_run(api: AirflowApi) -> str:
-    return run_to_end(api, {"chaos": []})
 
 
 @pytest.fixture(scope="module")

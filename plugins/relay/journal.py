@@ -1,0 +1,90 @@
+"""Where a segment's attempt stands, kept where a killed task's retry can read it.
+
+One entry per segment task of a DAG run, in Airflow's task state store
+(AIP-103: ``context["task_state_store"]``, shared by every try of a task
+instance in its DAG run and kept in Airflow's metadata database):
+
+- ``launched``: ``execute`` started the attempt (its try and attempt folder);
+- ``handling``: ``execute_complete`` decided about a fault and is stopping and
+  recording the attempt (the fault is in the entry);
+- ``recorded``: the decision is in ``decision.json`` and MLflow.
+
+A retry that finds ``handling`` knows the task process died mid-record: it
+handles that fault again before anything else (the same pure decision, the
+rescue the healthy rank already wrote, the stop, the record), exactly once,
+and then launches its own attempt. When the task state store is missing from
+the context (it is there under ``airflow dags test`` too in Airflow 3.3.2),
+the entry goes to ``journal.json`` in the segment folder instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from relay.faults import Fault
+from relay.recovery import SegmentFaultError
+from relay_train.heartbeat import write_atomically
+from relay_train.launch import LAUNCH_FILE, LaunchConfig
+
+KEY = "relay_attempt"
+FILE = "journal.json"
+LAUNCHED, HANDLING, RECORDED = "launched", "handling", "recorded"
+
+log = logging.getLogger(__name__)
+
+
+def _store(context: Mapping[str, Any]) -> Any:  # noqa: ANN401 - TaskStateStoreAccessor
+    try:
+        return context.get("task_state_store")
+    except (AttributeError, KeyError):
+        return None
+
+
+def write(context: Mapping[str, Any], segment_dir: Path, stage: str, **fields: Any) -> str:  # noqa: ANN401
+    """Record ``stage`` of the segment's current attempt; return where it went."""
+    entry = {"stage": stage, "at": time.time(), **fields}
+    store = _store(context)
+    if store is not None:
+        store.set(KEY, entry)
+        return "task_state_store"
+    write_atomically(segment_dir / FILE, json.dumps(entry, default=str), durable=True)
+    return str(segment_dir / FILE)
+
+
+def read(context: Mapping[str, Any], segment_dir: Path) -> dict[str, Any] | None:
+    """Return the segment's latest entry, if any."""
+    store = _store(context)
+    if store is not None:
+        found = store.get(KEY)
+        return dict(found) if isinstance(found, dict) else None
+    try:
+        return dict(json.loads((segment_dir / FILE).read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def finish_interrupted(context: Mapping[str, Any], segment_dir: Path,
+                       handle: Callable[[Fault, Path, LaunchConfig], Any]) -> Path | None:
+    """Handle the fault a killed try was recording, if there is one; return its attempt folder.
+
+    ``handle`` is the fault path of ``execute_complete``; its retry verdict is this very
+    try, so :class:`SegmentFaultError` is taken as done. A verdict to stop for good
+    (``AirflowFailException``) propagates: this try fails as the policy says.
+    """
+    entry = read(context, segment_dir)
+    if entry is None or entry.get("stage") != HANDLING:
+        return None
+    attempt_dir = Path(entry["attempt_dir"])
+    fault = Fault.from_event(entry["fault"])
+    log.warning("The previous try died while stopping and recording %s (%s); finishing that "
+                "first", attempt_dir, fault.describe())
+    try:
+        handle(fault, attempt_dir, LaunchConfig.read(attempt_dir / LAUNCH_FILE))
+    except SegmentFaultError:
+        pass  # recorded; this try is the retry the decision asked for
+    return attempt_dir

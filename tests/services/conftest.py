@@ -1,0 +1,61 @@
+"""The services of `make up`, started once for every services test of a session.
+
+The deployment is started with `make up`'s own code and stopped with `make down`'s;
+afterwards nothing it started may be left: no process, no port, no training process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from airflow_runs import run_to_end
+from processes import workload_processes
+
+from relay import services, testhooks
+from relay.airflow_api import AirflowApi
+from relay.proctree import alive
+
+PAUSE_DIR = "test-pauses"  # under the deployment's home: see relay.testhooks
+
+
+@pytest.fixture(scope="session")
+def deployment(relay_home: Path) -> Iterator[services.Deployment]:
+    """Start everything with `make up`'s code; stop it and check nothing is left behind."""
+    home = relay_home / "svc"
+    # Pause points for the tests that kill a task process mid-record (relay.testhooks).
+    pauses = home / PAUSE_DIR
+    pauses.mkdir(parents=True, exist_ok=True)
+    os.environ[testhooks.ENV] = str(pauses)
+    began = time.monotonic()
+    dep = services.up(home)
+    print(f"\nservices up in {time.monotonic() - began:.1f}s")
+    saved = os.environ.get("RELAY_MLFLOW_TRACKING_URI")
+    os.environ["RELAY_MLFLOW_TRACKING_URI"] = dep.mlflow_url
+    try:
+        yield dep
+    finally:
+        stopped = services.down(home)
+        os.environ.pop(testhooks.ENV, None)
+        if saved is None:
+            os.environ.pop("RELAY_MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["RELAY_MLFLOW_TRACKING_URI"] = saved
+    assert stopped, "make down found nothing to stop"
+    assert not [p for p in stopped if alive(p)], "processes outlived make down"
+    assert not [p for p in (dep.ports.api, dep.ports.mlflow) if services.port_open(p)]
+    assert not workload_processes(home), "training processes or wardens outlived make down"
+
+
+@pytest.fixture(scope="session")
+def api(deployment: services.Deployment) -> AirflowApi:
+    home = Path(deployment.home)
+    return AirflowApi(deployment.api_url, services.ADMIN_USER, services.admin_password(home))
+
+
+@pytest.fixture(scope="session")
+def clean_run(api: AirflowApi) -> str:
+    return run_to_end(api, {"chaos": []})

@@ -98,6 +98,7 @@ class Session:
         self._metrics: list[tuple[int, dict[str, float], int]] = []
         self._clock: dict[str, float] = {}
         self._compute, self._natural, self._rate = Ewma(), Ewma(), Ewma()
+        self._step_time = Ewma()  # logged as step_seconds: checkpoint_every auto's pace
         self._injected = 0.0
         self._last_step = cfg.start_step
         self._loop_started: float | None = None
@@ -318,6 +319,7 @@ class Session:
         if step >= self.start_step + WARMUP_STEPS:
             self._natural.add(computed - self._injected)
         rate = self._rate.add(samples * self.world_size / max(done - started, 1e-9))
+        step_time = self._step_time.add(done - started)
         self._heartbeat.beat(step=step + 1, compute_seconds=self._compute.add(computed),
                              samples_per_second=rate, loss=loss)
         self._last_step = step + 1
@@ -330,7 +332,8 @@ class Session:
         if self.rank != 0:
             return
         if loss is not None:
-            self._metrics.append((step + 1, {"loss": loss, "samples_per_second": rate},
+            self._metrics.append((step + 1, {"loss": loss, "samples_per_second": rate,
+                                             "step_seconds": step_time},
                                   int(time.time() * 1000)))
         if self._state_fn is not None and self.checkpoint_due(step + 1):
             self._checkpoint(step + 1, loss)
@@ -396,6 +399,8 @@ class Session:
         stall = self.save(step)
         log.info("step %d loss %s checkpoint stall %.4fs", step,
                  "-" if loss is None else f"{loss:.4f}", stall)
+        # What checkpoint_every: auto weighs a save at (relay.interval).
+        self._metrics.append((step, {"checkpoint_stall_seconds": stall}, int(time.time() * 1000)))
         self._flush_metrics()
 
     def _flush_metrics(self) -> None:

@@ -7,6 +7,7 @@ from relay.faults import RESCUABLE, FaultKind
 from relay.notify import redact
 from relay.policy import Detection, LoadedPolicy
 from relay.rules import JOB_WIDE, Action, Escalation, Mode, Rule
+from relay.spec import JobSpec
 
 _UNITS = ((86400, "day"), (3600, "hour"), (60, "minute"), (1, "second"))
 
@@ -150,3 +151,18 @@ def explain(loaded: LoadedPolicy) -> str:
     lines.append(_channel_sentence(p.escalation))
     lines.append(f"Every decision records this policy's sha256 ({loaded.sha256}).")
     return "\n".join(lines)
+
+
+def explain_job(spec: JobSpec) -> str:
+    """Return how a job checkpoints; for ``auto``, what an attempt starting now would pick."""
+    from relay.interval import explain_text, interval_for
+
+    choice = None
+    if spec.checkpoint_auto is not None:
+        try:
+            from relay.lineage import Lineage
+
+            choice = interval_for(spec, Lineage.from_settings())
+        except Exception as exc:  # noqa: BLE001 - the explanation stands without the record
+            return explain_text(spec) + f"\n  (the job's MLflow record could not be read: {exc})"
+    return explain_text(spec, choice)

@@ -30,7 +30,7 @@ def fault_sentence(kind: FaultKind, d: Detection) -> str:
     throughput = d.throughput
     return {
         FaultKind.HANG: "a rank stalls (hang): it stays in its compute step for more than "
-        f"{humanize(d.hang_timeout)} while the other ranks wait for it",
+        f"{_hang_threshold(d)} while the other ranks wait for it",
         FaultKind.RANK_UNRESPONSIVE: "a rank stops answering (rank_unresponsive): no heartbeat "
         f"for {humanize(d.heartbeat_timeout)} while its node still answers",
         FaultKind.NODE_UNRESPONSIVE: "a node stops answering (node_unresponsive): every rank on "
@@ -55,6 +55,17 @@ def fault_sentence(kind: FaultKind, d: Detection) -> str:
         FaultKind.CORRUPT_CHECKPOINT: "a checkpoint does not match the sha256 recorded when it "
         "was saved (corrupt_checkpoint)",
     }[kind]
+
+
+def _hang_threshold(d: Detection) -> str:
+    """Return the hang threshold in words: as written, or how it is derived."""
+    derive = d.derive_hang_timeout
+    if derive is None:
+        return humanize(d.hang_timeout)
+    return (f"a threshold DERIVED from the job's own steps - one heartbeat interval plus "
+            f"{derive.safety_factor:g} x the slowest step seen, at least {humanize(derive.min)} "
+            f"and at most {humanize(d.hang_timeout)} ({humanize(d.hang_timeout)} until "
+            f"{derive.warmup_steps} steps are seen, and when every rank is stuck at once) -")
 
 
 def _action_sentence(kind: FaultKind, rule: Rule) -> str:

@@ -23,8 +23,8 @@ this one included, its newest :data:`HISTORY_ATTEMPTS` segment attempts):
 
 The result is rounded to whole steps and held within the spec's ``min`` and
 ``max``. The choice and every input are recorded per attempt: the attempt's
-MLflow params ``checkpoint_every`` and ``checkpoint_every_reason``, its artifact
-and attempt-folder file ``checkpoint_interval.json``.
+MLflow params ``checkpoint_every`` and ``checkpoint_every_reason``, the launch
+file's ``checkpoint_every``, and ``checkpoint_interval.json`` in the attempt folder.
 """
 
 from __future__ import annotations

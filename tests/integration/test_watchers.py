@@ -14,7 +14,7 @@ from relay.airflow_env import airflow_env, ensure_airflow_db
 from relay.bench.common import Store, launch_config, launched, watch
 from relay.bench.detect import SCENARIOS, Scenario, run_trial
 from relay.demo import run_dag_test
-from relay.policy import Detection
+from relay.policy import Detection, HangFromStepTime
 from relay_train.heartbeat import HeartbeatWriter, Phase, read_heartbeats
 
 pytestmark = pytest.mark.integration
@@ -48,12 +48,16 @@ def test_fault_is_classified_with_its_culprit(
     assert 0 <= record["latency"] < DETECTION_BOUND_SECONDS[scenario.expected_kind], record
 
 
-def test_step_time_jitter_raises_no_false_alarm(store: Store, tmp_path: Path) -> None:
+@pytest.mark.parametrize("detection", [Detection(), Detection(
+    derive_hang_timeout=HangFromStepTime())], ids=["as-written", "derived-hang-timeout"])
+def test_step_time_jitter_raises_no_false_alarm(
+    detection: Detection, store: Store, tmp_path: Path
+) -> None:
     # Every rank loses up to 60 ms per step at random, for 180 steps.
     jitter = {"kind": "jitter", "step": 0, "seconds": 0.06, "attempt": None}
     cfg = launch_config(store, tmp_path / "attempt", steps=180, chaos=[jitter])
     with launched(cfg):
-        event = watch(cfg, Detection(), timeout=240)
+        event = watch(cfg, detection, timeout=240)
     assert event["status"] == "completed", event
 
 

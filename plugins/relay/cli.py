@@ -73,7 +73,7 @@ def _cmd_bench_detect(args: argparse.Namespace) -> int:
     from relay.bench.detect import main as bench_main
 
     return bench_main(repeats=1 if args.smoke else args.repeats, only=args.only,
-                      startup_timeout=args.startup_timeout)
+                      startup_timeout=args.startup_timeout, policy=args.policy)
 
 
 def _cmd_bench_overhead(args: argparse.Namespace) -> int:
@@ -342,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     detect.add_argument("--only", nargs="*", help="scenarios: hang rank node crash straggler "
                         "throughput nan launch")
     detect.add_argument("--startup-timeout", type=float, default=20.0)
+    detect.add_argument("--policy", help="the policy whose detection thresholds to use "
+                        "(default: the shipped policies/default.yaml)")
     detect.add_argument("--smoke", action="store_true",
                         help="1 trial per kind: checks it works, no figures")
     detect.set_defaults(func=_cmd_bench_detect)

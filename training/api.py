@@ -60,7 +60,7 @@ from relay_train.launch import (
 from relay_train.manifest import CheckpointRef
 from relay_train.reduce import comm_hook
 from relay_train.rescue import DrainRequest, RescueResponder, TrainingState
-from relay_train.timing import Ewma, StartupClock, keep_ddp_alive
+from relay_train.timing import Ewma, StartupClock, WindowMean, keep_ddp_alive
 
 log = logging.getLogger("relay_train")
 
@@ -71,6 +71,9 @@ WARMUP_STEPS = 2
 # Metrics go to MLflow (off the loop) every this many steps too, not only with a checkpoint,
 # so an attempt that faults still shows its loss and throughput up to the fault.
 METRICS_EVERY = 5
+
+# The heartbeat's compute time per step: the mean over the steps of this much recent time.
+COMPUTE_WINDOW_SECONDS = 1.0
 
 StateFn = Callable[[], dict[str, Any]]
 
@@ -105,7 +108,9 @@ class Session:
         self._sink: Any = None
         self._metrics: list[tuple[int, dict[str, float], int]] = []
         self._clock: dict[str, float] = {}
-        self._compute, self._natural, self._rate = Ewma(), Ewma(), Ewma()
+        self._natural, self._rate = Ewma(), Ewma()
+        self._compute = WindowMean(COMPUTE_WINDOW_SECONDS)  # what the straggler rule reads
+        self._step_time = Ewma()  # logged as step_seconds: checkpoint_every auto's pace
         self._injected = 0.0
         self._last_step = cfg.start_step
         self._loop_started: float | None = None
@@ -333,6 +338,7 @@ class Session:
         if step >= self.start_step + WARMUP_STEPS:
             self._natural.add(computed - self._injected)
         rate = self._rate.add(samples * self.world_size / max(done - started, 1e-9))
+        step_time = self._step_time.add(done - started)
         self._heartbeat.beat(step=step + 1, compute_seconds=self._compute.add(computed),
                              samples_per_second=rate, loss=loss)
         self._last_step = step + 1
@@ -345,7 +351,8 @@ class Session:
         if self.rank != 0:
             return
         if loss is not None:
-            self._metrics.append((step + 1, {"loss": loss, "samples_per_second": rate},
+            self._metrics.append((step + 1, {"loss": loss, "samples_per_second": rate,
+                                             "step_seconds": step_time},
                                   int(time.time() * 1000)))
         if self._state_fn is not None and self.checkpoint_due(step + 1):
             self._checkpoint(step + 1, loss)
@@ -411,6 +418,8 @@ class Session:
         stall = self.save(step)
         log.info("step %d loss %s checkpoint stall %.4fs", step,
                  "-" if loss is None else f"{loss:.4f}", stall)
+        # What checkpoint_every: auto weighs a save at (relay.interval).
+        self._metrics.append((step, {"checkpoint_stall_seconds": stall}, int(time.time() * 1000)))
         self._flush_metrics()
 
     def _flush_metrics(self) -> None:

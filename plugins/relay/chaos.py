@@ -1,7 +1,7 @@
 """`relay chaos`: break a running segment from outside, the way real faults do.
 
 Stop every process of a node (SIGSTOP: the node goes silent), SIGKILL one
-rank, or slow a rank by freezing it for part of every 100 ms. Each action is
+rank, or slow a rank by freezing it for part of every 500 ms. Each action is
 appended to the attempt's ``chaos.jsonl`` with its time, like the in-rank
 injector's, so detection latency can be measured the same way. Every signal
 goes through the local launcher, which checks each PID's start time
@@ -23,7 +23,10 @@ from relay.launchers.local import HANDLE_FILE, LocalLauncher, NotOursError
 from relay_train.chaos import CHAOS_LOG
 
 log = logging.getLogger(__name__)
-SLOW_PERIOD_SECONDS = 0.1
+# Freezes far longer than the scheduler's wake-up credit (a few ms): on a busy machine the
+# CPU a rank lost in short freezes (of a 100 ms period) was mostly given back when it woke,
+# so `--factor 3` slowed its compute only ~1.4x.
+SLOW_PERIOD_SECONDS = 0.5
 
 
 class ChaosTargetError(Exception):

@@ -73,7 +73,7 @@ def _cmd_bench_detect(args: argparse.Namespace) -> int:
     from relay.bench.detect import main as bench_main
 
     return bench_main(repeats=1 if args.smoke else args.repeats, only=args.only,
-                      startup_timeout=args.startup_timeout)
+                      startup_timeout=args.startup_timeout, policy=args.policy)
 
 
 def _cmd_bench_overhead(args: argparse.Namespace) -> int:
@@ -157,11 +157,28 @@ def _cmd_policy(args: argparse.Namespace) -> int:
         else:
             print(text, end="")
         return 0
+    job_text = ""
+    if getattr(args, "job", None):
+        from relay.explain import explain_job
+        from relay.spec import load_job_spec
+
+        try:
+            spec = load_job_spec(Path(args.job))
+        except ConfigError as err:
+            print(err, file=sys.stderr)
+            return 1
+        args.files = args.files or [str(spec.policy_path(Path(args.job)))]
+        job_text = explain_job(spec)
+    if not args.files:
+        print("relay policy explain: expected policy files or --job SPEC, found neither",
+              file=sys.stderr)
+        return 2
+
     def report(name: str, loaded: Any) -> None:  # noqa: ANN401 - a LoadedPolicy
         if args.policy_cmd == "explain":
             from relay.explain import explain
 
-            print(explain(loaded))
+            print(explain(loaded) + (f"\n\n{job_text}" if job_text else ""))
         else:
             print(f"{name}: OK (sha256 {loaded.sha256})")
 
@@ -245,7 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("check", "validate policy files; every problem with file:line"),
                            ("explain", "say in plain sentences what a policy does")):
         cmd = policy_sub.add_parser(name, help=helptext)
-        cmd.add_argument("files", nargs="+")
+        cmd.add_argument("files", nargs="+" if name == "check" else "*")
+        if name == "explain":
+            cmd.add_argument("--job", help="a job spec: explain its policy (unless files are "
+                             "given) and how it picks its checkpoint interval")
         cmd.set_defaults(func=_cmd_policy)
     replay_cmd = policy_sub.add_parser(
         "replay", help="re-decide a job's recorded faults (from MLflow) under a candidate policy")
@@ -322,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     detect.add_argument("--only", nargs="*", help="scenarios: hang rank node crash straggler "
                         "throughput nan launch")
     detect.add_argument("--startup-timeout", type=float, default=20.0)
+    detect.add_argument("--policy", help="the policy whose detection thresholds to use "
+                        "(default: the shipped policies/default.yaml)")
     detect.add_argument("--smoke", action="store_true",
                         help="1 trial per kind: checks it works, no figures")
     detect.set_defaults(func=_cmd_bench_detect)

@@ -33,7 +33,7 @@ def build_dag(spec: JobSpec, spec_file: Path) -> DAG:
     doc = (
         f"### Relay job `{spec.job}`\n\n{spec.description}\n\n"
         f"- spec: `{spec_file}`\n- {spec.total_steps} steps in {len(spec.segments)} segments, "
-        f"checkpoint every {spec.checkpoint_every} steps\n"
+        f"checkpoint_every {spec.checkpoint_every_text()}\n"
         f"- {spec.nodes} nodes x {spec.ranks_per_node} ranks, seed {spec.seed}\n"
         f"- recovery policy `{policy.path}` (sha256 `{policy.sha256[:12]}`): "
         "`relay policy explain` tells what it does\n"

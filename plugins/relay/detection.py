@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from relay.faults import Fault, FaultKind, classify_exit, only_secondary_exits
 from relay.launchers.base import UNRESPONSIVE, LaunchState, LaunchStatus
 from relay.policy import Detection
+from relay.steptime import HangLimit, StepTimes
 from relay_train.heartbeat import Heartbeat, Phase
 
 AGENT_STATUS_INTERVAL_SECONDS = 1.0  # relay_train.agent rewrites its status this often
@@ -87,6 +88,7 @@ class Detector:
         self._first_step: int | None = None
         self._stepped: dict[int, tuple[int, float]] = {}  # rank -> (step, when it was reached)
         self._secondary_since: float | None = None
+        self._steps = StepTimes()  # for a hang threshold derived from the job's step time
         self.baseline: float | None = None
 
     def check(self, obs: Observation) -> Fault | None:
@@ -95,6 +97,8 @@ class Detector:
             seen = self._stepped.get(rank)
             if seen is None or beat.step != seen[0]:
                 self._stepped[rank] = (beat.step, obs.now)
+        if self.cfg.derive_hang_timeout is not None:
+            self._steps.observe(obs.heartbeats, self.cfg.derive_hang_timeout.warmup_steps)
         rules = (
             ({FaultKind.CRASH, FaultKind.LAUNCH_FAILURE}, self._exits),
             ({FaultKind.NAN_LOSS}, self._nan),
@@ -249,10 +253,19 @@ class Detector:
                           "pid": beat.pid}, obs.now)
         return None
 
+    def hang_limit(self, obs: Observation) -> HangLimit:
+        """Return the hang threshold in force: the policy's, or derived from the steps seen."""
+        derive = self.cfg.derive_hang_timeout
+        if derive is None:
+            return HangLimit(self.cfg.hang_timeout, "")
+        return self._steps.hang_limit(self.cfg.hang_timeout, obs.heartbeat_interval,
+                                      derive.safety_factor, derive.min)
+
     def _hang(self, obs: Observation) -> Fault | None:
         beats = [b for b in obs.heartbeats.values() if b.phase != Phase.DONE.value]
         if not beats:
             return None
+        limit = self.hang_limit(obs)
         in_phase = {b.rank: obs.now - b.phase_started_at for b in beats}
         # Only a rank whose heartbeat thread still writes is "stalled"; a silent
         # one is left to the unresponsive rules.
@@ -262,12 +275,14 @@ class Detector:
                 return self._hang_fault(obs, b, in_phase, "stuck saving a checkpoint",
                                         ("checkpoint_timeout", self.cfg.checkpoint_timeout))
         computing = [b for b in beats if b.phase == Phase.COMPUTE.value and b.rank in alive
-                     and in_phase[b.rank] > self.cfg.hang_timeout]
+                     and in_phase[b.rank] > limit.seconds]
         waiting = [b for b in beats if b.phase in _WAITING]
         if computing and waiting:
             culprit = max(computing, key=lambda b: in_phase[b.rank])
             return self._hang_fault(obs, culprit, in_phase, "stalled in compute while "
-                                    f"{len(waiting)} rank(s) wait in the collective")
+                                    f"{len(waiting)} rank(s) wait in the collective", limit=limit)
+        # Every rank busy at once (an evaluation pass, say) is judged on the policy's own
+        # hang_timeout: a threshold derived from the steps is for one rank that holds up others.
         working = [b for b in beats if b.phase in _WORKING and b.rank in alive]
         if working and len(working) == len(beats) and all(
             in_phase[b.rank] > self.cfg.hang_timeout for b in working
@@ -284,13 +299,17 @@ class Detector:
         culprit: Heartbeat,
         in_phase: dict[int, float],
         what: str,
-        limit: tuple[str, float] | None = None,
+        limit: tuple[str, float] | HangLimit | None = None,
     ) -> Fault:
         seconds = in_phase[culprit.rank]
-        name, value = limit or ("hang_timeout", self.cfg.hang_timeout)
+        if isinstance(limit, HangLimit):
+            bound = limit.describe()
+        else:
+            name, value = limit or ("hang_timeout", self.cfg.hang_timeout)
+            bound = f"{name} {value:g}s"
         return Fault(FaultKind.HANG, culprit.rank, culprit.node,
                      {"summary": f"rank {culprit.rank} {what} for {seconds:.1f}s "
-                      f"at step {culprit.step} ({name} {value:g}s)",
+                      f"at step {culprit.step} ({bound})",
                       "phases": {b.rank: b.phase for b in obs.heartbeats.values()},
                       "seconds_in_phase": {r: round(s, 2) for r, s in in_phase.items()},
                       "step": culprit.step}, obs.now)

@@ -7,6 +7,7 @@ from relay.faults import RESCUABLE, FaultKind
 from relay.notify import redact
 from relay.policy import Detection, LoadedPolicy
 from relay.rules import JOB_WIDE, Action, Escalation, Mode, Rule
+from relay.spec import JobSpec
 
 _UNITS = ((86400, "day"), (3600, "hour"), (60, "minute"), (1, "second"))
 
@@ -29,7 +30,7 @@ def fault_sentence(kind: FaultKind, d: Detection) -> str:
     throughput = d.throughput
     return {
         FaultKind.HANG: "a rank stalls (hang): it stays in its compute step for more than "
-        f"{humanize(d.hang_timeout)} while the other ranks wait for it",
+        f"{_hang_threshold(d)} while the other ranks wait for it",
         FaultKind.RANK_UNRESPONSIVE: "a rank stops answering (rank_unresponsive): no heartbeat "
         f"for {humanize(d.heartbeat_timeout)} while its node still answers",
         FaultKind.NODE_UNRESPONSIVE: "a node stops answering (node_unresponsive): every rank on "
@@ -54,6 +55,17 @@ def fault_sentence(kind: FaultKind, d: Detection) -> str:
         FaultKind.CORRUPT_CHECKPOINT: "a checkpoint does not match the sha256 recorded when it "
         "was saved (corrupt_checkpoint)",
     }[kind]
+
+
+def _hang_threshold(d: Detection) -> str:
+    """Return the hang threshold in words: as written, or how it is derived."""
+    derive = d.derive_hang_timeout
+    if derive is None:
+        return humanize(d.hang_timeout)
+    return (f"a threshold DERIVED from the job's own steps - one heartbeat interval plus "
+            f"{derive.safety_factor:g} x the slowest step seen, at least {humanize(derive.min)} "
+            f"and at most {humanize(d.hang_timeout)} ({humanize(d.hang_timeout)} until "
+            f"{derive.warmup_steps} steps are seen, and when every rank is stuck at once) -")
 
 
 def _action_sentence(kind: FaultKind, rule: Rule) -> str:
@@ -165,3 +177,18 @@ def explain(loaded: LoadedPolicy) -> str:
     lines.append(_channel_sentence(p.escalation))
     lines.append(f"Every decision records this policy's sha256 ({loaded.sha256}).")
     return "\n".join(lines)
+
+
+def explain_job(spec: JobSpec) -> str:
+    """Return how a job checkpoints; for ``auto``, what an attempt starting now would pick."""
+    from relay.interval import explain_text, interval_for
+
+    choice = None
+    if spec.checkpoint_auto is not None:
+        try:
+            from relay.lineage import Lineage
+
+            choice = interval_for(spec, Lineage.from_settings())
+        except Exception as exc:  # noqa: BLE001 - the explanation stands without the record
+            return explain_text(spec) + f"\n  (the job's MLflow record could not be read: {exc})"
+    return explain_text(spec, choice)

@@ -80,7 +80,7 @@ class PreflightOperator(RelayOperator):
             "seed": spec.seed,
             "total_steps": spec.total_steps,
             "steps_per_segment": spec.steps_per_segment,
-            "checkpoint_every": spec.checkpoint_every,
+            "checkpoint_every": spec.checkpoint_every_text(),
             "world_size": spec.world_size,
             "policy_file": str(policy.path),
             "policy_sha256": policy.sha256,

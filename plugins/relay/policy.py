@@ -43,6 +43,20 @@ class ThroughputDetection(BaseModel):
     baseline: Duration = 5.0
 
 
+class HangFromStepTime(BaseModel):
+    """Derive the hang threshold from the job's own steps (``relay.steptime``), bounded.
+
+    threshold = heartbeat_interval + safety_factor x the slowest step seen, held
+    within [min, hang_timeout]; hang_timeout applies until warmup_steps are seen.
+    """
+
+    model_config = _FROZEN
+
+    safety_factor: float = Field(10.0, ge=2.0)
+    min: Duration = 2.0  # no more sensitive than the default heartbeat_timeout
+    warmup_steps: int = Field(20, ge=1, strict=True)
+
+
 class Detection(BaseModel):
     """Thresholds of the watcher; a ``null`` rule section turns that rule off."""
 
@@ -52,6 +66,8 @@ class Detection(BaseModel):
     startup_timeout: Duration = 120.0
     heartbeat_timeout: Duration = 2.0
     hang_timeout: Duration = 3.0
+    # null: hang_timeout as written; a section: a derived, shorter threshold for fast jobs
+    derive_hang_timeout: HangFromStepTime | None = None
     checkpoint_timeout: Duration = 120.0
     evidence_timeout: Duration = 2.0  # ranks' stacks and collective trace; silent ones skipped
     # A detected fault nobody handles this long (Airflow's scheduler down): stop it anyway.
@@ -87,6 +103,10 @@ FIXES = {
     "detection.heartbeat_timeout": "set a few heartbeat intervals, e.g. heartbeat_timeout: 2s",
     "detection.hang_timeout": "set it above the slowest normal step, e.g. hang_timeout: 3s",
     "detection.startup_timeout": "allow for importing torch, e.g. startup_timeout: 2m",
+    "detection.derive_hang_timeout.safety_factor": "use a factor of at least 2 over the "
+    "slowest step, e.g. safety_factor: 10",
+    "detection.derive_hang_timeout.min": "set the shortest threshold a derivation may pick, "
+    "above a heartbeat interval plus a poll, e.g. min: 1.5s",
     "detection.straggler.ratio": "use a ratio above 1, e.g. ratio: 1.5 (50% slower)",
     "detection.throughput.floor": "use a fraction of the baseline, e.g. floor: 0.6",
     **{

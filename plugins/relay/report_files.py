@@ -124,10 +124,22 @@ def summary_text(view: RunView) -> str:
         f"  goodput: ETTR {g['ettr']:.2f} ({g['productive_seconds']:.1f}s productive of "
         f"{g['elapsed_seconds']:.1f}s); time lost by fault: {lost}",
         f"  policy sha256: {view.policy_sha256}",
+        *checkpoint_lines(view),
         "",
         format_fault_table(view.faults) if view.faults else "  no faults",
     ]
     return "\n".join(lines) + "\n"
+
+
+def checkpoint_lines(view: RunView) -> list[str]:
+    """Return each attempt's checkpoint interval and why, when it was not fixed."""
+    chosen = [a for a in view.attempts
+              if a.checkpoint_every_reason and not a.checkpoint_every_reason.startswith("fixed")]
+    if not chosen:
+        return []
+    return ["  checkpoint interval (checkpoint_every: auto), per attempt:",
+            *(f"    segment {a.segment} try {a.try_number}: {a.checkpoint_every_reason}"
+              for a in chosen)]
 
 
 def render(view: RunView, lineage: Lineage, out: Path) -> list[Path]:

@@ -38,6 +38,8 @@ class AttemptView:
     decision: dict[str, Any] | None = None
     lost_steps: int | None = None
     next_resume_step: int | None = None
+    checkpoint_every: int | None = None  # the interval this attempt checkpointed at
+    checkpoint_every_reason: str | None = None  # how it was chosen (checkpoint_every: auto)
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ def _attempt(lineage: Lineage, child: Any) -> AttemptView:  # noqa: ANN401 - an 
         fault=record["fault"] if record else None, decision=record["decision"] if record else None,
         lost_steps=record.get("lost_steps") if record else None,
         next_resume_step=record.get("next_resume_step") if record else None,
+        checkpoint_every=int(params["checkpoint_every"]) if "checkpoint_every" in params else None,
+        checkpoint_every_reason=params.get("checkpoint_every_reason"),
     )
 
 

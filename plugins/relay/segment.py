@@ -25,6 +25,7 @@ from relay.decide import Decision, decide
 from relay.drain import drain
 from relay.evidence import ask_for_evidence, attach_evidence, collect_evidence
 from relay.faults import RESCUABLE, Fault, FaultKind
+from relay.interval import interval_for
 from relay.launchers import Launcher, LaunchState, launcher_for
 from relay.launchers.local import STANDBY_DIR, free_port
 from relay.nodes import NodePool, NotEnoughNodesError
@@ -147,19 +148,21 @@ class TrainSegmentOperator(RelayOperator):
                         "at step %d", index, start, resume_step)
         holder = _lease_holder(spec.dag_id, dag_run.run_id)
         nodes = launcher.slots(self._nodes(spec, policy, holder=holder))
-        run_id = lineage.attempt_run(parent, index, try_number, {
+        interval = interval_for(spec, lineage)  # checkpoint_every: auto reads the job's record
+        run_id = lineage.attempt_run(parent, index, try_number, {**interval.params(),
             "segment": index, "attempt": try_number, "nodes": ",".join(nodes),
             "resume_step": resume_step, "end_step": end, "world_size": spec.world_size,
             "resume_checkpoint": str(latest.manifest.ref) if latest else "none (step 0)",
             "policy_sha256": policy.sha256, "attempt_dir": str(attempt_dir),
         })
+        interval.record(attempt_dir)
         history = fault_history(seg_dir, exclude=attempt_dir)
         self._corrupt(lineage, run_id, corrupt, policy, history)
         resume = latest.resume_from() if latest is not None else None
         cfg = LaunchConfig(
             job=spec.job, seed=spec.seed, model=spec.model.model_dump(),
             data=spec.data.model_dump(), optimizer=spec.optimizer.model_dump(),
-            start_step=resume_step, end_step=end, checkpoint_every=spec.checkpoint_every,
+            start_step=resume_step, end_step=end, checkpoint_every=interval.steps,
             nodes=nodes, ranks_per_node=spec.ranks_per_node, master_addr="127.0.0.1",
             master_port=free_port(), tracking_uri=lineage.tracking_uri, run_id=run_id,
             attempt_dir=str(attempt_dir), attempt=try_number, segment=index,

@@ -10,11 +10,21 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from relay.yamlsource import (
+    UNION_TAG,
     ConfigError,
     FieldValueError,
     KeyPath,
@@ -120,6 +130,43 @@ class EntrypointSpec(BaseModel):
         return Entrypoint(module=self.module, script=script, args=list(self.args))
 
 
+class AutoInterval(BaseModel):
+    """``checkpoint_every: auto``: Relay picks the interval per attempt (Young/Daly), bounded.
+
+    ``min`` and ``max`` are whole steps; ``max`` defaults to ``steps_per_segment``
+    (a segment's end is always checkpointed). How the interval is chosen:
+    :mod:`relay.interval`.
+    """
+
+    model_config = _FROZEN
+
+    auto: Literal[True] = True
+    min: int = Field(1, strict=True, ge=1)
+    max: int | None = Field(None, strict=True, ge=1)
+
+
+def _interval_kind(value: object) -> str:
+    """Tell a fixed number of steps from an ``auto`` section (pydantic's union tag)."""
+    return f"{UNION_TAG}auto" if isinstance(value, dict | AutoInterval) else f"{UNION_TAG}steps"
+
+
+def _auto_shorthand(value: object) -> object:
+    """Read ``checkpoint_every: auto`` as ``{auto: true}``; refuse other words early."""
+    if value == "auto":
+        return {"auto": True}
+    if isinstance(value, bool) or not isinstance(value, int | dict | AutoInterval):
+        raise FieldValueError("a whole number of steps > 0, auto, or {auto: true, min: N, max: N}",
+                              value, FIXES["checkpoint_every"])
+    return value
+
+
+CheckpointEvery = Annotated[
+    Annotated[int, Tag(f"{UNION_TAG}steps"), Field(strict=True, gt=0)]
+    | Annotated[AutoInterval, Tag(f"{UNION_TAG}auto")],
+    Discriminator(_interval_kind),
+]
+
+
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 
 
@@ -152,7 +199,7 @@ class JobSpec(BaseModel):
     seed: int = Field(0, strict=True, ge=0)
     total_steps: int = Field(strict=True, gt=0)
     steps_per_segment: int = Field(strict=True, gt=0)
-    checkpoint_every: int = Field(strict=True, gt=0)
+    checkpoint_every: CheckpointEvery  # steps, or auto (relay.interval)
     nodes: int = Field(2, strict=True, ge=1)
     ranks_per_node: int = Field(2, strict=True, ge=1)
     model: ModelSpec = ModelSpec()
@@ -176,11 +223,18 @@ class JobSpec(BaseModel):
         """Parse "500ms", "30s", "5m", "1h30m" or a number of seconds."""
         return parse_duration(value)
 
+    @field_validator("checkpoint_every", mode="before")
+    @classmethod
+    def _auto_word(cls, value: object) -> object:
+        return _auto_shorthand(value)
+
     @field_validator("checkpoint_every")
     @classmethod
-    def _within_segment(cls, value: int, info: ValidationInfo) -> int:
+    def _within_segment(cls, value: int | AutoInterval, info: ValidationInfo) -> int | AutoInterval:
         """Require at least one checkpoint inside every full segment."""
         per_segment = info.data.get("steps_per_segment")
+        if isinstance(value, AutoInterval):
+            return _auto_bounds(value, per_segment)
         if isinstance(per_segment, int) and value > per_segment:
             raise FieldValueError(
                 f"a number of steps <= steps_per_segment ({per_segment})",
@@ -212,6 +266,26 @@ class JobSpec(BaseModel):
         if value.endswith(POLICY_SUFFIXES) or POLICY_NAME.fullmatch(value):
             return value
         raise FieldValueError("a policy name such as default, or a path ending in .yaml", value)
+
+    @property
+    def checkpoint_auto(self) -> AutoInterval | None:
+        """Return the bounds when Relay picks the checkpoint interval, else None."""
+        return self.checkpoint_every if isinstance(self.checkpoint_every, AutoInterval) else None
+
+    @property
+    def checkpoint_bounds(self) -> tuple[int, int]:
+        """Return the (min, max) steps ``auto`` may choose (a fixed interval: itself twice)."""
+        auto = self.checkpoint_auto
+        if auto is None:
+            return int(self.checkpoint_every), int(self.checkpoint_every)  # type: ignore[arg-type]
+        return auto.min, auto.max if auto.max is not None else self.steps_per_segment
+
+    def checkpoint_every_text(self) -> str:
+        """Return the interval as a person reads it: ``20`` or ``auto (10..60 steps)``."""
+        if self.checkpoint_auto is None:
+            return str(self.checkpoint_every)
+        low, high = self.checkpoint_bounds
+        return f"auto ({low}..{high} steps)"
 
     @property
     def chaos_allowed(self) -> bool:
@@ -248,6 +322,22 @@ class JobSpec(BaseModel):
         return resolve_policy(self.policy, spec_file)
 
 
+def _auto_bounds(value: AutoInterval, per_segment: object) -> AutoInterval:
+    """Require min <= max <= steps_per_segment."""
+    high = value.max if value.max is not None else per_segment
+    if isinstance(per_segment, int) and value.max is not None and value.max > per_segment:
+        raise FieldValueError(
+            f"checkpoint_every.max <= steps_per_segment ({per_segment})", value.max,
+            f"lower checkpoint_every.max to at most {per_segment} (a segment's end is always "
+            "checkpointed), or remove max to use steps_per_segment", shown=f"max: {value.max}")
+    if isinstance(high, int) and value.min > high:
+        raise FieldValueError(
+            f"checkpoint_every.min <= checkpoint_every.max ({high})", value.min,
+            f"lower checkpoint_every.min to at most {high}, e.g. {{auto: true, min: "
+            f"{max(1, high // 4)}, max: {high}}}", shown=f"min: {value.min}")
+    return value
+
+
 FIXES: dict[str, str] = {
     "job": (
         "set job to a lowercase name of letters, digits, '-' or '_' that starts with a "
@@ -261,7 +351,18 @@ FIXES: dict[str, str] = {
     ),
     "checkpoint_every": (
         "set checkpoint_every to a whole number of steps > 0 and no more than "
-        "steps_per_segment, e.g. checkpoint_every: 20"
+        "steps_per_segment (e.g. checkpoint_every: 20), or to auto (Relay picks it from the "
+        "job's checkpoint cost and fault history; e.g. checkpoint_every: {auto: true, min: 10, "
+        "max: 60})"
+    ),
+    "checkpoint_every.auto": "write auto: true, or give checkpoint_every a number of steps",
+    "checkpoint_every.min": (
+        "set checkpoint_every.min to the fewest steps between checkpoints, a whole number "
+        ">= 1, e.g. min: 10"
+    ),
+    "checkpoint_every.max": (
+        "set checkpoint_every.max to the most steps between checkpoints, a whole number "
+        "from min to steps_per_segment, e.g. max: 60"
     ),
     "nodes": "set nodes to a whole number of simulated nodes >= 1, e.g. nodes: 2",
     "ranks_per_node": "set ranks_per_node to a whole number >= 1, e.g. ranks_per_node: 2",

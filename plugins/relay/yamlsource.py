@@ -31,6 +31,9 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|s|m|h))+")
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 _DURATION_WORDING = "a duration such as 30s, 5m or 1h"
+# Prefix of a tagged union member's name (pydantic puts the tag in an error's location);
+# such parts are not YAML keys, so problems leave them out of the field and line.
+UNION_TAG = "~"
 
 # JSON Schema of a duration field, for editors: "30s", "5m", "1h30m", "500ms" or seconds.
 DURATION_JSON_SCHEMA: dict[str, Any] = {
@@ -262,7 +265,8 @@ def validate_model(model_cls: type[M], raw: dict, lines: Mapping[KeyPath, int], 
 def _problem(model_cls: type[BaseModel], raw: dict, lines: Mapping[KeyPath, int], file: str,
              fixes: Mapping[str, str], err: Any) -> Problem:  # noqa: ANN401 - pydantic ErrorDetails
     """Turn one pydantic error into a Problem."""
-    loc: KeyPath = tuple(err["loc"])
+    loc: KeyPath = tuple(p for p in err["loc"]
+                         if not (isinstance(p, str) and p.startswith(UNION_TAG)))
     field = dotted(loc)
     kind = err["type"]
     ctx = err.get("ctx") or {}
@@ -380,10 +384,13 @@ def _known_fields(model_cls: type[BaseModel], loc: KeyPath) -> list[str] | None:
 
 
 def _as_model(tp: object) -> type[BaseModel] | None:
-    """Return ``tp`` or the first of its type arguments that is a pydantic model."""
-    for candidate in (tp, *get_args(tp)):
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
+    """Return ``tp`` or the first of its (nested) type arguments that is a pydantic model."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    for candidate in get_args(tp):
+        found = _as_model(candidate)
+        if found is not None:
+            return found
     return None
 
 

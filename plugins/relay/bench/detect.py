@@ -27,8 +27,9 @@ from typing import Any
 
 from relay.bench.common import Store, launch_config, launched, summary, watch
 from relay.launchers.local import LocalLauncher
-from relay.policy import Detection
+from relay.policy import Detection, load_policy
 from relay.report import chaos_strikes
+from relay.spec import policies_dir
 
 GLOO_DEFAULT_TIMEOUT_SECONDS = 1800.0
 # What notices each scenario without Relay (None: nothing does).
@@ -117,12 +118,23 @@ def _without_relay(scenario: str, crash: list[float]) -> str:
     return f"{what}: {GLOO_DEFAULT_TIMEOUT_SECONDS:g}s by default (or whatever it is set to)"
 
 
-def main(repeats: int = 5, only: list[str] | None = None, startup_timeout: float = 20.0) -> int:
+def thresholds(policy: str | None, startup_timeout: float) -> tuple[Detection, Path]:
+    """Return the policy's detection thresholds (default: the shipped default policy)."""
+    path = Path(policy) if policy else policies_dir() / "default.yaml"
+    detection = load_policy(path).policy.detection
+    return detection.model_copy(update={"startup_timeout": startup_timeout}), path
+
+
+def main(repeats: int = 5, only: list[str] | None = None, startup_timeout: float = 20.0,
+         policy: str | None = None) -> int:
     """Run every scenario ``repeats`` times and print latencies next to what else notices."""
-    detection = Detection(startup_timeout=startup_timeout)
+    detection, path = thresholds(policy, startup_timeout)
     chosen = [s for s in SCENARIOS if not only or s.name in only]
+    derived = ("derived from the job's step time" if detection.derive_hang_timeout
+               else f"{detection.hang_timeout:g}s as written")
     print(f"Detection benchmark: {repeats} trial(s) per fault kind, 2 nodes x 2 ranks, "
-          f"default thresholds (startup_timeout {startup_timeout:g}s for the launch trials); "
+          f"thresholds of {path} (hang: {derived}; startup_timeout {startup_timeout:g}s for "
+          "the launch trials); "
           "latency = the watcher's event - the injected strike. Compared with what notices the "
           "same fault without Relay, under plain torchrun: gloo's collective timeout, the "
           "connection reset after a crash (measured below), or nothing", flush=True)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from agents import ServedAttempt
 
 from relay.evidence import (
     EvidenceRequest,
@@ -41,8 +42,6 @@ from relay_train.evidence import (
 from relay_train.publish import mlflow_retrying
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
-from agents import ServedAttempt  # noqa: E402 - the tests' own helper module
 
 _SERVED: dict[Path, ServedAttempt] = {}
 

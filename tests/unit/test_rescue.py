@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from agents import ServedAttempt
 from torch import nn
 
 from relay.faults import Fault, FaultKind
@@ -22,9 +22,6 @@ from relay_train.checkpoint import load_verified, snapshot
 from relay_train.heartbeat import Heartbeat, HeartbeatWriter
 from relay_train.launch import LaunchConfig
 from relay_train.rescue import DONE_FILE, REQUEST_FILE, RESCUE_DIR, RescueResponder, TrainingState
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from agents import ServedAttempt  # noqa: E402 - the tests' own helper module
 
 
 @pytest.fixture

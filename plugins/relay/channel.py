@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_SECONDS = 1.5  # a live agent answers in milliseconds; a frozen one never
 REQUEST_TIMEOUT_SECONDS = 2.0
+MAX_PARALLEL = 32  # agents asked at once (a frozen one costs its timeout, not the others')
 API = "/v1"
 
 
@@ -163,7 +164,7 @@ class AgentChannel:
         targets = [n for n in (self.addresses if nodes is None else nodes) if n in self.addresses]
         if not targets:
             return {}
-        with ThreadPoolExecutor(max_workers=len(targets)) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(targets), MAX_PARALLEL)) as pool:
             replies = dict(zip(targets, pool.map(self._status, targets), strict=True))
         for report in replies.values():
             if report is not None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from relay.channel import MAX_PARALLEL
 from relay.faults import RESCUABLE, Fault
 from relay.launchers import Launcher, launcher_from
 from relay_train.evidence import (
@@ -89,7 +90,7 @@ def ask_for_evidence(attempt_dir: Path, fault: Fault, world_size: int,
             "culprit_rank": fault.culprit_rank}
     nodes = list(channel.addresses)
     if nodes:  # at once to every node: a frozen one costs its timeout, not the others'
-        with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(nodes), MAX_PARALLEL)) as pool:
             asked = list(pool.map(lambda n: channel.ask(n, "stacks", **body), nodes))
         if not any(asked):
             log.warning("No node agent took the request for stacks; going on without")
@@ -110,7 +111,7 @@ def _gather(request: EvidenceRequest, timeout: float) -> list[dict[str, Any]]:
             return None
         return reply if isinstance(reply, dict) else None
 
-    with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+    with ThreadPoolExecutor(max_workers=min(len(nodes), MAX_PARALLEL)) as pool:
         return [r for r in pool.map(one, nodes) if r is not None]
 
 

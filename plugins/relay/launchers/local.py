@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from relay.channel import AgentChannel
+from relay.channel import MAX_PARALLEL, AgentChannel
 from relay.launchers.base import LaunchState, LaunchStatus, NodeStatus, overall_state
 from relay_train import pids
 from relay_train.heartbeat import write_atomically
@@ -325,7 +325,7 @@ class LocalLauncher:
         targets = [n for n in nodes if n in channel.addresses]
         if not targets:
             return
-        with ThreadPoolExecutor(max_workers=len(targets)) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(targets), MAX_PARALLEL)) as pool:
             list(pool.map(lambda n: channel.call_quietly(n, "stop", STOP_ASK_TIMEOUT_SECONDS),
                           targets))
 

@@ -151,7 +151,6 @@ class NodeAgent:
     def run(self) -> int:
         """Supervise until every rank has exited; return 0 only if all succeeded."""
         signal.signal(signal.SIGTERM, self._on_term)
-        self.server.start()
         try:
             code = self._supervise()
             self._linger()
@@ -164,9 +163,12 @@ class NodeAgent:
             log.info("preloaded the training stack in %.2fs", self.preload())
         if self.stopping:
             self.set_state("failed")
+            self.server.start()  # to say so
             return 1
         self.start_ranks()
+        # Served from here on: no thread of ours is running while the ranks are forked.
         self.set_state("running")
+        self.server.start()
         while True:
             codes = {r: p.exitcode for r, p in self.procs.items()}
             if self.stopping:

@@ -102,14 +102,17 @@ class AgentServer:
         return str(host), int(port)
 
     def start(self) -> AgentServer:
-        """Start serving."""
+        """Start serving (once)."""
+        if self._thread.is_alive():
+            return self
         self._thread.start()
         log.info("channel: serving %s on %s:%d", self.agent.attempt_id, *self.address)
         return self
 
     def close(self) -> None:
-        """Stop serving and free the port."""
-        self.httpd.shutdown()
+        """Stop serving (if it started) and free the port."""
+        if self._thread.is_alive():
+            self.httpd.shutdown()  # waits for serve_forever: only once it runs
         self.httpd.server_close()
 
 

@@ -226,8 +226,14 @@ class TrainSegmentOperator(RelayOperator):
         lineage = lineage_store()
         launcher = launcher_for(self.spec())
         status = event.get("status")
+        if event.get("refused"):  # messages from agents of another attempt (fencing)
+            log.warning("Refused %d message source(s) of other attempts while watching: %s",
+                        len(event["refused"]), event["refused"])
         if status == "completed":
             survivors = launcher.stop(attempt_dir)
+            if event.get("refused"):
+                best_effort("record the refused messages", lambda: lineage.log_json(
+                    cfg.run_id, "refused.json", event["refused"]))
             best_effort("log the observations",
                         lambda: log_observations(lineage, cfg.run_id, attempt_dir))
             if not survivors:

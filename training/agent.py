@@ -319,4 +319,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave at once: the ranks are reaped and nothing is left to flush but the log; the
+    # interpreter's teardown of torch and MLflow takes seconds on a loaded host, which a
+    # stop would otherwise wait for (and then SIGKILL).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

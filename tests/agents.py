@@ -8,8 +8,11 @@ supervision is left out (no ranks are forked); everything on the wire is real.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from relay.channel import AgentChannel
 from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
@@ -70,3 +73,21 @@ class ServedAttempt:
     def close(self) -> None:
         for server in self.servers.values():
             server.close()
+
+
+SERVED: dict[Path, ServedAttempt] = {}  # every attempt served by serve(), until the test ends
+
+
+def serve(root: Path, nodes: dict[str, list[int]]) -> ServedAttempt:
+    """Return the attempt served over ``root`` (started on first use, closed after the test)."""
+    if root not in SERVED:
+        SERVED[root] = ServedAttempt(root, nodes)
+    return SERVED[root]
+
+
+@pytest.fixture(autouse=True)
+def close_served_agents() -> Iterator[None]:
+    """Close what :func:`serve` started (import this fixture into a test module)."""
+    yield
+    while SERVED:
+        SERVED.popitem()[1].close()

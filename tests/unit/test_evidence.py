@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agents import ServedAttempt
+from agents import close_served_agents, serve  # noqa: F401 - the fixture closes them
 
 from relay.evidence import (
     EvidenceRequest,
@@ -43,21 +43,9 @@ from relay_train.publish import mlflow_retrying
 
 REPO = Path(__file__).resolve().parents[2]
 
-_SERVED: dict[Path, ServedAttempt] = {}
-
-
-@pytest.fixture(autouse=True)
-def _close_agents() -> Iterator[None]:
-    yield
-    while _SERVED:
-        _SERVED.popitem()[1].close()
-
-
 def ask_for_evidence(root: Path, fault: Fault, world_size: int) -> EvidenceRequest | None:
     """Ask through real agent channel servers for node-a (rank 0) and node-b (rank 1)."""
-    if root not in _SERVED:
-        _SERVED[root] = ServedAttempt(root, {"node-a": [0], "node-b": [1]})
-    return ask_agents(root, fault, world_size, _SERVED[root])
+    return ask_agents(root, fault, world_size, serve(root, {"node-a": [0], "node-b": [1]}))
 # Generous: the machine is shared; a bound only matters for ranks that never answer.
 ANSWER_TIMEOUT = 20.0
 

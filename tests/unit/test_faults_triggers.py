@@ -9,11 +9,10 @@ import math
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agents import ServedAttempt
+from agents import SERVED, close_served_agents, serve  # noqa: F401 - the fixture closes them
 from airflow.triggers.base import TriggerEvent
 
 from relay.faults import Fault, FaultKind, classify_exit
@@ -130,20 +129,10 @@ def dead_pid() -> int:
     return proc.pid
 
 
-_SERVED: dict[Path, ServedAttempt] = {}
-
-
-@pytest.fixture(autouse=True)
-def _close_agents() -> Iterator[None]:
-    yield
-    while _SERVED:
-        _SERVED.popitem()[1].close()
-
-
 def fabricate(root: Path, records: dict[str, Record]) -> Path:
     """An attempt whose agents are real channel servers in 'this process' (alive)."""
     root.mkdir(parents=True, exist_ok=True)
-    _SERVED[root] = served = ServedAttempt(root, NODE_RANKS)
+    served = serve(root, NODE_RANKS)
     # pid: this test process, so agents count as alive. pgid: a reaped process, so
     # nothing could ever signal this test's own group through this handle.
     ids = {"pid": os.getpid(), "pgid": dead_pid(), "started": start_time(os.getpid())}
@@ -158,7 +147,7 @@ def fabricate(root: Path, records: dict[str, Record]) -> Path:
 def write_records(root: Path, records: dict[str, Record]) -> None:
     """Make the nodes' agents say ``records`` over the channel from now on."""
     for node, (state, codes) in records.items():
-        agent = _SERVED[root].nodes[node]
+        agent = SERVED[root].nodes[node]
         agent.state, agent.exit_codes = state, dict(codes)
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from agents import ServedAttempt
+from agents import close_served_agents, serve  # noqa: F401 - the fixture closes them
 
 from relay.launchers.local import (
     HANDLE_FILE,
@@ -241,16 +241,6 @@ def dead_pid() -> int:
     return proc.pid
 
 
-_SERVED: list[ServedAttempt] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_agents() -> Iterator[None]:
-    yield
-    while _SERVED:
-        _SERVED.pop().close()
-
-
 def fabricate(root: Path, agents: dict[str, int], records: dict[str, dict | None]) -> Path:
     """Write handle.json for ``agents`` (node -> pid); serve ``records`` over the channel.
 
@@ -258,9 +248,7 @@ def fabricate(root: Path, agents: dict[str, int], records: dict[str, dict | None
     """
     root.mkdir(parents=True, exist_ok=True)
     answering = {n: r for n, r in records.items() if r is not None}
-    served = ServedAttempt(root, {n: [int(k) for k in r["exit_codes"]]
-                                  for n, r in answering.items()})
-    _SERVED.append(served)
+    served = serve(root, {n: [int(k) for k in r["exit_codes"]] for n, r in answering.items()})
     for node, record in answering.items():
         served.nodes[node].state = record["state"]
         served.nodes[node].exit_codes = {int(k): c for k, c in record["exit_codes"].items()}

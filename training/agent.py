@@ -2,8 +2,12 @@
 
 One agent per (simulated) node, started by a launcher in its own session and
 process group, so that it outlives the Airflow task that started it (the task
-defers) and can be stopped as a group. It rewrites ``status/<node>.json``
-every second; the final record carries every rank's exit code.
+defers) and can be stopped as a group. It answers Relay over the network
+(:mod:`relay_train.channel`): its state, every rank's exit code and log tail,
+the ranks' heartbeats with their ages on this node's clock, and Relay's
+requests (stop, drain, rescue, stacks). Once its ranks have ended it keeps
+answering for ``--linger`` seconds, until Relay stops it, so the final state
+is read over the channel too.
 
 The agent is a fork server: it imports what every rank needs once (torch,
 the training loop, the optimizer's lazy imports, MLflow on the node hosting
@@ -15,7 +19,6 @@ is most of the time from launch to the first productive step.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import multiprocessing
 import os
@@ -25,38 +28,42 @@ import time
 import traceback
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
+from relay_train.channel import AgentServer
 from relay_train.device import FLIGHT_RECORDER_DIR, rank_environment, rank_start_method
-from relay_train.heartbeat import (
-    ENV_HEARTBEAT_DIR,
-    ENV_HEARTBEAT_INTERVAL,
-    ENV_NODE,
-    write_atomically,
-)
+from relay_train.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE, node_clock
 from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
 from relay_train.standby import STANDBY_TTL_SECONDS, announce_ready, wait_for_launch
 from relay_train.timing import ENV_SPAWNED_AT
 
 log = logging.getLogger("relay_train.agent")
 
-STATUS_INTERVAL_SECONDS = 1.0
 TERM_GRACE_SECONDS = 5.0
+LOCAL_BIND = "127.0.0.1"
 
 
 class NodeAgent:
     """Supervise the ranks of one node."""
 
     def __init__(
-        self, cfg: LaunchConfig, launch_file: Path, node: str, *, preloaded: bool = False
+        self, cfg: LaunchConfig, launch_file: Path, node: str, *, preloaded: bool = False,
+        bind: str = LOCAL_BIND, port: int | None = None, linger_seconds: float = 0.0,
     ) -> None:
         self.cfg = cfg
         self.preloaded = preloaded
         self.node = node
         self.launch_file = launch_file
-        self.status_file = cfg.status_dir / f"{node}.json"
+        self.attempt_id = cfg.fence_id
+        self.root = cfg.root
+        self.ranks = [cfg.global_rank(node, r) for r in range(cfg.ranks_per_node)]
         self.procs: dict[int, BaseProcess] = {}
         self.stopping = False
+        self.state = "starting"
+        self.linger_seconds = linger_seconds
         self._error_tails: dict[int, str] = {}
+        self.server = AgentServer(self, bind, cfg.agent_ports.get(node, 0) if port is None
+                                  else port)
 
     def preload(self) -> float:
         """Import what the ranks need, once, before forking them; return the seconds it took."""
@@ -95,25 +102,33 @@ class NodeAgent:
             self.procs[rank] = proc
             log.info("started rank %d as pid %d", rank, proc.pid)
 
-    def write_status(self, state: str) -> None:
-        """Write this node's status record."""
-        record = {
-            "node": self.node,
-            "state": state,
+    def set_state(self, state: str) -> None:
+        """Change this node's state, as the channel reports it."""
+        self.state = state
+
+    def status_record(self) -> dict[str, Any]:
+        """Return this node's state for the channel: state, PIDs, exit codes, errors."""
+        procs = dict(self.procs)
+        return {
+            "state": self.state,
             "agent_pid": os.getpid(),
             "pgid": os.getpgid(0),
-            "rank_pids": {str(r): p.pid for r, p in self.procs.items()},
-            "exit_codes": {str(r): p.exitcode for r, p in self.procs.items()},
-            "errors": self._errors(),
-            "wall_clock": time.time(),
+            "rank_pids": {str(r): p.pid for r, p in procs.items()},
+            "exit_codes": {str(r): p.exitcode for r, p in procs.items()},
+            "errors": self._errors(procs),
+            "agent_clock": node_clock(),
         }
-        self.cfg.status_dir.mkdir(parents=True, exist_ok=True)
-        write_atomically(self.status_file, json.dumps(record))
 
-    def _errors(self) -> dict[str, str]:
+    def request_stop(self, reason: str) -> None:
+        """Stop the ranks and end (Relay's stop over the channel, or SIGTERM)."""
+        if not self.stopping:
+            log.warning("stop requested: %s", reason)
+        self.stopping = True
+
+    def _errors(self, procs: dict[int, BaseProcess]) -> dict[str, str]:
         """Return the last lines of each failed rank's log: the script's own error."""
         errors = {}
-        for rank, proc in self.procs.items():
+        for rank, proc in procs.items():
             if proc.exitcode not in (None, 0):
                 if rank not in self._error_tails:
                     self._error_tails[rank] = log_tail(self.cfg.log_dir / f"rank-{rank}.log")
@@ -138,36 +153,44 @@ class NodeAgent:
     def run(self) -> int:
         """Supervise until every rank has exited; return 0 only if all succeeded."""
         signal.signal(signal.SIGTERM, self._on_term)
-        self.write_status("starting")
+        try:
+            code = self._supervise()
+            self._linger()
+        finally:
+            self.server.close()
+        return code
+
+    def _supervise(self) -> int:
         if not self.preloaded:
             log.info("preloaded the training stack in %.2fs", self.preload())
         if self.stopping:
-            self.write_status("failed")
+            self.set_state("failed")
+            self.server.start()  # to say so
             return 1
         self.start_ranks()
-        self.write_status("running")
-        last_status = time.monotonic()
-        reported = {r: None for r in self.procs}
+        # Served from here on: no thread of ours is running while the ranks are forked.
+        self.set_state("running")
+        self.server.start()
         while True:
             codes = {r: p.exitcode for r, p in self.procs.items()}
-            if codes != reported:  # an exit is news: say it now, before peers blame others
-                self.write_status("running")
-                reported, last_status = codes, time.monotonic()
             if self.stopping:
-                self.stop_ranks("agent received SIGTERM")
+                self.stop_ranks("agent asked to stop")
             elif any(c not in (None, 0) for c in codes.values()):
                 failed = {r: c for r, c in codes.items() if c not in (None, 0)}
                 self.stop_ranks(f"rank(s) failed with exit codes {failed}")
             if all(p.exitcode is not None for p in self.procs.values()):
                 break
-            if time.monotonic() - last_status >= STATUS_INTERVAL_SECONDS:
-                self.write_status("running")
-                last_status = time.monotonic()
             time.sleep(0.1)
         ok = all(p.exitcode == 0 for p in self.procs.values())
-        self.write_status("succeeded" if ok else "failed")
+        self.set_state("succeeded" if ok else "failed")
         log.info("all ranks exited: %s", {r: p.exitcode for r, p in self.procs.items()})
         return 0 if ok else 1
+
+    def _linger(self) -> None:
+        """Keep answering (the final state) until Relay stops us or ``linger_seconds`` pass."""
+        deadline = time.monotonic() + self.linger_seconds
+        while not self.stopping and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def _on_term(self, _signum: int, _frame: object) -> None:
         self.stopping = True
@@ -226,7 +249,7 @@ def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
     worker.exit_now(code)
 
 
-def run_standby(directory: Path, node: str, ttl_seconds: float) -> int:
+def run_standby(directory: Path, node: str, ttl_seconds: float, linger_seconds: float = 0.0) -> int:
     """Preload, wait to be claimed (see relay_train.standby), then run as the node's agent."""
     started = time.perf_counter()
     # It may turn out to host rank 0; the entrypoint is not known yet: preload the example's.
@@ -250,7 +273,7 @@ def run_standby(directory: Path, node: str, ttl_seconds: float) -> int:
         log.error("node %s: expected one of %s in %s", node, cfg.nodes, launch)
         return 2
     log.info("took over as %s's agent, preloaded in advance (%.2fs)", node, preloaded)
-    return NodeAgent(cfg, launch, node, preloaded=True).run()
+    return NodeAgent(cfg, launch, node, preloaded=True, linger_seconds=linger_seconds).run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="preload, then wait in this folder for a launcher to claim it")
     parser.add_argument("--ttl", type=float, default=STANDBY_TTL_SECONDS,
                         help="a standby nobody claims within this many seconds leaves")
+    parser.add_argument("--bind", default=LOCAL_BIND,
+                        help="the address the channel listens on (a pod: 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="the channel's port (default: the launch file's agent_ports)")
+    parser.add_argument("--linger", type=float, default=0.0,
+                        help="after the ranks end, keep answering this long unless stopped")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--node")
     which.add_argument("--node-index", type=int,
@@ -273,21 +302,30 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--node-index: expected 0..{len(nodes) - 1} with --launch FILE, "
                          f"found {args.node_index}")
         args.node = nodes[args.node_index]
+    os.environ[ENV_NODE] = args.node  # this node's clock (the skew test hook names nodes)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s agent {args.node} %(levelname)s: %(message)s",
         stream=sys.stderr,
     )
     if args.standby is not None:
-        return run_standby(args.standby, args.node, args.ttl)
+        return run_standby(args.standby, args.node, args.ttl, args.linger)
     if args.launch is None:
         parser.error("expected --launch FILE or --standby DIR")
     cfg = LaunchConfig.read(args.launch)
     if args.node not in cfg.nodes:
         log.error("node %s: expected one of %s in %s", args.node, cfg.nodes, args.launch)
         return 2
-    return NodeAgent(cfg, args.launch, args.node).run()
+    return NodeAgent(cfg, args.launch, args.node, bind=args.bind, port=args.port,
+                     linger_seconds=args.linger).run()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave at once: the ranks are reaped and nothing is left to flush but the log; the
+    # interpreter's teardown of torch and MLflow takes seconds on a loaded host, which a
+    # stop would otherwise wait for (and then SIGKILL).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

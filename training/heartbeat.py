@@ -31,8 +31,28 @@ log = logging.getLogger(__name__)
 ENV_HEARTBEAT_DIR = "RELAY_HEARTBEAT_DIR"
 ENV_HEARTBEAT_INTERVAL = "RELAY_HEARTBEAT_INTERVAL_SECONDS"
 ENV_NODE = "RELAY_NODE"
+# Test hook only: shift this node's clock (heartbeats, its agent) by this many seconds, to
+# prove that Relay judges heartbeat ages on its own clock. A number applies to every node;
+# "node-b=30,node-c=-30" to the named nodes only (the node agent resolves it for its ranks).
+ENV_CLOCK_SKEW = "RELAY_CLOCK_SKEW_SECONDS"
 
 HEARTBEAT_GLOB = "rank-*.json"
+
+
+def clock_skew(node: str | None = None) -> float:
+    """Return the test-only skew of ``node``'s clock from :data:`ENV_CLOCK_SKEW` (0: none)."""
+    raw = os.environ.get(ENV_CLOCK_SKEW, "").strip()
+    if not raw:
+        return 0.0
+    if "=" not in raw:
+        return float(raw)
+    pairs = dict(part.split("=", 1) for part in raw.split(",") if "=" in part)
+    return float(pairs.get(node or os.environ.get(ENV_NODE, ""), 0.0))
+
+
+def node_clock() -> float:
+    """Return this node's wall clock (``time.time()``, shifted only by the test hook)."""
+    return time.time() + clock_skew()
 
 
 class Phase(StrEnum):
@@ -55,12 +75,12 @@ class Heartbeat:
     pid_started: int | None = None  # the rank's start time (relay_train.pids): who may signal it
     step: int = 0
     phase: str = Phase.STARTING.value
-    phase_started_at: float = field(default_factory=time.time)
+    phase_started_at: float = field(default_factory=node_clock)
     compute_seconds: float | None = None
     samples_per_second: float | None = None
     loss: float | None = None
     nonfinite_step: int | None = None  # the first step whose loss was NaN/inf, once seen
-    wall_clock: float = field(default_factory=time.time)
+    wall_clock: float = field(default_factory=node_clock)
     seq: int = 0
 
     @classmethod
@@ -160,7 +180,7 @@ class HeartbeatWriter:
         """Mark the start of ``phase`` (cheap: memory only)."""
         with self._lock:
             self._beat.phase = phase.value
-            self._beat.phase_started_at = time.time()
+            self._beat.phase_started_at = node_clock()
 
     def beat(
         self,
@@ -198,7 +218,7 @@ class HeartbeatWriter:
 
     def _flush(self) -> None:
         with self._lock:
-            self._beat.wall_clock = time.time()
+            self._beat.wall_clock = node_clock()
             self._beat.seq += 1
             text = self._beat.to_json()
         try:

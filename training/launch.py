@@ -20,6 +20,11 @@ ENV_LAUNCH = "RELAY_LAUNCH"  # the launch file, for relay_train.init() in a rank
 BUILTIN_ENTRYPOINT = "relay_train.examples.charlm"  # what a spec without an entrypoint runs
 
 
+def attempt_id_of(attempt_dir: Path) -> str:
+    """Return the id of the attempt in ``attempt_dir``: ``<dag_id>/<run>/segment-NNN/try-N``."""
+    return "/".join(Path(attempt_dir).parts[-4:])
+
+
 @dataclass(frozen=True)
 class Entrypoint:
     """The script a rank runs: a module (``python -m``) or a file, with its arguments."""
@@ -80,6 +85,13 @@ class LaunchConfig:
     resume: ResumeFrom | None = None
     chaos: list[dict[str, Any]] = field(default_factory=list)
     entrypoint: Entrypoint = field(default_factory=lambda: Entrypoint(BUILTIN_ENTRYPOINT))
+    attempt_id: str = ""  # what every channel message names (fencing); see attempt_id_of
+    agent_ports: dict[str, int] = field(default_factory=dict)  # node -> its agent's port (local)
+
+    @property
+    def fence_id(self) -> str:
+        """Return the attempt's id on the channel (set by the launcher; else from its folder)."""
+        return self.attempt_id or attempt_id_of(self.root)
 
     @property
     def world_size(self) -> int:

@@ -96,8 +96,8 @@ def _rank_pid(attempt: Path, rank: int) -> int:
         raise _not_ours(exc, attempt) from exc
     if pid is None:
         raise ChaosTargetError(
-            f"rank {rank}: expected a heartbeat in {attempt / 'heartbeats'}. "
-            "Wait until the ranks have started."
+            f"rank {rank}: expected a heartbeat from its node's agent for {attempt}, found "
+            "none. Wait until the ranks have started."
         )
     return pid
 

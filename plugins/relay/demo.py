@@ -14,7 +14,6 @@ from relay import settings
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
 from relay.notify import redact
 from relay.spec import JobSpec, load_job_spec
-from relay_train.heartbeat import read_heartbeats
 
 # The three failure modes Relay exists for, one per segment of the demo job.
 DEMO_FAULTS = [
@@ -53,6 +52,15 @@ class ProgressPrinter:
         self.seen_tries: set[Path] = set()
         self.reported_end: set[Path] = set()
         self.last_step = -1
+        self._launcher: Any = None  # a LocalLauncher: the agents answer over their channel
+
+    def _status(self, attempt: Path) -> Any:  # noqa: ANN401 - a LaunchStatus
+        """Ask the attempt's node agents (the demo runs the local launcher)."""
+        if self._launcher is None:
+            from relay.launchers.local import LocalLauncher
+
+            self._launcher = LocalLauncher()
+        return self._launcher.status(attempt)
 
     def _tries(self) -> list[Path]:
         if not self.dag_dir.is_dir():
@@ -96,13 +104,16 @@ class ProgressPrinter:
                     print(f"    resumes at step {record['drained_at_step']}: the ranks "
                           "checkpointed before stopping", flush=True)
                 continue
-            states = self._states(attempt)
+            if attempt in self.reported_end:
+                continue
+            status = self._status(attempt)
+            states = {n.state for n in status.nodes.values()}
             live = {"starting", "running"}  # an agent says "starting" while it preloads
-            if attempt not in self.reported_end and states and not states & live:
+            if states and not states & live:
                 if "failed" not in states:
                     self.reported_end.add(attempt)
                 continue  # a failure is reported once its decision is written
-            beats = read_heartbeats(attempt / "heartbeats")
+            beats = status.heartbeats
             if beats and attempt not in self.reported_end:
                 step = min(b.step for b in beats.values())
                 loss = beats[min(beats)].loss
@@ -111,15 +122,6 @@ class ProgressPrinter:
                     loss_text = f"loss {loss:.3f}" if loss is not None else "starting"
                     print(f"    step {step:4d}/{self.total_steps}  {loss_text}", flush=True)
 
-    @staticmethod
-    def _states(attempt: Path) -> set[str]:
-        states = set()
-        for f in (attempt / "status").glob("*.json"):
-            try:
-                states.add(json.loads(f.read_text())["state"])
-            except (OSError, ValueError, KeyError):
-                states.add("running")
-        return states
 
 
 

@@ -6,14 +6,11 @@ triggerer's environment, where Airflow's metadata database is off limits.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 
 from relay.launchers import Launcher, LaunchState, launcher_from
-from relay_train.heartbeat import read_heartbeats, write_atomically
-from relay_train.launch import DRAIN_FILE
 
 log = logging.getLogger(__name__)
 DRAIN_LEAD_STEPS = 2
@@ -22,13 +19,21 @@ DRAIN_LEAD_STEPS = 2
 def drain(
     attempt_dir: Path, timeout_seconds: float, launcher: Launcher | None = None
 ) -> int | None:
-    """Ask the ranks to checkpoint and stop a few steps ahead; return the step, if they did."""
-    beats = read_heartbeats(attempt_dir / "heartbeats")
+    """Ask the ranks to checkpoint and stop a few steps ahead; return the step, if they did.
+
+    The request goes to every node's agent over the channel; an agent that does not take
+    it (unreachable, or serving another attempt) leaves the drain to time out.
+    """
+    launcher = launcher or launcher_from(None)
+    beats = launcher.status(attempt_dir).heartbeats
     if not beats:
         return None
     stop_at = max(b.step for b in beats.values()) + DRAIN_LEAD_STEPS
-    write_atomically(attempt_dir / DRAIN_FILE, json.dumps({"stop_at": stop_at}))
-    launcher = launcher or launcher_from(None)
+    channel = launcher.channel(attempt_dir)
+    taken = [n for n in channel.addresses if channel.ask(n, "drain", stop_at=stop_at)]
+    if len(taken) < len(channel.addresses):
+        log.warning("Drain to step %d reached only %s of %s", stop_at, taken,
+                    sorted(channel.addresses))
     deadline = time.monotonic() + timeout_seconds
     while time.monotonic() < deadline:
         state = launcher.status(attempt_dir).state

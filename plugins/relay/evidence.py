@@ -2,13 +2,13 @@
 
 On a hang, or a silent rank or node, Relay asks every rank of the attempt
 where it is (see :mod:`relay_train.evidence`) *before* it stops the workload:
-after the stop there is nothing left to ask. The request goes out first, the
-rescue runs meanwhile, and the answers are gathered for at most
-``detection.evidence_timeout`` from the request (2 s by default). A rank that
-has not answered by half that time and armed its faulthandler is signalled
-for a C-level stack dump instead (a main thread stuck in C holding the GIL);
-a rank that answers nothing at all (SIGSTOPped, a frozen node) is skipped,
-never waited on.
+after the stop there is nothing left to ask. The request goes to every node's
+agent over the channel first, the rescue runs meanwhile, and the answers are
+gathered from the agents for at most ``detection.evidence_timeout`` from the
+request (2 s by default). At half that time each agent signals its ranks that
+have not answered but armed their faulthandler, for a C-level stack dump (a
+main thread stuck in C holding the GIL); a rank that answers nothing at all
+(SIGSTOPped, a frozen node) is skipped, never waited on.
 
 The fault record gets a compact summary: a one-line ``where``, the culprit's
 stack first then the others' main threads, and per rank the last collectives
@@ -20,27 +20,30 @@ pickle torch's analyzer reads) goes to the attempt's MLflow run under
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
-import os
-import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from relay.channel import MAX_PARALLEL
 from relay.faults import RESCUABLE, Fault
+from relay.launchers import Launcher, launcher_from
 from relay_train.evidence import (
     EVIDENCE_DIR,
-    REQUEST_FILE,
+    FR_DIR,
     answer_path,
-    armed_path,
     faulthandler_path,
-    process_start,
     trace_path,
 )
 from relay_train.heartbeat import write_atomically
+
+if TYPE_CHECKING:
+    from relay.channel import AgentChannel
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +51,17 @@ log = logging.getLogger(__name__)
 EVIDENCE_KINDS = RESCUABLE
 LAST_COLLECTIVES = 3  # per rank and process group, in the summary
 POLL_SECONDS = 0.05
+RECEIVED_DIR = "evidence-received"  # Relay's side: what the agents sent, logged to MLflow
 
 
 @dataclass
 class EvidenceRequest:
-    """A request sent to the ranks of an attempt, to be collected later."""
+    """A request sent to the agents of an attempt, to be collected later."""
 
-    folder: Path
+    folder: Path  # on Relay's side: where the answers are written as they arrive
     request_id: str
     ranks: list[int]
+    channel: AgentChannel
     asked_at: float = field(default_factory=time.monotonic)
 
 
@@ -72,58 +77,51 @@ class Evidence:
     seconds: float
 
 
-def ask_for_evidence(attempt_dir: Path, fault: Fault, world_size: int) -> EvidenceRequest | None:
-    """Ask every rank for its stacks and trace, if ``fault`` is one that needs them."""
+def ask_for_evidence(attempt_dir: Path, fault: Fault, world_size: int,
+                     launcher: Launcher | None = None) -> EvidenceRequest | None:
+    """Ask every node's agent for its ranks' stacks and traces, if ``fault`` needs them."""
     if fault.kind not in EVIDENCE_KINDS:
         return None
-    folder = attempt_dir / EVIDENCE_DIR
-    request = EvidenceRequest(folder, uuid.uuid4().hex, list(range(world_size)))
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        write_atomically(folder / REQUEST_FILE, json.dumps(
-            {"id": request.request_id, "fault": fault.kind.value,
-             "culprit_rank": fault.culprit_rank, "at": time.time()}))
-    except OSError as exc:  # evidence helps the on-call engineer; it never holds up recovery
-        log.warning("Could not ask the ranks for their stacks in %s (%s); going on without",
-                    folder, exc)
-        return None
+    launcher = launcher or launcher_from(None)
+    channel = launcher.channel(attempt_dir)
+    request = EvidenceRequest(attempt_dir / RECEIVED_DIR, uuid.uuid4().hex,
+                              list(range(world_size)), channel)
+    body = {"id": request.request_id, "fault": fault.kind.value,
+            "culprit_rank": fault.culprit_rank}
+    nodes = list(channel.addresses)
+    if nodes:  # at once to every node: a frozen one costs its timeout, not the others'
+        with ThreadPoolExecutor(max_workers=min(len(nodes), MAX_PARALLEL)) as pool:
+            asked = list(pool.map(lambda n: channel.ask(n, "stacks", **body), nodes))
+        if not any(asked):
+            log.warning("No node agent took the request for stacks; going on without")
     return request
 
 
-def _answer(request: EvidenceRequest, rank: int) -> dict[str, Any] | None:
-    try:
-        record = json.loads(answer_path(request.folder, rank).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if record.get("request") == request.request_id else None
+def _gather(request: EvidenceRequest, timeout: float) -> list[dict[str, Any]]:
+    """Ask every agent for the answers so far, at once, within ``timeout``."""
+    nodes = list(request.channel.addresses)
+    if not nodes:
+        return []
+
+    def one(node: str) -> dict[str, Any] | None:
+        try:
+            reply = request.channel.call(node, "stacks", query={"id": request.request_id},
+                                         timeout=max(timeout, 0.05))
+        except LookupError:  # a stale agent: refused and recorded by the channel
+            return None
+        return reply if isinstance(reply, dict) else None
+
+    with ThreadPoolExecutor(max_workers=min(len(nodes), MAX_PARALLEL)) as pool:
+        return [r for r in pool.map(one, nodes) if r is not None]
 
 
-def _local_rank(folder: Path, rank: int) -> dict[str, Any] | None:
-    """Return the armed record of a rank on this host (pid, start time, signal), if any."""
-    try:
-        armed = json.loads(armed_path(folder, rank).read_text())
-    except (OSError, ValueError):
-        return None
-    local = isinstance(armed, dict) and armed.get("host") == socket.gethostname()
-    return armed if local and armed.get("started") is not None else None
-
-
-def _exited(folder: Path, rank: int) -> bool:
-    """Return whether a rank on this host is gone (it can answer nothing: never wait for it)."""
-    armed = _local_rank(folder, rank)
-    return armed is not None and process_start(int(armed["pid"])) != armed["started"]
-
-
-def signal_faulthandler(folder: Path, rank: int) -> bool:
-    """Ask a silent rank's faulthandler for its stacks; only a local, armed, living process."""
-    armed = _local_rank(folder, rank)  # another host's pid is its node agent's business
-    if armed is None or _exited(folder, rank):
-        return False  # gone, and the pid may be someone else's now: SIGUSR2's default kills
-    try:
-        os.kill(int(armed["pid"]), int(armed["signal"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return True
+def _signal(request: EvidenceRequest) -> None:
+    """Have each agent dump its silent ranks' stacks from C (faulthandler)."""
+    for node in request.channel.addresses:
+        reply = request.channel.ask(node, "stacks/signal", id=request.request_id)
+        if reply and reply.get("signalled"):
+            log.info("Agent of %s signalled rank(s) %s for a C-level stack dump", node,
+                     reply["signalled"])
 
 
 def collect_evidence(request: EvidenceRequest, timeout_seconds: float) -> Evidence:
@@ -131,32 +129,29 @@ def collect_evidence(request: EvidenceRequest, timeout_seconds: float) -> Eviden
     deadline = request.asked_at + timeout_seconds
     fallback_at = request.asked_at + timeout_seconds / 2
     answers: dict[int, dict[str, Any]] = {}
-    signalled: set[int] = set()
+    traces: dict[int, dict[str, Any]] = {}
+    pickles: dict[int, bytes] = {}
+    fallback: dict[int, str] = {}
     exited: set[int] = set()
+    signalled = False
     while True:
-        for rank in request.ranks:
-            if rank not in answers and (record := _answer(request, rank)) is not None:
-                answers[rank] = record
+        for reply in _gather(request, deadline - time.monotonic()):
+            answers |= {int(r): v for r, v in (reply.get("answers") or {}).items()}
+            traces |= {int(r): v for r, v in (reply.get("traces") or {}).items()}
+            pickles |= {int(r): base64.b64decode(v) for r, v in (reply.get("fr") or {}).items()}
+            fallback |= {int(r): v for r, v in (reply.get("faulthandler") or {}).items()}
+            exited |= {int(r) for r in reply.get("exited") or []}
         silent = [r for r in request.ranks if r not in answers]
-        exited = {r for r in silent if _exited(request.folder, r)}
+        exited &= set(silent)
         now = time.monotonic()
         if not set(silent) - exited or now >= deadline:
             break
-        if now >= fallback_at:
-            signalled |= {r for r in silent if r not in signalled | exited
-                          and signal_faulthandler(request.folder, r)}
+        if now >= fallback_at and not signalled:
+            _signal(request)
+            signalled = True
         time.sleep(POLL_SECONDS)
-    traces = {}
-    for rank in answers:
-        try:
-            traces[rank] = json.loads(trace_path(request.folder, rank).read_text())
-        except (OSError, ValueError):
-            pass  # the rank said why in its record (flight_recorder_error), or it had no group
-    fallback = {}
-    for rank in sorted(signalled - set(answers)):
-        text = _read_text(faulthandler_path(request.folder, rank))
-        if text.strip():
-            fallback[rank] = text
+    fallback = {r: t for r, t in fallback.items() if r not in answers and t.strip()}
+    _keep(request.folder, answers, traces, pickles, fallback)
     missing = [r for r in request.ranks if r not in answers and r not in fallback]
     if exited:
         log.info("Rank(s) %s had exited: no stacks to ask them for", sorted(exited))
@@ -167,11 +162,21 @@ def collect_evidence(request: EvidenceRequest, timeout_seconds: float) -> Eviden
     return Evidence(request.folder, answers, traces, fallback, missing, seconds)
 
 
-def _read_text(path: Path) -> str:
+def _keep(folder: Path, answers: dict[int, dict[str, Any]], traces: dict[int, dict[str, Any]],
+          pickles: dict[int, bytes], fallback: dict[int, str]) -> None:
+    """Write what arrived on Relay's side, in the layout the ranks use (for MLflow)."""
     try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
+        (folder / FR_DIR).mkdir(parents=True, exist_ok=True)
+        for rank, record in answers.items():
+            write_atomically(answer_path(folder, rank), json.dumps(record, indent=1))
+        for rank, trace in traces.items():
+            write_atomically(trace_path(folder, rank), json.dumps(trace))
+        for rank, data in pickles.items():
+            (folder / FR_DIR / f"rank_{rank}").write_bytes(data)
+        for rank, text in fallback.items():
+            faulthandler_path(folder, rank).write_text(text)
+    except OSError as exc:  # evidence helps the on-call engineer; it never holds up recovery
+        log.warning("Could not keep the ranks' evidence in %s (%s)", folder, exc)
 
 
 def _frame_lines(thread: dict[str, Any]) -> list[str]:

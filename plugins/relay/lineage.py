@@ -11,6 +11,7 @@ import fcntl
 import json
 import logging
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,12 @@ TAG_FAULT = "relay.fault_kind"
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"
 TAG_REJECTED = "relay.rejected."  # + step dir name, on the run that logged the checkpoint
+# Fencing: set on an attempt's run when Relay stops or replaces it. Only the checkpoints
+# published by then count; one its nodes publish later (a partitioned node coming back)
+# is refused by the resume chooser, and the refusal recorded as a rejected tag.
+TAG_FENCED_AT = "relay.fenced_at"  # epoch seconds on Relay's clock
+TAG_FENCED_CHECKPOINTS = "relay.fenced_checkpoints"  # the step dirs accepted, comma-separated
+TAG_FENCED_REASON = "relay.fenced_reason"
 
 
 @dataclass(frozen=True)
@@ -183,6 +190,7 @@ class Lineage:
             and run.data.tags.get(TAG_OUTCOME) == "running"
         ]
         for run_id in stale:
+            self.fence_attempt(run_id, "abandoned: its task was killed, a new try replaces it")
             self.finish_run(run_id, "abandoned")
         return stale
 
@@ -195,6 +203,48 @@ class Lineage:
         ok = outcome in ("completed", "skipped")
         status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
         self._call(self.client.set_terminated, run_id, status)
+
+    def fence_attempt(self, run_id: str, reason: str, accept: tuple[str, ...] = ()) -> list[str]:
+        """Fence an attempt's run: from now on only its checkpoints published so far count.
+
+        ``accept`` adds step dirs Relay itself publishes for the attempt afterwards (a
+        rescued state). Fencing twice keeps the first time and list. Return the accepted.
+        """
+        tags = self._call(self.client.get_run, run_id).data.tags
+        if TAG_FENCED_CHECKPOINTS in tags:
+            accepted = [d for d in tags[TAG_FENCED_CHECKPOINTS].split(",") if d]
+        else:
+            accepted = self._published_dirs(run_id)
+            self._call(self.client.set_tag, run_id, TAG_FENCED_AT, f"{time.time():.3f}")
+            self._call(self.client.set_tag, run_id, TAG_FENCED_REASON, reason[:4000])
+        accepted = sorted(set(accepted) | set(accept))
+        self._call(self.client.set_tag, run_id, TAG_FENCED_CHECKPOINTS, ",".join(accepted))
+        log.info("Fenced attempt run %s (%s): checkpoints %s count, any later one is refused",
+                 run_id, reason, accepted or "none")
+        return accepted
+
+    def _published_dirs(self, run_id: str) -> list[str]:
+        """Return the step dirs of a run whose manifest is logged (the ones that count)."""
+        dirs = []
+        for entry in self._call(self.client.list_artifacts, run_id, CHECKPOINT_ROOT):
+            names = {a.path.rsplit("/", 1)[-1]
+                     for a in self._call(self.client.list_artifacts, run_id, entry.path)}
+            if entry.is_dir and MANIFEST_FILE in names:
+                dirs.append(entry.path.rsplit("/", 1)[-1])
+        return dirs
+
+    def _refuse_fenced(self, run: Any, step_dir: str) -> bool:  # noqa: ANN401 - an MLflow run
+        """Return whether a checkpoint was published after its attempt was fenced; record it."""
+        tags = run.data.tags
+        if TAG_FENCED_CHECKPOINTS not in tags:
+            return False
+        if step_dir in tags[TAG_FENCED_CHECKPOINTS].split(","):
+            return False
+        reason = (f"fenced: published by attempt run {run.info.run_id} after Relay stopped or "
+                  f"replaced it at {tags.get(TAG_FENCED_AT)} ({tags.get(TAG_FENCED_REASON)})")
+        log.warning("Refused checkpoint %s of run %s: %s", step_dir, run.info.run_id, reason)
+        self._call(self.client.set_tag, run.info.run_id, TAG_REJECTED + step_dir, reason)
+        return True
 
     def log_json(self, run_id: str, artifact_file: str, payload: Any) -> None:  # noqa: ANN401
         """Log ``payload`` as a JSON artifact."""
@@ -227,6 +277,8 @@ class Lineage:
                 entries = self._call(self.client.list_artifacts, run_id, CHECKPOINT_ROOT)
                 for entry in entries:
                     if not entry.is_dir or entry.path.rsplit("/", 1)[-1] in rejected:
+                        continue
+                    if self._refuse_fenced(run, entry.path.rsplit("/", 1)[-1]):
                         continue
                     names = {
                         a.path.rsplit("/", 1)[-1]

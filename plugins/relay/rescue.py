@@ -2,8 +2,9 @@
 
 After a hang or an unresponsive rank or node, the healthy ranks wait in the
 step's collective with weights complete up to the last finished step. One of
-them writes that state next to the attempt (see :mod:`relay_train.rescue`);
-after the workload is stopped Relay verifies it and publishes it to the
+them writes that state on its node (see :mod:`relay_train.rescue`); Relay asks
+for it and fetches it through the node's agent, over the channel, before the
+workload is stopped, verifies its sha256, and after the stop publishes it to the
 attempt's MLflow run as a checkpoint like any other, whose manifest says where
 it came from. The retry then resumes from it, and the steps since the last
 periodic checkpoint are not lost. If no rank answers in time, nothing changes:
@@ -12,20 +13,27 @@ the retry resumes from the last periodic checkpoint, as it would have anyway.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from relay.channel import StaleAgentError
 from relay.faults import RESCUABLE, Fault, FaultKind
-from relay_train.heartbeat import Heartbeat, read_heartbeats, write_atomically
+from relay.launchers import Launcher, launcher_from
+from relay_train.heartbeat import Heartbeat
 from relay_train.launch import LaunchConfig
-from relay_train.manifest import CheckpointManifest, CheckpointRef, file_sha256
-from relay_train.rescue import ACK_FILE, DONE_FILE, REQUEST_FILE, RESCUE_DIR, RescueResult
+from relay_train.manifest import CHECKPOINT_FILE, CheckpointManifest, CheckpointRef, file_sha256
+from relay_train.rescue import RescueResult
+
+if TYPE_CHECKING:
+    from relay.channel import AgentChannel
 
 log = logging.getLogger(__name__)
 
 ACK_TIMEOUT_SECONDS = 2.0  # a healthy rank's thread answers within a poll (0.1s)
+RECEIVED_DIR = "rescued"  # Relay's side: the states fetched from the nodes
 
 
 def donor(fault: Fault, cfg: LaunchConfig, beats: dict[int, Heartbeat]) -> int | None:
@@ -41,51 +49,82 @@ def donor(fault: Fault, cfg: LaunchConfig, beats: dict[int, Heartbeat]) -> int |
     return min(candidates, key=lambda b: (-b.step, b.rank)).rank
 
 
-def _wait_for(path: Path, timeout: float) -> bool:
+def _wait_for(channel: AgentChannel, node: str, key: str, timeout: float) -> dict | None:
+    """Ask the node's agent how the rescue goes until ``key`` is set; return its answer."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while True:
+        answer = channel.fetch(node, "rescue")
+        if isinstance(answer, dict) and answer.get(key):
+            return answer
         if time.monotonic() >= deadline:
-            return False
+            return None
         time.sleep(0.05)
-    return True
 
 
 def request_rescue(
-    attempt_dir: Path, cfg: LaunchConfig, fault: Fault, timeout_seconds: float
+    attempt_dir: Path, cfg: LaunchConfig, fault: Fault, timeout_seconds: float,
+    launcher: Launcher | None = None,
 ) -> RescueResult | None:
-    """Ask one healthy rank for its state; return the verified result, or None."""
-    rank = donor(fault, cfg, read_heartbeats(attempt_dir / "heartbeats"))
+    """Ask one healthy rank for its state over the channel; return the verified result, or None.
+
+    The state is fetched from the rank's node into ``<attempt>/rescued/`` on Relay's side.
+    """
+    launcher = launcher or launcher_from(None)
+    rank = donor(fault, cfg, launcher.status(attempt_dir).heartbeats)
     if rank is None:
         return None
-    folder = attempt_dir / RESCUE_DIR
-    folder.mkdir(exist_ok=True)
+    node = cfg.nodes[rank // cfg.ranks_per_node]
+    channel = launcher.channel(attempt_dir)
     asked = time.monotonic()
-    write_atomically(folder / REQUEST_FILE, json.dumps(
-        {"rank": rank, "fault": fault.kind.value, "at": time.time()}))
-    if not _wait_for(folder / ACK_FILE, ACK_TIMEOUT_SECONDS):
+    if channel.ask(node, "rescue", rank=rank, fault=fault.kind.value) is None:
+        log.warning("The agent of %s did not take the rescue request; resuming from the last "
+                    "checkpoint instead", node)
+        return None
+    if _wait_for(channel, node, "ack", ACK_TIMEOUT_SECONDS) is None:
         log.warning("Rank %d did not answer the rescue request in %.0fs; resuming from the last "
                     "checkpoint instead", rank, ACK_TIMEOUT_SECONDS)
         return None
-    if not _wait_for(folder / DONE_FILE, timeout_seconds):
+    answer = _wait_for(channel, node, "done", timeout_seconds)
+    if answer is None:
         log.warning("Rank %d did not finish handing over its state in %.0fs; resuming from the "
                     "last checkpoint instead", rank, timeout_seconds)
         return None
     try:
-        result = RescueResult.read(folder / DONE_FILE)
-    except (OSError, ValueError, TypeError) as exc:
-        log.warning("Unreadable rescue record %s (%s); resuming from the last checkpoint",
-                    folder / DONE_FILE, exc)
+        result = RescueResult(**answer["done"])
+    except (TypeError, ValueError) as exc:
+        log.warning("Unreadable rescue answer from %s (%s); resuming from the last checkpoint",
+                    node, exc)
         return None
     if result.refused or result.path is None or result.step is None:
         log.warning("Rank %d refused to hand over its state: %s", rank, result.refused)
         return None
-    if file_sha256(Path(result.path)) != result.sha256:
-        log.warning("Rescued state %s does not match the sha256 rank %d reported; not used",
-                    result.path, rank)
+    local = _fetch_state(channel, node, result, attempt_dir, timeout_seconds)
+    if local is None or file_sha256(local) != result.sha256:
+        log.warning("Rescued state of rank %d at step %d did not arrive intact (sha256 %s "
+                    "expected); not used", rank, result.step, result.sha256)
         return None
     log.info("Rank %d handed over its state at step %d in %.2fs", rank, result.step,
              time.monotonic() - asked)
-    return result
+    return dataclasses.replace(result, path=str(local))
+
+
+def _fetch_state(channel: AgentChannel, node: str, result: RescueResult, attempt_dir: Path,
+                 timeout_seconds: float) -> Path | None:
+    """Download the rescued file from the node's agent to Relay's side; return its path."""
+    assert result.step is not None
+    try:
+        data = channel.call(node, "rescue/file", query={"step": result.step},
+                            timeout=timeout_seconds)
+    except StaleAgentError:
+        return None
+    if not isinstance(data, bytes):
+        return None
+    local = attempt_dir / RECEIVED_DIR / f"step-{result.step:08d}" / CHECKPOINT_FILE
+    local.parent.mkdir(parents=True, exist_ok=True)
+    partial = local.with_suffix(".partial")
+    partial.write_bytes(data)
+    partial.replace(local)
+    return local
 
 
 def publish_rescue(

@@ -38,7 +38,7 @@ from relay.recovery import SegmentFaultError, fault_history, quarantine
 from relay.rescue import publish_rescue, request_rescue
 from relay.spec import JobSpec
 from relay.triggers import SegmentWatchTrigger
-from relay_train.heartbeat import read_heartbeats, write_atomically
+from relay_train.heartbeat import write_atomically
 from relay_train.launch import LAUNCH_FILE, LaunchConfig
 from relay_train.standby import STANDBY_TTL_SECONDS
 
@@ -237,8 +237,14 @@ class TrainSegmentOperator(RelayOperator):
         lineage = lineage_store()
         launcher = launcher_for(self.spec())
         status = event.get("status")
+        if event.get("refused"):  # messages from agents of another attempt (fencing)
+            log.warning("Refused %d message source(s) of other attempts while watching: %s",
+                        len(event["refused"]), event["refused"])
         if status == "completed":
             survivors = launcher.stop(attempt_dir)
+            if event.get("refused"):
+                best_effort("record the refused messages", lambda: lineage.log_json(
+                    cfg.run_id, "refused.json", event["refused"]))
             best_effort("log the observations",
                         lambda: log_observations(lineage, cfg.run_id, attempt_dir))
             if not survivors:
@@ -257,7 +263,7 @@ class TrainSegmentOperator(RelayOperator):
             raise AirflowException(f"Segment {self.segment}: watcher error "
                                    f"{event.get('message')}\n{event.get('traceback', '')}")
         return self._on_fault(context, Fault.from_event(event["fault"]), attempt_dir, cfg, lineage,
-                              launcher, woke)
+                              launcher, woke, refused=event.get("refused"))
 
     @staticmethod
     def _complete_resume_time(attempt_dir: Path, lineage: Any) -> None:  # noqa: ANN401
@@ -274,9 +280,12 @@ class TrainSegmentOperator(RelayOperator):
 
     def _on_fault(self, context: Any, fault: Fault, attempt_dir: Path,  # noqa: ANN401
                   cfg: LaunchConfig, lineage: Any,  # noqa: ANN401
-                  launcher: Launcher | None = None,
-                  woke: float | None = None) -> dict[str, Any]:
-        """Decide and apply the policy; ``woke``: when the task ran again (default: now)."""
+                  launcher: Launcher | None = None, woke: float | None = None,
+                  refused: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Decide and apply the policy; ``woke``: when the task ran again (default: now).
+
+        ``refused``: messages the watcher refused from agents of another attempt (fencing).
+        """
         clock = resume_time.ResumeClock(resume_time.fault_onset(attempt_dir), fault.detected_at,
                                         time.time() if woke is None else woke)
         spec = self.spec()
@@ -298,7 +307,7 @@ class TrainSegmentOperator(RelayOperator):
             self._prestart(spec, decision, attempt_dir.parent,
                            _lease_holder(spec.dag_id, context["dag_run"].run_id), launcher)
         clock.mark("decide", time.time())
-        beats = read_heartbeats(attempt_dir / "heartbeats")
+        beats = launcher.status(attempt_dir).heartbeats  # over the channel, not from files
         progress = max((b.step for b in beats.values()), default=cfg.start_step)
         # Did the watcher's warden stop it already (no one resumed the task in time)?
         detection = policy.policy.detection
@@ -308,18 +317,23 @@ class TrainSegmentOperator(RelayOperator):
         else:
             # Where is it stuck? Ask every rank now (after the stop nobody answers); the
             # answers arrive while the rescue runs and are gathered, bounded, before the stop.
-            asked = ask_for_evidence(attempt_dir, fault, cfg.world_size)
+            asked = ask_for_evidence(attempt_dir, fault, cfg.world_size, launcher)
             drained = rescued = None
             if decision.checkpoint_first:
                 drained = drain(attempt_dir, detection.checkpoint_timeout, launcher)
             elif decision.retry and not decision.rollback and fault.kind in RESCUABLE:
-                rescued = request_rescue(attempt_dir, cfg, fault, detection.checkpoint_timeout)
+                rescued = request_rescue(attempt_dir, cfg, fault, detection.checkpoint_timeout,
+                                         launcher)
         evidence = (collect_evidence(asked, policy.policy.detection.evidence_timeout)
                     if asked else None)
         clock.mark("rescue", time.time())
         testhooks.pause("stop", attempt_dir=str(attempt_dir))
         survivors = launcher.stop(attempt_dir)
         clock.mark("stop", time.time())
+        # Fencing: whatever this attempt's nodes publish from now on (one the stop could
+        # not reach, coming back) is refused by the resume chooser.
+        fence = f"replaced after {fault.kind.value} (try {cfg.attempt})"
+        best_effort("fence the attempt", lambda: lineage.fence_attempt(cfg.run_id, fence))
         testhooks.pause("record", attempt_dir=str(attempt_dir))
         quarantine(decision, fault, f"{spec.dag_id}/{context['dag_run'].run_id}", launcher)
         found = best_effort("find the resume point", lambda: self._resume_point(
@@ -333,6 +347,8 @@ class TrainSegmentOperator(RelayOperator):
             manifest = best_effort("publish the rescued weights", lambda: publish_rescue(
                 rescued, cfg, fault, latest.manifest.ref if latest else None))
             if manifest is not None:
+                best_effort("accept the rescued state", lambda: lineage.fence_attempt(
+                    cfg.run_id, fence, accept=(manifest.ref.artifact_dir.rsplit("/", 1)[-1],)))
                 next_resume = manifest.step
                 rescue_record = {"rank": rescued.rank, "step": manifest.step,
                                  "sha256": manifest.sha256, "seconds": round(rescued.seconds, 3),
@@ -347,6 +363,7 @@ class TrainSegmentOperator(RelayOperator):
                   "progress_step": progress, "next_resume_step": next_resume,
                   "lost_steps": lost, "drained_at_step": drained, "rescued": rescue_record,
                   "survivors": survivors, "notification": delivery,
+                  "refused": (refused or []) + launcher.channel(attempt_dir).refused,
                   "time_to_resume": clock.to_dict(),
                   "policy_file": str(policy.path)}
         if evidence is not None:  # into fault.json only: the task log's message stays one line

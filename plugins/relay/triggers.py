@@ -1,6 +1,7 @@
 """The watchers: async triggers that run in Airflow's triggerer.
 
-They gather observations without blocking (file reads off the event loop),
+They gather observations without blocking (the launcher's channel to the node
+agents is asked off the event loop, in a thread),
 ask :class:`~relay.detection.Detector` what they mean, and fire exactly one
 event: ``completed``, ``fault`` (kind, culprit, evidence, detection time), or
 ``error`` (the watcher itself broke, with the traceback). Nothing they keep
@@ -30,7 +31,11 @@ def observe_attempt(
     attempt_dir: Path, node_ranks: dict[str, list[int]], heartbeat_interval: float,
     launcher: Launcher | None = None,
 ) -> Observation:
-    """Read one snapshot of a launched segment attempt (blocking I/O)."""
+    """Ask the attempt's node agents for one snapshot (blocking network I/O).
+
+    Heartbeats come over the launcher's channel, already on Relay's clock; no file
+    of the attempt folder is read (the local launcher reads its own launch record).
+    """
     launcher = launcher or launcher_from(None)
     status = launcher.status(attempt_dir)
     try:
@@ -40,7 +45,7 @@ def observe_attempt(
     return Observation(
         now=time.time(),
         launched_at=launched_at,
-        heartbeats=read_heartbeats(attempt_dir / "heartbeats"),
+        heartbeats=status.heartbeats,
         node_ranks=node_ranks,
         heartbeat_interval=heartbeat_interval,
         launch=status,
@@ -111,16 +116,19 @@ class SegmentWatchTrigger(BaseTrigger):
                     observe_attempt, root, self.node_ranks, self.heartbeat_interval_seconds,
                     launcher,
                 )
+                # Messages refused from agents of another attempt go with the event.
+                refused = {"refused": obs.launch.refused} if obs.launch and obs.launch.refused \
+                    else {}
                 if obs.launch is not None and obs.launch.state is LaunchState.SUCCEEDED:
                     late = detector.at_completion(obs)
                     yield TriggerEvent(
-                        {**late.to_event(), "attempt_dir": self.attempt_dir} if late
-                        else {"status": "completed", "attempt_dir": self.attempt_dir}
+                        {**late.to_event(), "attempt_dir": self.attempt_dir, **refused} if late
+                        else {"status": "completed", "attempt_dir": self.attempt_dir, **refused}
                     )
                     return
                 fault = detector.check(obs)
                 if fault is not None:
-                    event = {**fault.to_event(), "attempt_dir": self.attempt_dir}
+                    event = {**fault.to_event(), "attempt_dir": self.attempt_dir, **refused}
                     step = (self.unattended or {}).get(fault.kind.value)
                     if step is not None:  # should no one resume the task (scheduler down)
                         await asyncio.to_thread(start_warden, root, event, step,

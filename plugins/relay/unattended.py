@@ -243,11 +243,12 @@ def _act(args: dict[str, Any]) -> Stopped:
     launcher = launcher_from(args.get("launcher"))
     asked = rescued = drained = None
     try:  # whatever goes wrong saving, the stop below is the point
-        asked = ask_for_evidence(attempt_dir, fault, cfg.world_size)
+        asked = ask_for_evidence(attempt_dir, fault, cfg.world_size, launcher)
         if args["step"] == DRAIN:
             drained = drain(attempt_dir, args["checkpoint_timeout"], launcher)
         elif args["step"] == RESCUE:
-            rescued = request_rescue(attempt_dir, cfg, fault, args["checkpoint_timeout"])
+            rescued = request_rescue(attempt_dir, cfg, fault, args["checkpoint_timeout"],
+                                     launcher)
         if asked is not None:  # the answers are on disk now; execute_complete summarises them
             collect_evidence(asked, args["evidence_timeout"])
     except Exception:  # noqa: BLE001 - logged; the retry resumes from the last checkpoint

@@ -12,12 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
+from agents import SERVED, close_served_agents, serve  # noqa: F401 - the fixture closes them
 from airflow.triggers.base import TriggerEvent
 
 from relay.faults import Fault, FaultKind, classify_exit
 from relay.launchers.local import HANDLE_FILE, LaunchState, LaunchStatus, LocalLauncher, NodeStatus
 from relay.triggers import SegmentWatchTrigger
 from relay_train.heartbeat import Heartbeat, heartbeat_path, write_atomically
+from relay_train.launch import attempt_id_of
 from relay_train.pids import start_time
 
 NODE_RANKS = {"node-a": [0, 1], "node-b": [2, 3]}
@@ -128,22 +130,25 @@ def dead_pid() -> int:
 
 
 def fabricate(root: Path, records: dict[str, Record]) -> Path:
-    """An attempt folder whose agents are 'this process' (alive), with status records."""
+    """An attempt whose agents are real channel servers in 'this process' (alive)."""
     root.mkdir(parents=True, exist_ok=True)
+    served = serve(root, NODE_RANKS)
     # pid: this test process, so agents count as alive. pgid: a reaped process, so
     # nothing could ever signal this test's own group through this handle.
     ids = {"pid": os.getpid(), "pgid": dead_pid(), "started": start_time(os.getpid())}
-    handle = {"nodes": {node: ids for node in NODE_RANKS}, "started_at": time.time()}
+    handle = {"nodes": {node: {**ids, "port": int(served.addresses[node].rsplit(":", 1)[1])}
+                        for node in NODE_RANKS},
+              "started_at": time.time(), "attempt_id": attempt_id_of(root)}
     (root / HANDLE_FILE).write_text(json.dumps(handle))
     write_records(root, records)
     return root
 
 
 def write_records(root: Path, records: dict[str, Record]) -> None:
-    (root / "status").mkdir(exist_ok=True)
+    """Make the nodes' agents say ``records`` over the channel from now on."""
     for node, (state, codes) in records.items():
-        record = {"node": node, "state": state, "exit_codes": {str(r): c for r, c in codes.items()}}
-        (root / "status" / f"{node}.json").write_text(json.dumps(record))
+        agent = SERVED[root].nodes[node]
+        agent.state, agent.exit_codes = state, dict(codes)
 
 
 async def first_event(trigger: SegmentWatchTrigger, timeout: float = 10.0) -> TriggerEvent:

@@ -68,7 +68,8 @@ def test_job_shape_follows_the_settings() -> None:
     assert job["spec"]["activeDeadlineSeconds"] == 90
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}
     assert pod["serviceAccountName"] == "trainer" and pod["automountServiceAccountToken"] is False
-    assert container["args"][-2:] == ["--node-index", "$(RELAY_NODE_INDEX)"]
+    assert container["args"][2:4] == ["--node-index", "$(RELAY_NODE_INDEX)"]
+    assert container["args"][4:8] == ["--bind", "0.0.0.0", "--port", "29401"]  # the channel
     anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert anti[0]["topologyKey"] == "kubernetes.io/hostname"
     assert "resources" not in job_manifest(KEY, SETTINGS[0], ["pod-0"], 1, [], 0.0)["spec"][

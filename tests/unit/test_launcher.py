@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from agents import close_served_agents, serve  # noqa: F401 - the fixture closes them
 
 from relay.launchers.local import (
     HANDLE_FILE,
@@ -21,6 +22,7 @@ from relay.launchers.local import (
     agent_handle,
     group_members,
 )
+from relay_train.launch import attempt_id_of
 
 SLEEP_WITH_CHILD = "sleep 60 & sleep 60"
 IGNORES_TERM = 'trap "" TERM; sleep 60'
@@ -240,14 +242,20 @@ def dead_pid() -> int:
 
 
 def fabricate(root: Path, agents: dict[str, int], records: dict[str, dict | None]) -> Path:
-    """Write handle.json for ``agents`` (node -> pid) and status/<node>.json records."""
+    """Write handle.json for ``agents`` (node -> pid); serve ``records`` over the channel.
+
+    A node whose record is None has no channel server (its agent never answered).
+    """
     root.mkdir(parents=True, exist_ok=True)
-    handle = {n: agent_handle(pid) for n, pid in agents.items()}
-    (root / HANDLE_FILE).write_text(json.dumps({"nodes": handle, "started_at": time.time()}))
-    (root / "status").mkdir(exist_ok=True)
-    for node, record in records.items():
-        if record is not None:
-            (root / "status" / f"{node}.json").write_text(json.dumps(record))
+    answering = {n: r for n, r in records.items() if r is not None}
+    served = serve(root, {n: [int(k) for k in r["exit_codes"]] for n, r in answering.items()})
+    for node, record in answering.items():
+        served.nodes[node].state = record["state"]
+        served.nodes[node].exit_codes = {int(k): c for k, c in record["exit_codes"].items()}
+    handle = {n: {**agent_handle(pid), "port": int(served.addresses[n].rsplit(":", 1)[1])
+                  if n in answering else None} for n, pid in agents.items()}
+    (root / HANDLE_FILE).write_text(json.dumps({"nodes": handle, "started_at": time.time(),
+                                                "attempt_id": attempt_id_of(root)}))
     return root
 
 
@@ -280,7 +288,7 @@ def test_status_running(tmp_path: Path, launcher: LocalLauncher) -> None:
     assert set(status.nodes) == {"n0", "n1"}
     assert status.nodes["n0"].state == "running"
     assert status.nodes["n0"].exit_codes == {0: None, 1: None}
-    assert status.nodes["n0"].last_seen == 1700000000.0
+    assert status.nodes["n0"].last_seen == pytest.approx(time.time(), abs=5)  # Relay's clock
     assert status.failed_ranks() == {}
 
 

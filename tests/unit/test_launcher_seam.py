@@ -97,13 +97,13 @@ def test_only_the_local_launcher_signals_processes() -> None:
     users = sorted(str(p.relative_to(PLUGIN)) for p in PLUGIN.rglob("*.py")
                    if signalling.search(p.read_text()))
 
-    # evidence.py asks a rank on this very host for its stacks (faulthandler's signal),
-    # after checking the rank's start time; pgcluster.py and proctree.py stop the services
-    # `make up` started (Airflow, MLflow, PostgreSQL), never a workload;
-    # bench/torchrun_baseline.py breaks the benchmark's plain-torchrun baseline (not Relay's);
-    # every signal to a Relay workload goes through LocalLauncher.
-    assert users == ["bench/torchrun_baseline.py", "evidence.py", "launchers/local.py",
-                     "pgcluster.py", "proctree.py"]
+    # pgcluster.py and proctree.py stop the services `make up` started (Airflow, MLflow,
+    # PostgreSQL), never a workload; bench/torchrun_baseline.py breaks the benchmark's
+    # plain-torchrun baseline (not Relay's); every signal to a Relay workload goes through
+    # LocalLauncher (a rank's faulthandler is signalled by its own node's agent, asked over
+    # the channel).
+    assert users == ["bench/torchrun_baseline.py", "launchers/local.py", "pgcluster.py",
+                     "proctree.py"]
 
 
 def test_the_documented_kubernetes_example_spec_is_valid() -> None:

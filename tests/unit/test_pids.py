@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from agents import ServedAttempt
 
 from relay import chaos
 from relay.launchers.local import HANDLE_FILE, LaunchState, LocalLauncher
@@ -88,12 +89,17 @@ def test_stop_leaves_a_reused_pid_alone_and_logs_it(
 
 
 def test_chaos_refuses_targets_whose_pid_was_reused(
-    tmp_path: Path, stranger: subprocess.Popen[bytes]
+    tmp_path: Path, stranger: subprocess.Popen[bytes], request: pytest.FixtureRequest
 ) -> None:
     root = reused_attempt(tmp_path / "try-1", stranger)
     beat = Heartbeat(rank=0, node="node-a", pid=stranger.pid, pid_started=stale_start(stranger))
     (root / "heartbeats").mkdir()
     write_atomically(heartbeat_path(root / "heartbeats", 0), beat.to_json())
+    agent = ServedAttempt(root, {"node-a": [0]})  # the node's agent reports that heartbeat
+    request.addfinalizer(agent.close)
+    handle = json.loads((root / HANDLE_FILE).read_text())
+    handle["nodes"]["node-a"]["port"] = int(agent.addresses["node-a"].rsplit(":", 1)[1])
+    (root / HANDLE_FILE).write_text(json.dumps(handle))
     with pytest.raises(chaos.ChaosTargetError, match="left alone"):
         chaos.kill_rank(root, 0)
     with pytest.raises(chaos.ChaosTargetError, match="left alone"):

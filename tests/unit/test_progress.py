@@ -1,4 +1,4 @@
-"""The demo's progress lines, read from attempt folders as the workload writes them."""
+"""The demo's progress lines: attempts from Relay's records, states from the node agents."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from relay.demo import ProgressPrinter
+from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
 
 LAUNCH = {"start_step": 0, "end_step": 60, "nodes": ["node-a", "node-b"], "ranks_per_node": 2,
           "resume": None}
@@ -23,14 +24,15 @@ DECISION = {
 
 def _attempt(tmp_path: Path) -> Path:
     attempt = tmp_path / "relay_demo" / "run-1" / "segment-000" / "try-1"
-    (attempt / "status").mkdir(parents=True)
+    attempt.mkdir(parents=True)
     (attempt / "launch.json").write_text(json.dumps(LAUNCH))
     return attempt
 
 
-def _status(attempt: Path, state: str) -> None:
-    for node in LAUNCH["nodes"]:
-        (attempt / "status" / f"{node}.json").write_text(json.dumps({"state": state}))
+def _status(printer: ProgressPrinter, state: str) -> None:
+    """Make the agents (as the channel would report them) say ``state``."""
+    nodes = {n: NodeStatus(n, state) for n in LAUNCH["nodes"]}
+    printer._status = lambda _attempt: LaunchStatus(overall_state(nodes), nodes)  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("early", ["starting", "running"])
@@ -39,9 +41,9 @@ def test_a_fault_is_reported_after_agents_said_starting_or_running(
 ) -> None:
     attempt = _attempt(tmp_path)
     printer = ProgressPrinter(tmp_path / "relay_demo", 240, time.time())
-    _status(attempt, early)  # agents preloading: the attempt has not ended
+    _status(printer, early)  # agents preloading: the attempt has not ended
     printer.poll()
-    _status(attempt, "failed")
+    _status(printer, "failed")
     printer.poll()
     (attempt / "decision.json").write_text(json.dumps(DECISION))
     printer.poll()

@@ -5,20 +5,31 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from agents import ServedAttempt
 from torch import nn
 
 from relay.faults import Fault, FaultKind
 from relay.lineage import Lineage
-from relay.rescue import donor, publish_rescue, request_rescue
+from relay.rescue import donor, publish_rescue
+from relay.rescue import request_rescue as ask_agents
 from relay_train.checkpoint import load_verified, snapshot
 from relay_train.heartbeat import Heartbeat, HeartbeatWriter
 from relay_train.launch import LaunchConfig
 from relay_train.rescue import DONE_FILE, REQUEST_FILE, RESCUE_DIR, RescueResponder, TrainingState
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[ServedAttempt]:
+    """Real agent channel servers for node-a (ranks 0, 1) and node-b (ranks 2, 3)."""
+    served = ServedAttempt(tmp_path, {"node-a": [0, 1], "node-b": [2, 3]})
+    yield served
+    served.close()
 
 
 def _cfg(tmp_path: Path, tracking_uri: str = "sqlite:///unused.db", run_id: str = "r") -> Any:
@@ -146,25 +157,27 @@ def _live_beats(root: Path, ranks: list[int]) -> None:
         writer.flush_now()
 
 
-def test_request_rescue_returns_the_verified_state(tmp_path: Path) -> None:
+def test_request_rescue_returns_the_verified_state(tmp_path: Path, agents: ServedAttempt) -> None:
     _live_beats(tmp_path, [0, 2, 3])
     state = TrainingState(completed=30)
     responder, _ = _responder(tmp_path, 0, state)
     responder.start()
     fault = Fault(FaultKind.NODE_UNRESPONSIVE, None, "node-b", {})
-    result = request_rescue(tmp_path, _cfg(tmp_path), fault, timeout_seconds=20)
+    result = ask_agents(tmp_path, _cfg(tmp_path), fault, 20, agents)
     assert result is not None and (result.rank, result.step) == (0, 30)
 
 
-def test_request_rescue_gives_up_when_nobody_answers(tmp_path: Path) -> None:
+def test_request_rescue_gives_up_when_nobody_answers(tmp_path: Path, agents: ServedAttempt) -> None:
     _live_beats(tmp_path, [0, 1])
     fault = Fault(FaultKind.HANG, 1, "node-a", {})
     started = time.monotonic()
-    assert request_rescue(tmp_path, _cfg(tmp_path), fault, timeout_seconds=20) is None
+    assert ask_agents(tmp_path, _cfg(tmp_path), fault, 20, agents) is None
     assert time.monotonic() - started < 15  # the ack timeout, not the save timeout
 
 
-def test_request_rescue_rejects_a_file_that_does_not_match_its_sha256(tmp_path: Path) -> None:
+def test_request_rescue_rejects_a_file_that_does_not_match_its_sha256(
+    tmp_path: Path, agents: ServedAttempt
+) -> None:
     _live_beats(tmp_path, [0, 1])
     state = TrainingState(completed=30)
     responder, _ = _responder(tmp_path, 0, state)
@@ -178,10 +191,12 @@ def test_request_rescue_rejects_a_file_that_does_not_match_its_sha256(tmp_path: 
     responder.respond = tampered  # type: ignore[method-assign]
     responder.start()
     fault = Fault(FaultKind.HANG, 1, "node-a", {})
-    assert request_rescue(tmp_path, _cfg(tmp_path), fault, timeout_seconds=20) is None
+    assert ask_agents(tmp_path, _cfg(tmp_path), fault, 20, agents) is None
 
 
-def test_published_rescue_is_the_next_resume_point(tmp_path: Path) -> None:
+def test_published_rescue_is_the_next_resume_point(
+    tmp_path: Path, agents: ServedAttempt
+) -> None:
     lineage = Lineage(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
     parent = lineage.parent_run("t", "relay_t", "run-1")
     run_id = lineage.attempt_run(parent, 0, 1, {"segment": 0})
@@ -190,7 +205,7 @@ def test_published_rescue_is_the_next_resume_point(tmp_path: Path) -> None:
     responder.start()
     fault = Fault(FaultKind.HANG, 1, "node-a", {})
     cfg = _cfg(tmp_path, lineage.tracking_uri, run_id)
-    result = request_rescue(tmp_path, cfg, fault, timeout_seconds=20)
+    result = ask_agents(tmp_path, cfg, fault, 20, agents)
     assert result is not None
     manifest = publish_rescue(result, cfg, fault, parent=None)
     assert manifest.origin == "rescued from rank 0 after hang"

@@ -11,6 +11,12 @@ Lifecycle of one attempt, as a launcher reports it (:class:`LaunchState`)::
     launch() --> RUNNING --> SUCCEEDED      every node's agent ended well
                      \\--> FAILED          an agent or a rank failed, or the attempt vanished
 
+Everything Relay learns from a running attempt, and everything it asks of it,
+goes over the network to the node agents (:meth:`Launcher.channel`, see
+:mod:`relay.channel`): :meth:`Launcher.status` carries the ranks' heartbeats,
+already placed on Relay's clock, and the messages refused from agents of
+another attempt. No launcher reads a file a node wrote.
+
 Per node, :class:`NodeStatus` says ``starting``, ``running``, ``succeeded``,
 ``failed`` or ``unresponsive`` (the platform says the node stopped answering:
 a NotReady Kubernetes node, a pod stuck terminating); the detector turns
@@ -25,7 +31,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from relay.channel import AgentChannel
     from relay.nodes import Quarantine
+    from relay_train.heartbeat import Heartbeat
     from relay_train.launch import LaunchConfig
 
 UNRESPONSIVE = "unresponsive"  # NodeStatus.state of a node the platform says stopped answering
@@ -62,6 +70,8 @@ class LaunchStatus:
 
     state: LaunchState
     nodes: dict[str, NodeStatus]
+    heartbeats: dict[int, Heartbeat] = field(default_factory=dict)  # on Relay's clock
+    refused: list[dict[str, Any]] = field(default_factory=list)  # messages of stale attempts
 
     def errors(self) -> dict[int, str]:
         """Return the end of each failed rank's log (its own error message)."""
@@ -103,7 +113,11 @@ class Launcher(Protocol):
         ...
 
     def status(self, root: Path) -> LaunchStatus:
-        """Return the attempt's state now; never blocks for long."""
+        """Return the attempt's state now, with its heartbeats; never blocks for long."""
+        ...
+
+    def channel(self, root: Path) -> AgentChannel:
+        """Return the channel to the attempt's node agents (one per attempt, kept)."""
         ...
 
     def started_at(self, root: Path) -> float:

@@ -32,6 +32,7 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
+from relay.channel import AgentChannel
 from relay.launchers.base import LaunchState, LaunchStatus, overall_state
 from relay.launchers.k8s_objects import (
     ANNOTATION_LAUNCHED_AT,
@@ -42,6 +43,7 @@ from relay.launchers.k8s_objects import (
     RENDEZVOUS_PORT,
     TERMINATION_GRACE_SECONDS,
     AttemptKey,
+    agent_url,
     configmap_manifest,
     job_manifest,
     master_addr,
@@ -49,9 +51,15 @@ from relay.launchers.k8s_objects import (
     quarantine_taint,
     service_manifest,
 )
-from relay.launchers.k8s_status import job_failure, newest_by_index, slot_status, stuck
+from relay.launchers.k8s_status import (
+    job_failure,
+    merge_agent_report,
+    newest_by_index,
+    slot_status,
+    stuck,
+)
 from relay.spec import KubernetesSpec
-from relay_train.launch import LAUNCH_FILE, LaunchConfig
+from relay_train.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 
 if TYPE_CHECKING:
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
@@ -92,6 +100,7 @@ class KubernetesLauncher:
         self._checked: dict[str, tuple[float, str | None]] = {}  # host -> (when, problem)
         self._leases: dict[str, tuple[Any, float]] = {}  # host -> (renewTime, first seen)
         self._launched_at: dict[str, float] = {}  # Job name -> its launch time
+        self._channels: dict[str, AgentChannel] = {}  # Job name -> its agents' channel
 
     # -- the API ---------------------------------------------------------------
 
@@ -156,7 +165,7 @@ class KubernetesLauncher:
         cfg.root.mkdir(parents=True, exist_ok=True)
         cfg.write(cfg.root / LAUNCH_FILE)  # the Relay side's copy, for execute_complete
         pod_cfg = replace(cfg, attempt_dir=POD_ATTEMPT_DIR, master_addr=master_addr(key),
-                          master_port=RENDEZVOUS_PORT)
+                          master_port=RENDEZVOUS_PORT, attempt_id=attempt_id_of(cfg.root))
         held = NodePool().quarantines()
         self.enforce_quarantines(held)
         job = self._create_job(job_manifest(key, self.settings, cfg.nodes, cfg.ranks_per_node,
@@ -245,12 +254,33 @@ class KubernetesLauncher:
         now = time.time()
         nodes = {slot: slot_status(slot, pods.get(i), problems, now)
                  for i, slot in enumerate(slots)}
+        channel = self.channel(root, slots)
+        channel.poll([s for s, n in nodes.items() if n.state == "running"])
+        for slot, node in nodes.items():
+            merge_agent_report(node, channel.reports.get(slot))
         failure = job_failure(job)
         if failure:
             for node in nodes.values():
                 if node.state not in ("succeeded", "failed"):
                     node.state, node.detail = "failed", failure
-        return LaunchStatus(overall_state(nodes), nodes)
+        return LaunchStatus(overall_state(nodes), nodes, dict(channel.beats),
+                            list(channel.refused))
+
+    def agent_url(self, key: AttemptKey, index: int) -> str:
+        """Return where the agent of pod ``index`` answers (its headless-Service DNS name)."""
+        return agent_url(key, self.namespace, index)
+
+    def channel(self, root: Path, slots: list[str] | None = None) -> AgentChannel:
+        """Return the channel to the attempt's pod agents (slots from its Job, read once)."""
+        key = AttemptKey.from_dir(root)
+        if key.name not in self._channels:
+            if slots is None:
+                job = self._job(key)
+                slots = [] if job is None else json.loads(
+                    job.metadata.annotations[ANNOTATION_NODES])
+            self._channels[key.name] = AgentChannel(
+                attempt_id_of(root), {s: self.agent_url(key, i) for i, s in enumerate(slots)})
+        return self._channels[key.name]
 
     def _node_problem(self, host: str) -> str | None:
         """Return why ``host`` counts as unresponsive, or None (re-read every few seconds)."""

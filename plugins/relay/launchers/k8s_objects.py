@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from relay.spec import KubernetesSpec
+from relay_train.channel import AGENT_PORT
 
 GROUP = "relay.dev"
 LABEL_ATTEMPT_ID = f"{GROUP}/attempt-id"
@@ -31,6 +32,7 @@ POD_ATTEMPT_DIR = "/relay/attempt"
 RENDEZVOUS_PORT = 29500
 AGENT_CONTAINER = "agent"
 TERMINATION_GRACE_SECONDS = 10  # the agent gives its ranks 5 s after SIGTERM
+AGENT_LINGER_SECONDS = 10  # after its ranks end, the agent answers (exit codes, errors) this long
 FINISHED_TTL_SECONDS = 3600  # Relay deletes Jobs itself; this only catches leftovers
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
@@ -104,6 +106,11 @@ def master_addr(key: AttemptKey) -> str:
     return f"{key.name}-0.{key.name}"
 
 
+def agent_url(key: AttemptKey, namespace: str, index: int) -> str:
+    """Return the channel address of the agent in pod ``index`` (its headless-Service name)."""
+    return f"http://{key.name}-{index}.{key.name}.{namespace}.svc:{AGENT_PORT}"
+
+
 def owner_reference(job: dict[str, Any]) -> dict[str, Any]:
     """Return an owner reference to a created Job, so deleting it deletes the owned object."""
     return {"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"],
@@ -147,9 +154,12 @@ def _container(k8s: KubernetesSpec, key: AttemptKey) -> dict[str, Any]:
         "name": AGENT_CONTAINER,
         "image": k8s.image,
         "command": ["python", "-m", "relay_train.agent"],
-        "args": ["--launch", f"{LAUNCH_MOUNT}/launch.json", "--node-index", "$(RELAY_NODE_INDEX)"],
+        "args": ["--launch", f"{LAUNCH_MOUNT}/launch.json", "--node-index", "$(RELAY_NODE_INDEX)",
+                 "--bind", "0.0.0.0", "--port", str(AGENT_PORT),  # noqa: S104 - the pod's IP
+                 "--linger", str(AGENT_LINGER_SECONDS)],
         "env": env,
-        "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],
+        "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
+                  {"name": "channel", "containerPort": AGENT_PORT}],
         "volumeMounts": [
             {"name": "launch", "mountPath": LAUNCH_MOUNT, "readOnly": True},
             {"name": "attempt", "mountPath": POD_ATTEMPT_DIR},
@@ -213,7 +223,8 @@ def service_manifest(key: AttemptKey, namespace: str, owner: dict[str, Any]) -> 
             "publishNotReadyAddresses": True,  # ranks meet before any readiness exists
             "selector": {LABEL_ATTEMPT_ID: key.name},
             "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT,
-                       "targetPort": RENDEZVOUS_PORT}],
+                       "targetPort": RENDEZVOUS_PORT},
+                      {"name": "channel", "port": AGENT_PORT, "targetPort": AGENT_PORT}],
         },
     }
 

@@ -2,16 +2,20 @@
 
 Each node slot gets one :class:`~relay.launchers.base.NodeStatus`: the pod's phase,
 unless the pod outlived its deletion deadline or its node has a problem, which
-makes the slot ``unresponsive``. No API calls here; :mod:`relay.launchers.k8s`
-fetches the objects.
+makes the slot ``unresponsive``; what its agent said over the channel adds exit
+codes, failed ranks' log tails and when it last answered. No API calls here;
+:mod:`relay.launchers.k8s` fetches the objects and asks the agents.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relay.launchers.base import UNRESPONSIVE, NodeStatus
 from relay.launchers.k8s_objects import INDEX_ANNOTATION
+
+if TYPE_CHECKING:
+    from relay.channel import NodeReport
 
 TERMINATING_SLACK_SECONDS = 2.0  # past deletionTimestamp + this, a pod is stuck
 
@@ -67,6 +71,24 @@ def slot_status(slot: str, pod: Any, problems: dict[str, str | None],  # noqa: A
         return NodeStatus(slot, UNRESPONSIVE, host=host,
                           detail=f"pod {pod.metadata.name} state unknown (node lost?)")
     return NodeStatus(slot, "starting", detail=pending_detail(pod), host=host)
+
+
+def merge_agent_report(node: NodeStatus, report: NodeReport | None) -> None:
+    """Add what the slot's agent last said over the channel: when, exit codes, rank errors.
+
+    The pod's phase stays the word on a node that stopped answering; an agent that says
+    its ranks ended (it answers a little longer) settles a pod still ``Running``.
+    """
+    if report is None:
+        return
+    record = report.record
+    node.last_seen = report.received_at
+    node.exit_codes = {int(r): c for r, c in (record.get("exit_codes") or {}).items()}
+    node.errors = {int(r): str(t) for r, t in (record.get("errors") or {}).items()}
+    if node.state == "running" and record.get("state") in ("succeeded", "failed"):
+        node.state = str(record["state"])
+        failed = {r: c for r, c in node.exit_codes.items() if c not in (None, 0)}
+        node.detail = f"ranks exited with {failed}" if failed else node.detail
 
 
 def failure_detail(pod: Any) -> str:  # noqa: ANN401

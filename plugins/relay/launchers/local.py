@@ -2,10 +2,16 @@
 
 Each agent starts in its own session, so its process group (agent + ranks)
 outlives the Airflow task that launched it while the task defers, and can be
-stopped as a whole by PGID. Everything needed to find the workload again is in
-the attempt folder: ``handle.json`` (PIDs, PGIDs and the agents' start times)
-and ``status/<node>.json`` (written by the agents). Every signal goes through
+stopped as a whole by PGID. The launch record is the one file Relay keeps in
+the attempt folder, and only this launcher: ``handle.json`` (the attempt's id,
+PIDs, PGIDs, the agents' start times and channel ports). What the agents and
+ranks say (state, exit codes, heartbeats, answers) comes over the channel
+(:mod:`relay.channel`), as on a cluster. Every signal goes through
 :mod:`relay_train.pids`, so a PID reused by another process is never touched.
+
+Test hook: ``RELAY_TEST_PARTITIONED_NODES`` (comma-separated node names) makes
+:meth:`LocalLauncher.stop` unable to reach those nodes, as a network partition
+would (no channel request, no signal), for the fencing tests.
 """
 
 from __future__ import annotations
@@ -18,13 +24,16 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from relay.channel import MAX_PARALLEL, AgentChannel
 from relay.launchers.base import LaunchState, LaunchStatus, NodeStatus, overall_state
 from relay_train import pids
-from relay_train.heartbeat import read_heartbeats, write_atomically
-from relay_train.launch import LAUNCH_FILE, LaunchConfig
+from relay_train.heartbeat import write_atomically
+from relay_train.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 from relay_train.standby import (
     STANDBY_TTL_SECONDS,
     claimed_file,
@@ -46,6 +55,10 @@ HANDLE_FILE = "handle.json"
 STOP_GRACE_SECONDS = 5.0
 STANDBY_DIR = "standby"  # in a segment's folder: agents preloading for its next attempt
 STANDBY_WAIT_SECONDS = 10.0  # a standby still preloading is worth waiting for this long
+# An agent whose ranks ended keeps answering (its final state) until stopped, at most this long.
+LINGER_SECONDS = 600.0
+ENV_PARTITIONED = "RELAY_TEST_PARTITIONED_NODES"  # test hook: nodes stop() cannot reach
+STOP_ASK_TIMEOUT_SECONDS = 0.5
 
 
 class NotOursError(LookupError):
@@ -102,6 +115,9 @@ class LocalLauncher:
 
     name = "local"
 
+    def __init__(self) -> None:
+        self._channels: dict[Path, AgentChannel] = {}
+
     def config(self) -> dict[str, Any]:
         """Return the factory's description of this launcher."""
         return {"kind": self.name}
@@ -124,7 +140,9 @@ class LocalLauncher:
         the standbys nobody claimed are stopped afterwards.
         """
         root = cfg.root
-        for sub in (root, cfg.log_dir, cfg.status_dir, cfg.heartbeat_dir):
+        cfg = replace(cfg, attempt_id=cfg.attempt_id or attempt_id_of(root),
+                      agent_ports={n: free_port() for n in cfg.nodes})
+        for sub in (root, cfg.log_dir, cfg.heartbeat_dir):
             sub.mkdir(parents=True, exist_ok=True)
         launch_file = root / LAUNCH_FILE
         cfg.write(launch_file)
@@ -132,22 +150,25 @@ class LocalLauncher:
         for node in cfg.nodes:
             pid = self._claim(standby_dir, node, launch_file) if standby_dir else None
             if pid is not None:
-                handle[node] = {**agent_handle(pid), "standby": True}
+                handle[node] = {**agent_handle(pid), "standby": True,
+                                "port": cfg.agent_ports[node]}
                 log.info("Handed %s to its standby agent (pid %d, preloaded)", node, pid)
                 continue
             with (cfg.log_dir / f"agent-{node}.log").open("ab") as out:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "relay_train.agent", "--launch", str(launch_file),
-                     "--node", node],
+                     "--node", node, "--linger", str(LINGER_SECONDS)],
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     cwd=root,
                     start_new_session=True,
                 )
-            handle[node] = agent_handle(proc.pid)
-            log.info("Started agent for %s as pid %d", node, proc.pid)
-        (root / HANDLE_FILE).write_text(json.dumps({"nodes": handle, "started_at": time.time()}))
+            handle[node] = {**agent_handle(proc.pid), "port": cfg.agent_ports[node]}
+            log.info("Started agent for %s as pid %d (channel port %d)", node, proc.pid,
+                     cfg.agent_ports[node])
+        (root / HANDLE_FILE).write_text(json.dumps({"nodes": handle, "started_at": time.time(),
+                                                    "attempt_id": cfg.attempt_id}))
         if standby_dir is not None:
             self.release_standbys(standby_dir)
         return root
@@ -163,7 +184,7 @@ class LocalLauncher:
             with (directory / f"{node}.log").open("ab") as out:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "relay_train.agent", "--standby", str(directory),
-                     "--node", node, "--ttl", str(ttl_seconds)],
+                     "--node", node, "--ttl", str(ttl_seconds), "--linger", str(LINGER_SECONDS)],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     cwd=directory, start_new_session=True,
                 )
@@ -209,7 +230,8 @@ class LocalLauncher:
             nodes = json.loads((root / HANDLE_FILE).read_text())["nodes"]
             return {
                 str(n): {"pid": int(ids["pid"]), "pgid": int(ids["pgid"]),
-                         "started": None if ids.get("started") is None else int(ids["started"])}
+                         "started": None if ids.get("started") is None else int(ids["started"]),
+                         "port": None if ids.get("port") is None else int(ids["port"])}
                 for n, ids in nodes.items()
             }
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -220,33 +242,57 @@ class LocalLauncher:
         """Return when the attempt was launched (epoch seconds)."""
         return float(json.loads((root / HANDLE_FILE).read_text())["started_at"])
 
+    def channel(self, root: Path) -> AgentChannel:
+        """Return the channel to the attempt's agents (on loopback, at the recorded ports)."""
+        if root not in self._channels:
+            try:
+                attempt_id = str(json.loads((root / HANDLE_FILE).read_text())["attempt_id"])
+            except (OSError, ValueError, KeyError, TypeError):
+                attempt_id = attempt_id_of(root)
+            addresses = {n: f"http://127.0.0.1:{ids['port']}"
+                         for n, ids in self._handle(root).items() if ids["port"] is not None}
+            self._channels[root] = AgentChannel(attempt_id, addresses)
+        return self._channels[root]
+
     def status(self, root: Path) -> LaunchStatus:
-        """Read agents' status files and check their PIDs; never blocks."""
+        """Ask the agents over the channel, and check their PIDs; never blocks for long."""
+        channel = self.channel(root)
+        channel.poll()
         nodes: dict[str, NodeStatus] = {}
         for node, ids in self._handle(root).items():
-            try:
-                record = json.loads((root / "status" / f"{node}.json").read_text())
-            except (OSError, ValueError):
-                record = None
+            report = channel.reports.get(node)  # its latest answer, if it ever answered
             alive = pids.is_running(ids["pid"], ids["started"])
-            if record is None:
+            if report is None:
                 state = "starting" if alive else "failed"
                 detail = "" if alive else "agent exited before reporting any status"
                 nodes[node] = NodeStatus(node, state, detail=detail)
                 continue
+            record = report.record
             codes = {int(r): c for r, c in record.get("exit_codes", {}).items()}
             state = record.get("state", "running")
             detail = ""
             if state in ("starting", "running") and not alive:
                 state, detail = "failed", "agent died without a final status (killed?)"
             errors = {int(r): str(t) for r, t in (record.get("errors") or {}).items()}
-            nodes[node] = NodeStatus(node, state, codes, detail, record.get("wall_clock"),
+            nodes[node] = NodeStatus(node, state, codes, detail, report.received_at,
                                      errors=errors)
-        return LaunchStatus(overall_state(nodes), nodes)
+        return LaunchStatus(overall_state(nodes), nodes, dict(channel.beats),
+                            list(channel.refused))
+
+    def heartbeats(self, root: Path) -> dict[int, Any]:
+        """Return the ranks' latest heartbeats (on Relay's clock), asking the agents now."""
+        return self.status(root).heartbeats
 
     def stop(self, root: Path, grace_seconds: float = STOP_GRACE_SECONDS) -> list[str]:
         """Stop every process of the attempt; return the PIDs that survived (should be none)."""
-        groups = {ids["pgid"]: ids["started"] for ids in self._handle(root).values()}
+        cut_off = {n.strip() for n in os.environ.get(ENV_PARTITIONED, "").split(",") if n.strip()}
+        handle = self._handle(root)
+        if cut_off & set(handle):
+            log.warning("Test hook %s: cannot reach %s to stop it (a simulated partition)",
+                        ENV_PARTITIONED, sorted(cut_off & set(handle)))
+        reachable = [n for n in handle if n not in cut_off]
+        self._ask_to_stop(root, reachable)
+        groups = {handle[n]["pgid"]: handle[n]["started"] for n in reachable}
         ours = {g: s for g, s in groups.items() if self._ours(g, s)}
         live = [g for g in ours if group_members(g)]
         if not live:
@@ -272,6 +318,16 @@ class LocalLauncher:
         if survivors:
             log.error("Processes %s survived SIGKILL in %s", survivors, root)
         return [f"pid {p}" for p in survivors]
+
+    def _ask_to_stop(self, root: Path, nodes: list[str]) -> None:
+        """Ask the agents over the channel first, as on a cluster (signals follow anyway)."""
+        channel = self.channel(root)
+        targets = [n for n in nodes if n in channel.addresses]
+        if not targets:
+            return
+        with ThreadPoolExecutor(max_workers=min(len(targets), MAX_PARALLEL)) as pool:
+            list(pool.map(lambda n: channel.call_quietly(n, "stop", STOP_ASK_TIMEOUT_SECONDS),
+                          targets))
 
     @staticmethod
     def _ours(pgid: int, started: int | None) -> bool:
@@ -313,48 +369,43 @@ class LocalLauncher:
             raise NotOursError(f"node {node!r} (process group {pgid})")
         return pgid
 
-    @staticmethod
-    def _rank(root: Path, rank: int) -> tuple[int, int | None] | None:
+    def _rank(self, root: Path, rank: int) -> tuple[int, int | None] | None:
         """Return a rank's PID and start time from its heartbeat (None before its first one)."""
-        beat = read_heartbeats(root / "heartbeats").get(rank)
+        beat = self.heartbeats(root).get(rank)
         return None if beat is None else (beat.pid, beat.pid_started)
 
-    @classmethod
-    def rank_pid(cls, root: Path, rank: int) -> int | None:
+    def rank_pid(self, root: Path, rank: int) -> int | None:
         """Return the PID a rank reported in its heartbeat (None before its first one).
 
         Raise :class:`NotOursError` if that PID is no longer the rank's process.
         """
-        found = cls._rank(root, rank)
+        found = self._rank(root, rank)
         if found is None:
             return None
         if not pids.is_same_process(*found):
             raise NotOursError(f"rank {rank} (pid {found[0]})")
         return found[0]
 
-    @classmethod
-    def _rank_or_raise(cls, root: Path, rank: int) -> tuple[int, int | None]:
-        found = cls._rank(root, rank)
+    def _rank_or_raise(self, root: Path, rank: int) -> tuple[int, int | None]:
+        found = self._rank(root, rank)
         if found is None:
-            raise KeyError(f"rank {rank}: no heartbeat in {root / 'heartbeats'} yet")
+            raise KeyError(f"rank {rank}: no heartbeat from its node's agent for {root} yet")
         return found
 
-    @classmethod
-    def signal_rank(cls, root: Path, rank: int, sig: signal.Signals) -> int:
+    def signal_rank(self, root: Path, rank: int, sig: signal.Signals) -> int:
         """Send ``sig`` to one rank (by the PID in its heartbeat, if still its); return the PID."""
-        pid, started = cls._rank_or_raise(root, rank)
+        pid, started = self._rank_or_raise(root, rank)
         if not pids.signal_process(pid, started, sig):
             raise NotOursError(f"rank {rank} (pid {pid})")
         return pid
 
-    @classmethod
-    def throttle_rank(cls, root: Path, rank: int, running: float, period: float,
+    def throttle_rank(self, root: Path, rank: int, running: float, period: float,
                       seconds: float) -> bool:
         """Freeze a rank for ``1 - running`` of every ``period`` for ``seconds``.
 
         Return False if the rank ended meanwhile (its PID is then never signalled again).
         """
-        pid, started = cls._rank_or_raise(root, rank)
+        pid, started = self._rank_or_raise(root, rank)
         deadline = time.monotonic() + seconds
         try:
             while time.monotonic() < deadline:

@@ -1,0 +1,93 @@
+"""Real node-agent channel servers over a folder, for unit tests of Relay's side.
+
+:class:`ServedAttempt` starts one real :class:`relay_train.channel.AgentServer`
+per node on loopback, serving what ranks (or a test) write in the attempt folder,
+and answers ``status``/``channel`` like a launcher. Only the agent's process
+supervision is left out (no ranks are forked); everything on the wire is real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relay.channel import AgentChannel
+from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
+from relay_train.channel import AgentServer
+from relay_train.launch import attempt_id_of
+
+
+class ServedNode:
+    """What an agent reports about itself (its ranks are the test's)."""
+
+    def __init__(self, root: Path, node: str, ranks: list[int], attempt_id: str) -> None:
+        self.root = root
+        self.node = node
+        self.ranks = ranks
+        self.attempt_id = attempt_id
+        self.state = "running"
+        self.exit_codes: dict[int, int | None] = dict.fromkeys(ranks)
+        self.errors: dict[int, str] = {}
+        self.stop_reasons: list[str] = []
+
+    def status_record(self) -> dict[str, Any]:
+        return {"state": self.state, "exit_codes": {str(r): c for r, c in self.exit_codes.items()},
+                "errors": {str(r): t for r, t in self.errors.items()}}
+
+    def request_stop(self, reason: str) -> None:
+        self.stop_reasons.append(reason)
+
+
+class ServedAttempt:
+    """A launcher's channel side over real agent servers, one per node."""
+
+    def __init__(self, root: Path, nodes: dict[str, list[int]],
+                 attempt_id: str | None = None) -> None:
+        self.root = root
+        served_id = attempt_id or attempt_id_of(root)
+        self.nodes = {n: ServedNode(root, n, ranks, served_id) for n, ranks in nodes.items()}
+        self.servers = {n: AgentServer(agent, "127.0.0.1", 0).start()
+                        for n, agent in self.nodes.items()}
+        self.addresses = {n: "http://{}:{}".format(*s.address) for n, s in self.servers.items()}
+        self._channel: AgentChannel | None = None
+
+    def channel(self, root: Path) -> AgentChannel:
+        if self._channel is None:
+            self._channel = AgentChannel(attempt_id_of(root), self.addresses)
+        return self._channel
+
+    def status(self, root: Path) -> LaunchStatus:
+        channel = self.channel(root)
+        channel.poll()
+        nodes = {}
+        for name in self.nodes:
+            report = channel.reports.get(name)
+            state = report.record["state"] if report else "starting"
+            nodes[name] = NodeStatus(name, state, last_seen=report.received_at if report else None)
+        return LaunchStatus(overall_state(nodes), nodes, dict(channel.beats),
+                            list(channel.refused))
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.close()
+
+
+SERVED: dict[Path, ServedAttempt] = {}  # every attempt served by serve(), until the test ends
+
+
+def serve(root: Path, nodes: dict[str, list[int]]) -> ServedAttempt:
+    """Return the attempt served over ``root`` (started on first use, closed after the test)."""
+    if root not in SERVED:
+        SERVED[root] = ServedAttempt(root, nodes)
+    return SERVED[root]
+
+
+@pytest.fixture(autouse=True)
+def close_served_agents() -> Iterator[None]:
+    """Close what :func:`serve` started (import this fixture into a test module)."""
+    yield
+    while SERVED:
+        SERVED.popitem()[1].close()

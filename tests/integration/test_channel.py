@@ -1,0 +1,214 @@
+"""The channel on real workloads: skewed node clocks, no attempt-folder reads, fencing.
+
+Real node agents and 2-4 gloo ranks per attempt (local launcher), the real
+watcher; the fencing test also runs a real ``mlflow server``. The one thing
+simulated is what this machine cannot do: a network partition (the test hook
+``RELAY_TEST_PARTITIONED_NODES`` keeps the stop from reaching a node) and the
+stale address a cluster's DNS could hand out (the retry's channel is pointed
+at the old agent, as a reused pod IP would).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relay.bench.common import TINY_MODEL, Store, launch_config, launched, node_ranks, watch
+from relay.evidence import ask_for_evidence, collect_evidence
+from relay.faults import Fault
+from relay.launchers.local import ENV_PARTITIONED, LocalLauncher, free_port
+from relay.lineage import TAG_REJECTED, Lineage
+from relay.policy import Detection
+from relay.rescue import RECEIVED_DIR as RESCUED
+from relay.rescue import request_rescue
+from relay.triggers import observe_attempt
+from relay_train.heartbeat import ENV_CLOCK_SKEW, read_heartbeats
+from relay_train.launch import LaunchConfig, attempt_id_of
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
+    return Store(tmp_path_factory.mktemp("mlflow"))
+
+
+def test_node_clocks_skewed_30s_either_way_raise_no_false_alarm(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # node-a's agent and ranks run 30 s ahead of Relay, node-b's 30 s behind.
+    monkeypatch.setenv(ENV_CLOCK_SKEW, "node-a=30,node-b=-30")
+    cfg = launch_config(store, tmp_path / "attempt", steps=150)
+    with launched(cfg) as root:
+        event = watch(cfg, Detection(), timeout=300)
+        on_disk = read_heartbeats(root / "heartbeats")  # the test looks; Relay did not
+    assert event["status"] == "completed", event
+    now = time.time()
+    skews = {r: b.wall_clock - now for r, b in on_disk.items()}
+    assert all(15 < skews[r] < 31 for r in (0, 1)), skews  # the hook really moved the clocks
+    assert all(-50 < skews[r] < -29 for r in (2, 3)), skews
+
+
+class FileAudit:
+    """Record what this process reads or lists under a folder (sys.addaudithook)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = str(folder)
+        self.reads: set[str] = set()
+        self.listed: set[str] = set()
+        self.on = False
+        sys.addaudithook(self._hook)
+
+    def _hook(self, event: str, args: tuple) -> None:  # type: ignore[type-arg]
+        if not self.on or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
+            return
+        path = os.fsdecode(args[0])
+        if not path.startswith(self.folder):
+            return
+        if event == "open":
+            mode, flags = args[1], args[2]
+            writing = ("w" in mode or "a" in mode or "x" in mode) if isinstance(mode, str) \
+                else bool(flags & (os.O_WRONLY | os.O_RDWR))
+            if not writing:
+                self.reads.add(os.path.relpath(path, self.folder))
+        elif event in ("os.listdir", "os.scandir", "glob.glob"):
+            self.listed.add(os.path.relpath(path, self.folder))
+
+
+def test_the_watcher_evidence_and_rescue_read_no_file_of_the_attempt(
+    store: Store, tmp_path: Path
+) -> None:
+    cfg = launch_config(store, tmp_path / "attempt", steps=100_000,
+                        chaos=[{"kind": "hang", "step": 30, "rank": 1}])
+    audit = FileAudit(cfg.root)
+    launcher = LocalLauncher()
+    with launched(cfg) as root:
+        audit.on = True
+        # Only the hang is under test: a loaded machine's slow rank is not this test's business.
+        event = watch(cfg, Detection(straggler={"ratio": 50}), timeout=180)
+        assert event["status"] == "fault" and event["fault"]["kind"] == "hang", event
+        fault = Fault.from_event(event["fault"])
+        asked = ask_for_evidence(root, fault, cfg.world_size, launcher)
+        rescued = request_rescue(root, cfg, fault, 60, launcher)
+        evidence = collect_evidence(asked, 5.0) if asked else None
+        audit.on = False
+    assert rescued is not None and rescued.step is not None and rescued.step >= 29
+    assert Path(rescued.path).is_relative_to(root / RESCUED)  # fetched over the channel
+    assert evidence is not None and 0 in evidence.answers and evidence.traces
+    # Reads under the attempt folder: the local launcher's own launch record, and what
+    # Relay itself wrote from the channel's answers (the rescued file, to hash it).
+    relay_side = {"handle.json"}
+    assert {r for r in audit.reads if not r.startswith(RESCUED)} <= relay_side, audit.reads
+    assert not audit.listed, audit.listed
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real MLflow tracking server: a frozen rank then holds no lock Relay needs."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+         "--artifacts-destination", str(root / "artifacts"), "--serve-artifacts"],
+        env=env, stdout=(root / "server.log").open("ab"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "mlflow server down"
+            time.sleep(0.5)
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+def _attempt(lineage: Lineage, parent: str, base: Path, attempt: int, node: str,
+             end_step: int) -> LaunchConfig:
+    root = base / "relay_fence" / "run-1" / "segment-000" / f"try-{attempt}"
+    run_id = lineage.attempt_run(parent, 0, attempt, {"segment": 0, "attempt": attempt})
+    return LaunchConfig(
+        job="fence", seed=1, model=TINY_MODEL, data={"corpus": "builtin:python_docs",
+        "batch_size": 8}, optimizer={"lr": 0.003}, start_step=0, end_step=end_step,
+        checkpoint_every=25, nodes=[node], ranks_per_node=2, master_addr="127.0.0.1",
+        master_port=free_port(), tracking_uri=lineage.tracking_uri, run_id=run_id,
+        attempt_dir=str(root), attempt=attempt, segment=0)
+
+
+def _wait(what: str, check: object, timeout: float = 240.0) -> object:
+    deadline = time.monotonic() + timeout
+    while not (found := check()):  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+    return found
+
+
+def test_a_frozen_node_resumed_after_its_attempt_was_replaced_is_refused(
+    mlflow_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lineage = Lineage(mlflow_server, tmp_path / "unused")
+    parent = lineage.parent_run("fence", "relay_fence", "run-1")
+    old = _attempt(lineage, parent, tmp_path, 1, "node-a", end_step=100_000)
+    launcher = LocalLauncher()
+    launcher.launch(old)
+    new = None
+    events: list[dict[str, Any]] = []  # the real watcher, over the channel, from the launch on
+    watcher = threading.Thread(target=lambda: events.append(
+        watch(old, Detection(straggler={"ratio": 50}), timeout=400)))
+    watcher.start()
+    try:
+        _wait("a first checkpoint", lambda: lineage._published_dirs(old.run_id))
+        launcher.signal_node(old.root, "node-a", signal.SIGSTOP)  # the node freezes
+        watcher.join(timeout=120)
+        assert events and events[0]["fault"]["kind"] == "node_unresponsive", events
+        monkeypatch.setenv(ENV_PARTITIONED, "node-a")  # Relay's stop cannot reach it
+        assert launcher.stop(old.root, grace_seconds=1.0) == []
+        accepted = lineage.fence_attempt(old.run_id, "replaced after node_unresponsive (try 1)")
+        new = _attempt(lineage, parent, tmp_path, 2, "node-b", end_step=60)
+        launcher.launch(new)  # the replacement, on another node
+        launcher.signal_node(old.root, "node-a", signal.SIGCONT)  # the partition heals
+
+        # Late heartbeats: the retry's watcher reaches the old agent (a stale address).
+        stale_address = launcher.channel(old.root).addresses["node-a"]
+        launcher.channel(new.root).addresses["node-a"] = stale_address
+        refused = _wait("a refused heartbeat", lambda: [
+            r for r in observe_attempt(new.root, node_ranks(new), 0.5, launcher).launch.refused
+            if r["node"] == "node-a" and r["heartbeats"]])
+        assert refused[0]["found_attempt"] == attempt_id_of(old.root)  # type: ignore[index]
+        assert refused[0]["expected_attempt"] == attempt_id_of(new.root)  # type: ignore[index]
+        assert launcher.channel(new.root).ask("node-a", "drain", stop_at=99) is None  # 409
+        assert 0 not in launcher.status(new.root).heartbeats or \
+            launcher.status(new.root).heartbeats[0].node == "node-b"
+
+        # A late checkpoint: the old attempt's rank 0 goes on publishing into its run.
+        late = _wait("a late checkpoint", lambda: sorted(
+            set(lineage._published_dirs(old.run_id)) - set(accepted)))
+        latest, _corrupt = lineage.resume_point(parent, tmp_path / "download")
+        assert latest is None or latest.manifest.run_id != old.run_id or \
+            latest.manifest.ref.artifact_dir.rsplit("/", 1)[-1] in accepted
+        tags = lineage.client.get_run(old.run_id).data.tags
+        for step_dir in late:  # type: ignore[union-attr]
+            assert tags[TAG_REJECTED + step_dir].startswith("fenced: published by attempt run")
+    finally:
+        monkeypatch.delenv(ENV_PARTITIONED, raising=False)
+        launcher.signal_node(old.root, "node-a", signal.SIGCONT)
+        watcher.join(timeout=400)
+        assert launcher.stop(old.root, grace_seconds=2.0) == []
+        if new is not None:
+            assert launcher.stop(new.root, grace_seconds=2.0) == []

@@ -69,8 +69,10 @@ class SegmentWatchTrigger(BaseTrigger):
         poll_interval_seconds: float = 0.5,
         kinds: list[str] | None = None,
         launcher: dict[str, Any] | None = None,
+        boundary_step: int | None = None,
     ) -> None:
         super().__init__()
+        self.boundary_step = boundary_step  # completed once every rank is past it (relay.adopt)
         self.attempt_dir = attempt_dir
         self.node_ranks = node_ranks
         self.detection = detection or {}
@@ -91,8 +93,15 @@ class SegmentWatchTrigger(BaseTrigger):
                 "poll_interval_seconds": self.poll_interval_seconds,
                 "kinds": self.kinds,
                 "launcher": self.launcher,
+                "boundary_step": self.boundary_step,
             },
         )
+
+    def passed_boundary(self, obs: Observation) -> bool:
+        """Return whether every rank has trained past ``boundary_step`` (the workload goes on)."""
+        ranks = [r for ranks in self.node_ranks.values() for r in ranks]
+        return self.boundary_step is not None and all(
+            r in obs.heartbeats and obs.heartbeats[r].step >= self.boundary_step for r in ranks)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Poll until there is one thing to report, then report it."""
@@ -110,9 +119,14 @@ class SegmentWatchTrigger(BaseTrigger):
                     late = detector.at_completion(obs)
                     yield TriggerEvent(
                         {**late.to_event(), "attempt_dir": self.attempt_dir} if late
-                        else {"status": "completed", "attempt_dir": self.attempt_dir}
+                        else {"status": "completed", "attempt_dir": self.attempt_dir,
+                              "at": obs.now}
                     )
                     return
+                if self.passed_boundary(obs):  # this segment's steps are done; later ones
+                    yield TriggerEvent({"status": "completed", "attempt_dir": self.attempt_dir,
+                                        "boundary_step": self.boundary_step, "at": obs.now})
+                    return  # are the next segment's to watch
                 fault = detector.check(obs)
                 if fault is not None:
                     yield TriggerEvent({**fault.to_event(), "attempt_dir": self.attempt_dir})

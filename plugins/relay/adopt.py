@@ -26,10 +26,13 @@ the final model back to step 0 is unbroken.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,8 +133,11 @@ def refusal(workload: Path, end: int, resume_step: int) -> str | None:
         return f"only {len(steps)} of {cfg.world_size} ranks have reported"
     if max(steps) > end:
         return f"it is already at step {max(steps)}, past this segment's end {end}"
-    if min(steps) < resume_step:
-        return f"it is at step {min(steps)}, before the latest checkpoint (step {resume_step})"
+    # Heartbeats lag by up to an interval (and a crashed rank's stay where it died), so the
+    # latest checkpoint may be ahead of some ranks' last word: only a step past it proves
+    # the workload made it (within this DAG run there is one workload at a time).
+    if max(steps) + cfg.checkpoint_every < resume_step:
+        return f"it is at step {max(steps)}, before the latest checkpoint (step {resume_step})"
     return None
 
 
@@ -238,3 +244,52 @@ def wait_for_end(run_dir: Path, index: int, launcher: Launcher,
         time.sleep(0.2)
     launcher.stop(workload)
     let_go(workload)
+
+
+def _silent(workload: Path, seconds: float) -> list[int]:
+    """Return the ranks whose last heartbeat is older than ``seconds``."""
+    now = time.time()
+    return sorted(r for r, b in read_heartbeats(workload / "heartbeats").items()
+                  if now - b.wall_clock > seconds)
+
+
+@contextlib.contextmanager
+def freeze_guard(run_dir: Path, index: int, launcher: Launcher, silent_seconds: float,
+                 grace_seconds: float = 5.0) -> Iterator[None]:
+    """Stop a running workload that went silent while a task's MLflow calls are blocked.
+
+    Between two segments' watchers nobody stops a workload that freezes. A frozen
+    rank can hold the embedded SQLite tracking store's lock, and the tasks that hand
+    the workload over must write to that store first: if they are still busy after
+    ``grace_seconds`` while a rank of the workload is silent, the workload is
+    stopped (its lock goes with it), and the next segment launches afresh from the
+    latest checkpoint. With an MLflow server no rank holds a lock, the calls return,
+    and the adopting watcher sees the fault and recovers it like any other.
+    """
+    done = threading.Event()
+
+    def watch() -> None:
+        started = time.monotonic()
+        while not done.wait(0.5):
+            if time.monotonic() - started < grace_seconds:
+                continue
+            workload = live_workload(run_dir, index, launcher)
+            if workload is None:
+                return
+            silent = _silent(workload, silent_seconds)
+            if silent:
+                log.warning("The workload %s went silent between two segments (ranks %s, no "
+                            "heartbeat for %.0fs) while this task waits on MLflow: stopping it; "
+                            "the next segment resumes from the latest checkpoint",
+                            workload, silent, silent_seconds)
+                launcher.stop(workload)
+                let_go(workload)
+                return
+
+    thread = threading.Thread(target=watch, name="freeze-guard", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=30)

@@ -107,8 +107,20 @@ class TrainSegmentOperator(RelayOperator):
                 raise AirflowFailException(message)
 
     def execute(self, context: Any) -> dict[str, Any] | None:  # noqa: ANN401
-        """Launch the segment and defer to the watcher (or do nothing if already past it)."""
+        """Launch the segment (or adopt the running workload) and defer to the watcher,
+        or do nothing if already past it."""
         task_started = time.time()
+        spec = self.spec()
+        with self._freeze_guard(context, spec, self.segment):
+            return self._execute(context, task_started)
+
+    def _freeze_guard(self, context: Any, spec: JobSpec, index: int) -> Any:  # noqa: ANN401
+        """Guard MLflow calls made while an earlier segment's workload runs unwatched."""
+        run_dir = segment_dir(spec, context["dag_run"].run_id, self.segment).parent
+        silent = self.policy(spec).policy.detection.heartbeat_timeout
+        return adopt.freeze_guard(run_dir, index, launcher_for(spec), silent)
+
+    def _execute(self, context: Any, task_started: float) -> dict[str, Any] | None:  # noqa: ANN401
         spec = self.spec()
         policy = self.policy(spec)
         index, start, end = spec.segments[self.segment]
@@ -282,9 +294,10 @@ class TrainSegmentOperator(RelayOperator):
         launcher = launcher_for(spec)
         status = event.get("status")
         if status == "completed" and event.get("boundary_step") is not None:
-            parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id)
-            return self._handed_over(event, record_dir, attempt_dir, cfg, lineage, launcher,
-                                     woke, parent)
+            with self._freeze_guard(context, spec, self.segment + 1):
+                parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id)
+                return self._handed_over(event, record_dir, attempt_dir, cfg, lineage, launcher,
+                                         woke, parent)
         if status == "completed":
             survivors = launcher.stop(attempt_dir)
             adopt.let_go(attempt_dir)

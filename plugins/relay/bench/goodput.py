@@ -39,6 +39,7 @@ from typing import Any
 from relay.airflow_env import airflow_env, ensure_airflow_db
 from relay.bench.goodput_report import print_repeat, print_summary
 from relay.bench.torchrun_baseline import BaselineRun, run_baseline
+from relay.boundary_time import boundaries, format_row
 from relay.report import first_step_at
 from relay.resume_time import KEY, fault_onset
 
@@ -168,6 +169,9 @@ def one_repeat(home: Path, repeat: int, args: dict[str, Any]) -> tuple[list[Run]
     job = _job(args["steps"], args["every"])
     free, free_attempts = run_relay(home, [], "relay fault-free")
     print(f"    relay fault-free: {free.wall:.1f}s", flush=True)
+    if free_attempts:  # what each segment boundary cost (relay.boundary_time)
+        for row in boundaries(free_attempts[0].parent.parent):
+            print(f"      boundary {format_row(row)}", flush=True)
     faulty, _ = run_relay(home, schedule, "relay with faults")
     print(f"    relay with faults: {faulty.wall:.1f}s", flush=True)
     base = home / "baseline" / f"repeat-{repeat}"

@@ -293,3 +293,16 @@ def freeze_guard(run_dir: Path, index: int, launcher: Launcher, silent_seconds: 
     finally:
         done.set()
         thread.join(timeout=30)
+
+
+def stop_run_workloads(run_dir: Path, launcher: Launcher) -> list[Path]:
+    """Stop every workload of a DAG run Relay has not let go of (the run failed)."""
+    stopped = []
+    for handle in run_dir.glob("segment-*/try-*/handle.json"):
+        root = handle.parent
+        if not (root / STOPPED_FILE).exists() and (
+                launcher.status(root).state is LaunchState.RUNNING):
+            launcher.stop(root)
+            let_go(root)
+            stopped.append(root)
+    return stopped

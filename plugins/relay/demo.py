@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from relay import settings
+from relay.adopt import read_adopted, workload_of
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
 from relay.notify import redact
 from relay.spec import JobSpec, load_job_spec
@@ -59,15 +60,25 @@ class ProgressPrinter:
             return []
         runs = [p for p in self.dag_dir.iterdir() if p.stat().st_mtime >= self.since - 1]
         return sorted(
-            (t for r in runs for t in r.glob("segment-*/try-*") if (t / "launch.json").exists()),
+            (t for r in runs for t in r.glob("segment-*/try-*")
+             if (t / "launch.json").exists() or read_adopted(t) is not None),
             key=lambda p: p.stat().st_mtime,
         )
 
     def poll(self) -> None:
         """Print new attempts, progress every few steps, and attempt outcomes."""
         for attempt in self._tries():
-            launch = json.loads((attempt / "launch.json").read_text())
             name = f"{attempt.parent.name.replace('-', '_')} {attempt.name.replace('-', ' ')}"
+            adopted = read_adopted(attempt)
+            if adopted is not None and attempt not in self.seen_tries:
+                self.seen_tries.add(attempt)
+                workload = Path(adopted["workload"])
+                print(f"  {name}: steps [{adopted['resume_step']}, {adopted['end_step']}): "
+                      f"adopted the running workload of {workload.parent.name.replace('-', '_')} "
+                      f"{workload.name.replace('-', ' ')} at step {adopted['at_step']}",
+                      flush=True)
+            workload = workload_of(attempt)
+            launch = json.loads((workload / "launch.json").read_text())
             if attempt not in self.seen_tries:
                 self.seen_tries.add(attempt)
                 print(
@@ -96,13 +107,13 @@ class ProgressPrinter:
                     print(f"    resumes at step {record['drained_at_step']}: the ranks "
                           "checkpointed before stopping", flush=True)
                 continue
-            states = self._states(attempt)
+            states = self._states(workload)
             live = {"starting", "running"}  # an agent says "starting" while it preloads
             if attempt not in self.reported_end and states and not states & live:
                 if "failed" not in states:
                     self.reported_end.add(attempt)
                 continue  # a failure is reported once its decision is written
-            beats = read_heartbeats(attempt / "heartbeats")
+            beats = read_heartbeats(workload / "heartbeats")
             if beats and attempt not in self.reported_end:
                 step = min(b.step for b in beats.values())
                 loss = beats[min(beats)].loss

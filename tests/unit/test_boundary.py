@@ -244,3 +244,14 @@ def test_a_restart_boundary_breaks_down_into_parts_that_add_up(tmp_path: Path) -
     assert list(row["parts"]) == list(RESTART_PARTS)
     assert sum(row["parts"].values()) == pytest.approx(row["total"]) == 12.0
     assert row["parts"]["scheduling"] == pytest.approx(1.5)
+
+
+def test_a_failed_dag_run_stops_the_workload_it_handed_over(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    running = _workload(run, 1, 1, [70, 70])
+    done = _workload(run, 0, 1, [30, 30])
+    launcher = FakeLauncher({running: LaunchState.RUNNING, done: LaunchState.SUCCEEDED})
+
+    assert adopt.stop_run_workloads(run, launcher) == [running]
+    assert launcher.stopped == [running]
+    assert adopt.live_workload(run, 2, launcher) is None

@@ -10,9 +10,9 @@ first step:
 
 - ``final_checkpoint``: rank 0's loop ended -> its last checkpoint is in MLflow
   (``result.json``);
-- ``exit_and_detect``: -> the watcher saw the workload end (``boundary.json``
-  or, without it, the task waking);
-- ``wake``: -> the deferred task running again;
+- ``exit_and_detect``: -> the watcher saw the workload end and the deferred
+  task ran again (``boundary.json``);
+- ``wake``: 0 here (the watcher's completed event carries no time of its own);
 - ``stop_and_record``: stopping the processes, closing the MLflow run;
 - ``scheduling``: the task's end -> Airflow starting the next segment's task;
 - ``launch``, ``agent_start``, ``rendezvous``, ``first_step``: as in

@@ -119,8 +119,7 @@ class SegmentWatchTrigger(BaseTrigger):
                     late = detector.at_completion(obs)
                     yield TriggerEvent(
                         {**late.to_event(), "attempt_dir": self.attempt_dir} if late
-                        else {"status": "completed", "attempt_dir": self.attempt_dir,
-                              "at": obs.now}
+                        else {"status": "completed", "attempt_dir": self.attempt_dir}
                     )
                     return
                 if self.passed_boundary(obs):  # this segment's steps are done; later ones

@@ -69,9 +69,10 @@ def restarted(env: dict[str, str], relay_home: Path,
     """The reference: a fault-free run that restarts its workload at every boundary."""
     parent = run_job_ok(env, relay_home, "restarting", {"chaos": []}, "restarting")
     run_dir = _run_dir(relay_home, "restarting")
-    assert _workloads(run_dir) == ["segment-000/try-1", "segment-001/try-1",
-                                   "segment-002/try-1"]
-    assert [b["kind"] for b in boundaries(run_dir)] == ["restart", "restart"]
+    # Every segment launched its own workload (a false alarm under load may add a retry).
+    assert {"segment-000/try-1", "segment-001/try-1", "segment-002/try-1"} <= set(
+        _workloads(run_dir))
+    assert all(read_adopted(t) is None for t in run_dir.glob("segment-*/try-*"))
     return final_state(Lineage.from_settings(), parent, tmp_path_factory.mktemp("r"), [90, 10])
 
 

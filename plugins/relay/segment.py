@@ -202,6 +202,10 @@ class TrainSegmentOperator(RelayOperator):
             return False
         resume_step = latest.manifest.step if latest else 0
         why = adopt.refusal(workload, end, resume_step)
+        held = sorted(set(LaunchConfig.read(workload / LAUNCH_FILE).nodes)
+                      - set(NodePool().healthy())) if why is None else []
+        if held:
+            why = f"node(s) {', '.join(held)} are quarantined now"
         if why is not None and resume_step >= end:
             return False  # nothing to train here: leave it be (a later segment may adopt it)
         if why is not None:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from relay_train.boundary import BoundaryKeeper
 from relay_train.chaos import ChaosMonkey
 from relay_train.checkpoint import Checkpointer, load_verified, restore_rng, snapshot_state
 from relay_train.device import RankDevice, setup_rank_device, wait_for_compute
@@ -101,6 +102,10 @@ class Session:
         self._responder = RescueResponder(cfg.root, rank, self._training, self._snapshot)
         self._evidence = EvidenceResponder(cfg.root, rank, node)  # stacks + collective trace
         self._drain = DrainRequest(cfg.root / DRAIN_FILE)
+        self._bounds = BoundaryKeeper(cfg, rank)  # training on past end_step, until adopted
+        self._where = (cfg.segment, cfg.attempt)
+        self._adopted: Any = None  # the adoption this rank's checkpoints and chaos follow
+        self._stall = 0.0
         resume = cfg.resume
         self._parent = CheckpointRef(resume.run_id, resume.step, resume.sha256) if resume else None
         self._checkpointer: Checkpointer | None = None
@@ -276,15 +281,28 @@ class Session:
     def checkpoint_due(self, step: int) -> bool:
         """Return whether the job's schedule (or a drain) checkpoints after ``step`` steps."""
         return (step % self.cfg.checkpoint_every == 0
-                or step in (self.end_step, self._drain.last))
+                or step in (self.end_step, self._drain.last)
+                or step in self._bounds.checkpoint_steps())
 
     # -- the loop ---------------------------------------------------------------------
 
     def steps(self) -> Iterator[int]:
-        """Yield this attempt's steps; stop early when Relay drains the attempt."""
+        """Yield this attempt's steps; stop early when Relay drains the attempt.
+
+        With ``run_on_to`` the steps go on past ``end_step`` as long as a later
+        segment's task adopts the workload (see :mod:`relay_train.boundary`).
+        """
         self._heartbeat.beat(step=self.start_step)
         self._loop_started = time.perf_counter()
-        for step in range(self.start_step, self.end_step):
+        step = self.start_step
+        while True:
+            resumed = time.perf_counter()
+            self._bounds.poll()
+            if step >= self._bounds.limit and not self._bounds.agree(step, self.device):
+                return
+            self._follow_adoption(step)
+            if self.rank == 0 and step in self.cfg.boundaries and step > self.start_step:
+                self._bounds.record(step, self._stall, time.perf_counter() - resumed)
             stop_at = self._drain.stop_at()
             if stop_at is not None and step >= stop_at:
                 log.warning("rank %d drained at step %d", self.rank, step)
@@ -295,6 +313,20 @@ class Session:
             self._clock["started"] = time.perf_counter()
             self._injected = self._chaos.delay(step, self._natural.value or 0.0)
             yield step
+            step += 1
+
+    def _follow_adoption(self, step: int) -> None:
+        """Send later checkpoints to the adopting attempt's run; aim chaos at its steps."""
+        adopted = self._bounds.adoption
+        if adopted is not None and adopted is not self._adopted:
+            self._adopted = adopted
+            if self.rank == 0:
+                publisher, sink = self._publisher(), self._sink
+                publisher.submit(lambda: setattr(sink, "run_id", adopted.run_id))  # in order
+        where = self._bounds.where(step)
+        if where != self._where:
+            self._where = where
+            self._chaos.move_to(*where)
 
     def comm_hook(self, *, ordered: bool = True) -> Any:  # noqa: ANN401 - DDP's hook type
         """Return a DDP comm hook that marks the collective phase (and sums in rank order).
@@ -364,6 +396,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        loop_ended_at = time.time()
         self._responder.close()
         self._evidence.close()
         if self._dcp is not None:
@@ -375,7 +408,8 @@ class Session:
             seconds = time.perf_counter() - self._loop_started
             steps = self._last_step - self.start_step
             result = {"steps": steps, "loop_seconds": seconds,
-                      "steps_per_second": steps / seconds if seconds > 0 else 0.0}
+                      "steps_per_second": steps / seconds if seconds > 0 else 0.0,
+                      "loop_ended_at": loop_ended_at, "published_at": time.time()}
             (self.cfg.root / RESULT_FILE).write_text(json.dumps(result))
         self._heartbeat.close()
         keep_ddp_alive()
@@ -415,7 +449,7 @@ class Session:
         if not self._training.finite:
             log.error("step %d: loss is not finite; not checkpointing poisoned weights", step)
             return
-        stall = self.save(step)
+        stall = self._stall = self.save(step)
         log.info("step %d loss %s checkpoint stall %.4fs", step,
                  "-" if loss is None else f"{loss:.4f}", stall)
         # What checkpoint_every: auto weighs a save at (relay.interval).

@@ -131,16 +131,27 @@ class ChaosMonkey:
         record_dir: Path | None = None,
     ) -> None:
         where = {"segment": segment, "attempt": attempt, "rank": rank, "node": node}
-        self._faults = [
-            f for f in (Fault.from_dict(raw) for raw in faults)
-            if f.targets(**where) or _node_bound(f)
-        ]
+        self._planned = [Fault.from_dict(raw) for raw in faults]
+        self._faults = [f for f in self._planned if f.targets(**where) or _node_bound(f)]
         self._where = where
         self._record_dir = record_dir
         self._struck: set[int] = set()
         self._markers = record_dir.parent.parent / "chaos-once" if record_dir else None
         self._rng = random.Random(f"{segment}-{attempt}-{rank}")  # never the training RNG
         self._slow_nodes: dict[int, str] = {}  # node-bound faults: the node each one struck
+
+    def move_to(self, segment: int, attempt: int) -> None:
+        """Follow a workload that trains on into a later segment (relay_train.boundary).
+
+        Faults struck so far stay struck; the rest are chosen again for the new place.
+        """
+        struck = [self._faults[i] for i in self._struck]
+        slow = {id(self._faults[i]): node for i, node in self._slow_nodes.items()}
+        self._where = {**self._where, "segment": segment, "attempt": attempt}
+        kept = [f for f in self._planned if f.targets(**self._where) or _node_bound(f)]
+        self._faults = kept + [f for f in struck if all(f is not k for k in kept)]
+        self._struck = {i for i, f in enumerate(self._faults) if any(f is s for s in struck)}
+        self._slow_nodes = {i: slow[id(f)] for i, f in enumerate(self._faults) if id(f) in slow}
 
     def _due(self, step: int, kinds: tuple[str, ...]) -> list[tuple[int, Fault]]:
         return [

@@ -16,6 +16,8 @@ LAUNCH_FILE = "launch.json"
 DRAIN_FILE = "drain.json"  # written by Relay: {"stop_at": STEP}; see relay_train.worker
 FIRST_STEP_FILE = "first_step.json"  # rank 0, first step: step, at, node, spawned_at, startup
 RESULT_FILE = "result.json"  # written by rank 0 when the attempt ends: steps and loop time
+ADOPT_FILE = "adopt.json"  # written by Relay: a later segment's task adopted this workload
+BOUNDARIES_FILE = "boundaries.jsonl"  # rank 0: what each segment boundary cost the loop
 ENV_LAUNCH = "RELAY_LAUNCH"  # the launch file, for relay_train.init() in a rank
 BUILTIN_ENTRYPOINT = "relay_train.examples.charlm"  # what a spec without an entrypoint runs
 
@@ -87,6 +89,13 @@ class LaunchConfig:
     entrypoint: Entrypoint = field(default_factory=lambda: Entrypoint(BUILTIN_ENTRYPOINT))
     attempt_id: str = ""  # what every channel message names (fencing); see attempt_id_of
     agent_ports: dict[str, int] = field(default_factory=dict)  # node -> its agent's port (local)
+    # Segment boundaries without a restart (relay_train.boundary): every segment end of the
+    # job (a checkpoint is always published there); the step the ranks may train on to past
+    # ``end_step`` before a later segment's task adopts them (None: stop at ``end_step``);
+    # how long they wait there for that adoption before finishing.
+    boundaries: list[int] = field(default_factory=list)
+    run_on_to: int | None = None
+    adopt_wait_seconds: float = 120.0
 
     @property
     def fence_id(self) -> str:

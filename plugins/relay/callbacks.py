@@ -25,11 +25,30 @@ class CloseParentRunOnFailure:
         self.job = job
 
     def __call__(self, context: Any) -> None:  # noqa: ANN401 - Airflow's context mapping
-        """Close the DAG run's parent run as failed, if it exists and is still running."""
+        """Stop what still trains for the DAG run; close its parent run as failed."""
+        try:  # first: a frozen rank may hold the embedded tracking store's lock
+            self._stop_workloads(context)
+        except Exception:  # noqa: BLE001 - never let bookkeeping fail the callback
+            log.exception("Could not stop the workloads of this DAG run")
         try:
             self._close(context)
         except Exception:  # noqa: BLE001 - never let bookkeeping fail the callback
             log.exception("Could not close the MLflow run of this DAG run")
+
+    @staticmethod
+    def _stop_workloads(context: Any) -> None:  # noqa: ANN401
+        """Stop a workload handed over at a boundary that no later segment will adopt."""
+        from relay import settings
+        from relay.adopt import stop_run_workloads
+        from relay.launchers import launcher_from
+        from relay.paths import safe_name
+
+        dag_run = context.get("dag_run")
+        if dag_run is None:
+            return
+        run_dir = settings.runs_dir() / dag_run.dag_id / safe_name(dag_run.run_id)
+        for root in stop_run_workloads(run_dir, launcher_from(None)):
+            log.warning("Stopped the workload %s: its DAG run failed", root)
 
     def _close(self, context: Any) -> None:  # noqa: ANN401
         from mlflow.entities import RunStatus

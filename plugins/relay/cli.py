@@ -87,7 +87,8 @@ def _cmd_bench_goodput(args: argparse.Namespace) -> int:
 
     return bench_main(steps=args.steps, segment=args.segment, every=args.every,
                       collective_timeout=args.collective_timeout, repeats=args.repeats,
-                      smoke=args.smoke, measure_default_timeout=args.measure_default_timeout)
+                      smoke=args.smoke, measure_default_timeout=args.measure_default_timeout,
+                      segment_boundary=args.segment_boundary)
 
 
 def _cmd_bench_watcher(args: argparse.Namespace) -> int:
@@ -371,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     goodput.add_argument("--repeats", type=int, default=3)
     goodput.add_argument("--smoke", action="store_true",
                          help="160 steps, 1 repeat, 15 s timeout: checks it works, no figures")
+    goodput.add_argument("--segment-boundary", choices=["adopt", "restart"], default="adopt",
+                         help="Relay's job spec segment_boundary (default %(default)s)")
     goodput.set_defaults(func=_cmd_bench_goodput)
     add_commands(sub)
     return parser

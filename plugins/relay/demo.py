@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from relay import settings
+from relay.adopt import read_adopted, workload_of
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
 from relay.notify import redact
 from relay.spec import JobSpec, load_job_spec
@@ -67,15 +68,25 @@ class ProgressPrinter:
             return []
         runs = [p for p in self.dag_dir.iterdir() if p.stat().st_mtime >= self.since - 1]
         return sorted(
-            (t for r in runs for t in r.glob("segment-*/try-*") if (t / "launch.json").exists()),
+            (t for r in runs for t in r.glob("segment-*/try-*")
+             if (t / "launch.json").exists() or read_adopted(t) is not None),
             key=lambda p: p.stat().st_mtime,
         )
 
     def poll(self) -> None:
         """Print new attempts, progress every few steps, and attempt outcomes."""
         for attempt in self._tries():
-            launch = json.loads((attempt / "launch.json").read_text())
             name = f"{attempt.parent.name.replace('-', '_')} {attempt.name.replace('-', ' ')}"
+            adopted = read_adopted(attempt)
+            if adopted is not None and attempt not in self.seen_tries:
+                self.seen_tries.add(attempt)
+                workload = Path(adopted["workload"])
+                print(f"  {name}: steps [{adopted['resume_step']}, {adopted['end_step']}): "
+                      f"adopted the running workload of {workload.parent.name.replace('-', '_')} "
+                      f"{workload.name.replace('-', ' ')} at step {adopted['at_step']}",
+                      flush=True)
+            workload = workload_of(attempt)
+            launch = json.loads((workload / "launch.json").read_text())
             if attempt not in self.seen_tries:
                 self.seen_tries.add(attempt)
                 print(
@@ -106,7 +117,7 @@ class ProgressPrinter:
                 continue
             if attempt in self.reported_end:
                 continue
-            status = self._status(attempt)
+            status = self._status(workload)
             states = {n.state for n in status.nodes.values()}
             live = {"starting", "running"}  # an agent says "starting" while it preloads
             if states and not states & live:

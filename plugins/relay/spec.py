@@ -215,6 +215,9 @@ class JobSpec(BaseModel):
     deterministic: bool = Field(True, strict=True)  # bit-exact resume (deterministic GPU kernels)
     chaos: Literal["allowed", "forbidden"] = "forbidden"
     launcher: Literal["local", "kubernetes"] = "local"
+    # adopt: a segment's workload trains on past its end and the next segment's task adopts
+    # it (relay.adopt); restart: every segment launches a fresh workload.
+    segment_boundary: Literal["adopt", "restart"] = "adopt"
     kubernetes: KubernetesSpec | None = Field(None, validate_default=True)
 
     @field_validator("retry_delay", "collective_timeout", "heartbeat_interval", mode="before")
@@ -411,6 +414,8 @@ FIXES: dict[str, str] = {
         "set chaos: allowed to let DAG runs inject faults (test and demo jobs only), or remove "
         "the line (the default, forbidden)"
     ),
+    "segment_boundary": "set segment_boundary to adopt (the next segment takes over the "
+    "running workload at the boundary checkpoint) or restart (a fresh launch per segment)",
     "launcher": "set launcher to local (processes on this machine) or kubernetes (a Job per "
     "segment attempt), e.g. launcher: local",
     "kubernetes": "write kubernetes as a mapping, e.g. kubernetes: {image: "

@@ -76,8 +76,10 @@ class SegmentWatchTrigger(BaseTrigger):
         kinds: list[str] | None = None,
         launcher: dict[str, Any] | None = None,
         unattended: dict[str, str] | None = None,
+        boundary_step: int | None = None,
     ) -> None:
         super().__init__()
+        self.boundary_step = boundary_step  # completed once every rank is past it (relay.adopt)
         self.attempt_dir = attempt_dir
         self.node_ranks = node_ranks
         self.detection = detection or {}
@@ -101,8 +103,15 @@ class SegmentWatchTrigger(BaseTrigger):
                 "kinds": self.kinds,
                 "launcher": self.launcher,
                 "unattended": self.unattended,
+                "boundary_step": self.boundary_step,
             },
         )
+
+    def passed_boundary(self, obs: Observation) -> bool:
+        """Return whether every rank has trained past ``boundary_step`` (the workload goes on)."""
+        ranks = [r for ranks in self.node_ranks.values() for r in ranks]
+        return self.boundary_step is not None and all(
+            r in obs.heartbeats and obs.heartbeats[r].step >= self.boundary_step for r in ranks)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Poll until there is one thing to report, then report it."""
@@ -126,6 +135,10 @@ class SegmentWatchTrigger(BaseTrigger):
                         else {"status": "completed", "attempt_dir": self.attempt_dir, **refused}
                     )
                     return
+                if self.passed_boundary(obs):  # this segment's steps are done; later ones
+                    yield TriggerEvent({"status": "completed", "attempt_dir": self.attempt_dir,
+                                        "boundary_step": self.boundary_step, "at": obs.now})
+                    return  # are the next segment's to watch
                 fault = detector.check(obs)
                 if fault is not None:
                     event = {**fault.to_event(), "attempt_dir": self.attempt_dir, **refused}

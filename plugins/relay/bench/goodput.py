@@ -39,6 +39,7 @@ from typing import Any
 from relay.airflow_env import airflow_env, ensure_airflow_db
 from relay.bench.goodput_report import print_repeat, print_summary
 from relay.bench.torchrun_baseline import BaselineRun, run_baseline
+from relay.boundary_time import boundaries, format_row
 from relay.report import first_step_at
 from relay.resume_time import KEY, fault_onset
 
@@ -72,9 +73,10 @@ def fault_schedule(steps: int) -> list[dict[str, Any]]:
     ]
 
 
-def _job_yaml(steps: int, segment: int, every: int) -> str:
+def _job_yaml(steps: int, segment: int, every: int, boundary: str = "adopt") -> str:
     return (
         f"job: goodput\nseed: 11\ntotal_steps: {steps}\nsteps_per_segment: {segment}\n"
+        f"segment_boundary: {boundary}\n"
         f"checkpoint_every: {every}\nnodes: 2\nranks_per_node: 2\n"
         "chaos: allowed\n"  # the benchmark's fault schedule comes in the DAG run's conf
         f"model: {json.dumps(MODEL)}\ndata: {json.dumps(DATA)}\n"
@@ -168,6 +170,9 @@ def one_repeat(home: Path, repeat: int, args: dict[str, Any]) -> tuple[list[Run]
     job = _job(args["steps"], args["every"])
     free, free_attempts = run_relay(home, [], "relay fault-free")
     print(f"    relay fault-free: {free.wall:.1f}s", flush=True)
+    if free_attempts:  # what each segment boundary cost (relay.boundary_time)
+        for row in boundaries(free_attempts[0].parent.parent):
+            print(f"      boundary {format_row(row)}", flush=True)
     faulty, _ = run_relay(home, schedule, "relay with faults")
     print(f"    relay with faults: {faulty.wall:.1f}s", flush=True)
     base = home / "baseline" / f"repeat-{repeat}"
@@ -194,7 +199,8 @@ def one_repeat(home: Path, repeat: int, args: dict[str, Any]) -> tuple[list[Run]
 
 
 def main(steps: int = 1200, segment: int = 300, every: int = 25, collective_timeout: float = 120.0,
-         repeats: int = 3, smoke: bool = False, measure_default_timeout: bool = False) -> int:
+         repeats: int = 3, smoke: bool = False, measure_default_timeout: bool = False,
+         segment_boundary: str = "adopt") -> int:
     """Run the repeats and print ETTR, lost steps and time to resume side by side."""
     args: dict[str, Any] = {"steps": steps, "segment": segment, "every": every,
                             "collective_timeout": collective_timeout, "repeats": repeats,
@@ -205,7 +211,7 @@ def main(steps: int = 1200, segment: int = 300, every: int = 25, collective_time
     print(f"Goodput benchmark{' (SMOKE: too short for figures)' if smoke else ''}: "
           f"{args['steps']} steps, segments of {args['segment']}, checkpoint every "
           f"{args['every']}, 2 nodes x 2 ranks from a pool of {len(NODE_POOL)} nodes for both, "
-          f"{args['repeats']} repeat(s)\n"
+          f"{args['repeats']} repeat(s); Relay's segment boundaries: {segment_boundary}\n"
           f"  Same schedule for both (once each, the first time the job reaches the step): "
           f"stalled rank 1 at step {schedule[0]['step']}; frozen node (SIGSTOP of its agent and "
           f"ranks) hosting rank 2 at step {schedule[1]['step']}; the node hosting rank 3 turns "
@@ -223,7 +229,7 @@ def main(steps: int = 1200, segment: int = 300, every: int = 25, collective_time
         jobs = home / "jobs"
         jobs.mkdir()
         (jobs / "goodput.yaml").write_text(_job_yaml(args["steps"], args["segment"],
-                                                     args["every"]))
+                                                     args["every"], segment_boundary))
         os.environ.update({"RELAY_HOME": str(home), "RELAY_JOBS_DIR": str(jobs),
                            "RELAY_NODES": ",".join(NODE_POOL)})
         ensure_airflow_db(airflow_env(home), home / "logs" / "airflow-db.log")

@@ -62,8 +62,8 @@ class NodeAgent:
         self.state = "starting"
         self.linger_seconds = linger_seconds
         self._error_tails: dict[int, str] = {}
-        self.server = AgentServer(self, bind, cfg.agent_ports.get(node, 0) if port is None
-                                  else port)
+        self._address = (bind, cfg.agent_ports.get(node, 0) if port is None else port)
+        self.server: AgentServer | None = None
 
     def preload(self) -> float:
         """Import what the ranks need, once, before forking them; return the seconds it took."""
@@ -157,20 +157,31 @@ class NodeAgent:
             code = self._supervise()
             self._linger()
         finally:
-            self.server.close()
+            if self.server is not None:
+                self.server.close()
         return code
+
+    def _serve(self) -> None:
+        """Open the channel: after the ranks are forked, so none holds its socket or a lock."""
+        self.server = AgentServer(self, *self._address).start()
 
     def _supervise(self) -> int:
         if not self.preloaded:
             log.info("preloaded the training stack in %.2fs", self.preload())
         if self.stopping:
             self.set_state("failed")
-            self.server.start()  # to say so
+            self._serve()  # to say so
             return 1
         self.start_ranks()
-        # Served from here on: no thread of ours is running while the ranks are forked.
         self.set_state("running")
-        self.server.start()
+        try:
+            self._serve()
+        except OSError as exc:  # the port is taken: Relay could never reach this node
+            log.error("channel: cannot listen on %s:%d (%s); stopping the ranks", *self._address,
+                      exc)
+            self.stop_ranks("the agent cannot be reached")
+            self.set_state("failed")
+            return 1
         while True:
             codes = {r: p.exitcode for r, p in self.procs.items()}
             if self.stopping:

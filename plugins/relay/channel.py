@@ -24,7 +24,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,11 @@ from relay_train.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
-STATUS_TIMEOUT_SECONDS = 1.5  # a live agent answers in milliseconds; a frozen one never
+# A poll waits this long for the agents' answers; a slower answer is not thrown away: it
+# counts at the next poll, with the time it arrived. A status request still unanswered
+# after STATUS_TIMEOUT_SECONDS (a frozen agent) is given up and asked again.
+FRESH_WAIT_SECONDS = 1.0
+STATUS_TIMEOUT_SECONDS = 10.0
 REQUEST_TIMEOUT_SECONDS = 2.0
 MAX_PARALLEL = 32  # agents asked at once (a frozen one costs its timeout, not the others')
 API = "/v1"
@@ -69,6 +73,8 @@ class AgentChannel:
         self.refused: list[dict[str, Any]] = []
         self.reports: dict[str, NodeReport] = {}
         self.beats: dict[int, Heartbeat] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: dict[str, Future[NodeReport | None]] = {}
 
     # -- one request ----------------------------------------------------------------
 
@@ -160,17 +166,47 @@ class AgentChannel:
     # -- status of every node --------------------------------------------------------
 
     def poll(self, nodes: list[str] | None = None) -> dict[str, NodeReport | None]:
-        """Ask every agent (or ``nodes``') for its status at once; return what each said now."""
+        """Ask every agent (or ``nodes``') for its status; return the answers that came.
+
+        Never waits more than :data:`FRESH_WAIT_SECONDS`: a slow agent's answer is kept
+        for the next poll (with the time it arrived), so a loaded host is not a silent one,
+        and a frozen agent costs no poll more than that wait.
+        """
         targets = [n for n in (self.addresses if nodes is None else nodes) if n in self.addresses]
         if not targets:
             return {}
-        with ThreadPoolExecutor(max_workers=min(len(targets), MAX_PARALLEL)) as pool:
-            replies = dict(zip(targets, pool.map(self._status, targets), strict=True))
-        for report in replies.values():
-            if report is not None:
-                self.reports[report.node] = report
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=MAX_PARALLEL,
+                                            thread_name_prefix="relay-channel")
+        for node in targets:
+            if node not in self._inflight:
+                self._inflight[node] = self._pool.submit(self._status, node)
+        wait([self._inflight[n] for n in targets], timeout=FRESH_WAIT_SECONDS)
+        replies: dict[str, NodeReport | None] = {}
+        for node in targets:
+            future = self._inflight[node]
+            if not future.done():
+                replies[node] = None
+                continue
+            del self._inflight[node]
+            try:
+                report = future.result()
+            except Exception:  # noqa: BLE001 - one agent's bad answer is not the watcher's end
+                log.exception("Reading the status of %s failed", node)
+                report = None
+            replies[node] = report
+            known = self.reports.get(node)
+            if report is not None and (known is None or report.received_at > known.received_at):
+                self.reports[node] = report
                 self.beats.update(report.heartbeats)
         return replies
+
+    def close(self) -> None:
+        """Give up the requests in flight (a frozen agent's) and free the threads."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._inflight.clear()
 
     def _status(self, node: str) -> NodeReport | None:
         try:

@@ -118,8 +118,8 @@ def test_a_reply_from_another_attempt_is_refused_and_recorded(root: Path) -> Non
         _beat_all(root, step=41)
         status = stale.status(root)  # Relay watches try-2; the agents still serve try-1
         assert status.heartbeats == {}
-        assert [r["node"] for r in status.refused] == ["node-a", "node-b"]
-        first = status.refused[0]
+        assert sorted(r["node"] for r in status.refused) == ["node-a", "node-b"]
+        first = next(r for r in status.refused if r["node"] == "node-a")
         assert first["expected_attempt"] == "relay_t/run-1/segment-000/try-2"
         assert first["found_attempt"] == "relay_t/run-1/segment-000/try-1"
         assert (first["what"], first["heartbeats"], first["steps"]) == ("status", 2, [41])
@@ -208,3 +208,23 @@ def test_the_kubernetes_launcher_reads_pods_agents_over_the_channel(
     finally:
         pods.close()
         fake.stop()
+
+
+def test_a_slow_answer_counts_at_the_next_poll_with_the_time_it_arrived(
+    root: Path, agents: ServedAttempt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _beat_all(root)
+    slow = agents.nodes["node-b"]
+    answer = slow.status_record
+    monkeypatch.setattr(slow, "status_record", lambda: (time.sleep(1.8), answer())[1])
+    channel = agents.channel(root)
+    started = time.monotonic()
+    first = channel.poll()
+    assert time.monotonic() - started < 1.7  # the poll did not wait for the slow agent
+    assert first["node-a"] is not None and first["node-b"] is None
+    time.sleep(1.5)
+    second = channel.poll()  # node-b's answer arrived meanwhile: it counts, from then
+    assert second["node-b"] is not None
+    assert second["node-b"].received_at < time.time() - 0.2
+    assert sorted(channel.beats) == [0, 1, 2, 3]
+    channel.close()

@@ -101,6 +101,20 @@ def test_scheduler_down_while_a_fault_is_detected(
     wait_for_task_state(api, run_id, "segment_000", {"deferred"})
     scheduler = services.read_deployment(home).pids["scheduler"]
     os.kill(scheduler, signal.SIGKILL)  # a crash: its log server and workers live on
+    try:
+        stopped = _stopped_while_scheduler_down(api, home, run_id, scheduler)
+    finally:  # whatever happened, the next tests need a scheduler
+        services.restart("scheduler", home)
+    wait_for_success(api, run_id)
+    attempt = _attempt(home, run_id, 0, 1)
+    record = _check_recovered(clean_run, run_id, attempt, tmp_path)
+    assert record["rescued"]["step"] == stopped.rescued["step"]
+    assert not workload_processes(home), "a workload or a warden outlived the run"
+
+
+def _stopped_while_scheduler_down(api: AirflowApi, home: Path, run_id: str,
+                                  scheduler: int) -> unattended.Stopped:
+    """Wait for the warden's stop; check it came within the bound, the scheduler still down."""
     attempt = _attempt(home, run_id, 0, 1)
     bound = DETECTION.stop_unattended_after + DETECTION.checkpoint_timeout + 10
     _wait_for(unattended.folder(attempt) / unattended.STOPPED_FILE, bound + 120)
@@ -116,20 +130,24 @@ def test_scheduler_down_while_a_fault_is_detected(
     assert tis["segment_000"] == "scheduled", tis  # nobody ran execute_complete meanwhile
     print(f"\nworkload stopped {stopped.stopped_at - stopped.detected_at:.1f}s after the "
           f"fault was detected (bound {bound:g}s)")
-    services.restart("scheduler", home)
-    wait_for_success(api, run_id)
-    record = _check_recovered(clean_run, run_id, attempt, tmp_path)
-    assert record["rescued"]["step"] == stopped.rescued["step"]
-    assert not workload_processes(home), "a workload or a warden outlived the run"
+    return stopped
 
 
 @pytest.mark.parametrize("point", ["stop", "record"])
 def test_task_killed_while_recording_a_fault(
         deployment: services.Deployment, api: AirflowApi, clean_run: str, tmp_path: Path,
         point: str) -> None:
-    home = Path(deployment.home)
     pauses = Path(os.environ[testhooks.ENV])
     (pauses / f"{point}.request").write_text("")
+    try:
+        _kill_mid_record(api, Path(deployment.home), clean_run, tmp_path, pauses, point)
+    finally:  # never leave a pause behind for a later test's task
+        for name in (f"{point}.request", f"{point}.paused"):
+            (pauses / name).unlink(missing_ok=True)
+
+
+def _kill_mid_record(api: AirflowApi, home: Path, clean_run: str, tmp_path: Path,
+                     pauses: Path, point: str) -> None:
     run_id = api.trigger(DAG_ID, {"chaos": [HANG]})
     paused = _wait_for(pauses / f"{point}.paused", 600)
     info = json.loads(paused.read_text())

@@ -61,7 +61,7 @@ from relay_train.launch import (
 from relay_train.manifest import CheckpointRef
 from relay_train.reduce import comm_hook
 from relay_train.rescue import DrainRequest, RescueResponder, TrainingState
-from relay_train.timing import Ewma, StartupClock, WindowMean, keep_ddp_alive
+from relay_train.timing import Ewma, StartupClock, keep_ddp_alive
 
 log = logging.getLogger("relay_train")
 
@@ -72,9 +72,6 @@ WARMUP_STEPS = 2
 # Metrics go to MLflow (off the loop) every this many steps too, not only with a checkpoint,
 # so an attempt that faults still shows its loss and throughput up to the fault.
 METRICS_EVERY = 5
-
-# The heartbeat's compute time per step: the mean over the steps of this much recent time.
-COMPUTE_WINDOW_SECONDS = 1.0
 
 StateFn = Callable[[], dict[str, Any]]
 
@@ -113,8 +110,7 @@ class Session:
         self._sink: Any = None
         self._metrics: list[tuple[int, dict[str, float], int]] = []
         self._clock: dict[str, float] = {}
-        self._natural, self._rate = Ewma(), Ewma()
-        self._compute = WindowMean(COMPUTE_WINDOW_SECONDS)  # what the straggler rule reads
+        self._compute, self._natural, self._rate = Ewma(), Ewma(), Ewma()
         self._step_time = Ewma()  # logged as step_seconds: checkpoint_every auto's pace
         self._injected = 0.0
         self._last_step = cfg.start_step

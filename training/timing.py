@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import os
 import time
 from typing import Any
@@ -44,28 +43,6 @@ class Ewma:
             self.alpha * sample + (1 - self.alpha) * self.value
         )
         return self.value
-
-
-class WindowMean:
-    """The mean of the samples of the last ``seconds`` (at least the newest one).
-
-    A rank's compute time per step as the straggler rule reads it: averaged over
-    time, not over a fixed number of steps, it is as steady for 10 ms steps as for
-    1 s ones, where a 3-step moving average of fast steps flickers with each hiccup
-    (and a rank slowed in bursts reads fast or slow by when its record was written).
-    """
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self._samples: collections.deque[tuple[float, float]] = collections.deque()
-
-    def add(self, sample: float, now: float | None = None) -> float:
-        """Fold in one sample (taken at ``now``) and return the mean of the window."""
-        now = time.monotonic() if now is None else now
-        self._samples.append((now, sample))
-        while len(self._samples) > 1 and self._samples[0][0] < now - self.seconds:
-            self._samples.popleft()
-        return sum(value for _, value in self._samples) / len(self._samples)
 
 
 # Freeing DDP's reducer can deadlock with gloo: ~ProcessGroupGloo waits for a work thread

@@ -10,21 +10,12 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from relay.checkpoint_spec import AutoInterval, CheckpointEvery, auto_bounds, auto_shorthand
 from relay.yamlsource import (
-    UNION_TAG,
     ConfigError,
     FieldValueError,
     KeyPath,
@@ -130,43 +121,6 @@ class EntrypointSpec(BaseModel):
         return Entrypoint(module=self.module, script=script, args=list(self.args))
 
 
-class AutoInterval(BaseModel):
-    """``checkpoint_every: auto``: Relay picks the interval per attempt (Young/Daly), bounded.
-
-    ``min`` and ``max`` are whole steps; ``max`` defaults to ``steps_per_segment``
-    (a segment's end is always checkpointed). How the interval is chosen:
-    :mod:`relay.interval`.
-    """
-
-    model_config = _FROZEN
-
-    auto: Literal[True] = True
-    min: int = Field(1, strict=True, ge=1)
-    max: int | None = Field(None, strict=True, ge=1)
-
-
-def _interval_kind(value: object) -> str:
-    """Tell a fixed number of steps from an ``auto`` section (pydantic's union tag)."""
-    return f"{UNION_TAG}auto" if isinstance(value, dict | AutoInterval) else f"{UNION_TAG}steps"
-
-
-def _auto_shorthand(value: object) -> object:
-    """Read ``checkpoint_every: auto`` as ``{auto: true}``; refuse other words early."""
-    if value == "auto":
-        return {"auto": True}
-    if isinstance(value, bool) or not isinstance(value, int | dict | AutoInterval):
-        raise FieldValueError("a whole number of steps > 0, auto, or {auto: true, min: N, max: N}",
-                              value, FIXES["checkpoint_every"])
-    return value
-
-
-CheckpointEvery = Annotated[
-    Annotated[int, Tag(f"{UNION_TAG}steps"), Field(strict=True, gt=0)]
-    | Annotated[AutoInterval, Tag(f"{UNION_TAG}auto")],
-    Discriminator(_interval_kind),
-]
-
-
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 
 
@@ -229,7 +183,7 @@ class JobSpec(BaseModel):
     @field_validator("checkpoint_every", mode="before")
     @classmethod
     def _auto_word(cls, value: object) -> object:
-        return _auto_shorthand(value)
+        return auto_shorthand(value, FIXES["checkpoint_every"])
 
     @field_validator("checkpoint_every")
     @classmethod
@@ -237,7 +191,7 @@ class JobSpec(BaseModel):
         """Require at least one checkpoint inside every full segment."""
         per_segment = info.data.get("steps_per_segment")
         if isinstance(value, AutoInterval):
-            return _auto_bounds(value, per_segment)
+            return auto_bounds(value, per_segment)
         if isinstance(per_segment, int) and value > per_segment:
             raise FieldValueError(
                 f"a number of steps <= steps_per_segment ({per_segment})",
@@ -323,22 +277,6 @@ class JobSpec(BaseModel):
     def policy_path(self, spec_file: Path) -> Path:
         """Return the policy file this job uses, relative paths taken from the spec's folder."""
         return resolve_policy(self.policy, spec_file)
-
-
-def _auto_bounds(value: AutoInterval, per_segment: object) -> AutoInterval:
-    """Require min <= max <= steps_per_segment."""
-    high = value.max if value.max is not None else per_segment
-    if isinstance(per_segment, int) and value.max is not None and value.max > per_segment:
-        raise FieldValueError(
-            f"checkpoint_every.max <= steps_per_segment ({per_segment})", value.max,
-            f"lower checkpoint_every.max to at most {per_segment} (a segment's end is always "
-            "checkpointed), or remove max to use steps_per_segment", shown=f"max: {value.max}")
-    if isinstance(high, int) and value.min > high:
-        raise FieldValueError(
-            f"checkpoint_every.min <= checkpoint_every.max ({high})", value.min,
-            f"lower checkpoint_every.min to at most {high}, e.g. {{auto: true, min: "
-            f"{max(1, high // 4)}, max: {high}}}", shown=f"min: {value.min}")
-    return value
 
 
 FIXES: dict[str, str] = {

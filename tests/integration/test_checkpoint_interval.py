@@ -40,9 +40,11 @@ CRASH = {"kind": "crash", "segment": 0, "step": 20, "rank": 1, "attempt": 1}
 
 
 def test_auto_interval_is_chosen_recorded_and_used_per_attempt(
-    relay_home: Path, tmp_path_factory: pytest.TempPathFactory
+    relay_home: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    env = prepare_jobs(relay_home, tmp_path_factory.mktemp("jobs"), {"autockpt": JOB})
+    jobs = tmp_path_factory.mktemp("jobs")
+    monkeypatch.setenv("RELAY_JOBS_DIR", str(jobs))  # restored after: later tests load the repo's
+    env = prepare_jobs(relay_home, jobs, {"autockpt": JOB})
     parent = run_job_ok(env, relay_home, "autockpt", {"chaos": [CRASH]}, "auto-interval")
     lineage = Lineage.from_settings()
     attempts = {(int(c.data.tags[TAG_SEGMENT]), int(c.data.tags[TAG_TRY])): c

@@ -117,13 +117,12 @@ def _wait_for_step(attempt: Path, step: int, timeout: float = 120.0) -> None:
 
 
 # A workload whose steps are mostly compute, as real training's are. The outside slow-rank
-# case timed out inside the full suite (and on any busy machine) for three reasons, measured
-# with the detector's view poll by poll: on the tiny model a step is ~8 ms of compute in a
-# much longer gloo all-reduce, so freezes landed in the collective, which is not compute
-# time; a 100 ms freeze period gave most of the lost CPU back on a saturated machine
-# (--factor 3 slowed compute ~1.4x; relay.chaos now freezes per 500 ms); and the heartbeat's
-# 3-step moving average of fast steps flickered around the 1.5x ratio, so the sustained
-# clock kept restarting (ranks now report the mean over the last second of steps).
+# case timed out inside the full suite (and on any busy machine); the detector's view, poll
+# by poll, showed why: on the tiny model a step is ~8 ms of compute in a much longer gloo
+# all-reduce, so the freezes landed in the collective, which is not compute time, and the
+# slowed rank's compute ratio flickered around 1.5x, restarting the 3 s sustained clock;
+# and with a 100 ms freeze period a saturated machine gave most of the lost CPU back
+# (--factor 3 slowed compute ~1.4x; `relay chaos` now freezes per 500 ms).
 COMPUTE_BOUND_MODEL = {"context": 64, "d_model": 128, "n_layers": 2, "n_heads": 4, "dropout": 0.1}
 
 

@@ -218,13 +218,3 @@ def test_writer_leaves_no_temp_files(tmp_path: Path) -> None:
     writer.close()
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0.json"]
-
-
-def test_window_mean_is_the_mean_of_the_last_seconds_and_keeps_the_newest() -> None:
-    from relay_train.timing import WindowMean
-
-    window = WindowMean(1.0)
-    assert window.add(0.1, now=0.0) == pytest.approx(0.1)
-    assert window.add(0.3, now=0.5) == pytest.approx(0.2)
-    assert window.add(0.5, now=1.2) == pytest.approx(0.4)  # the sample at 0.0 left
-    assert window.add(0.9, now=5.0) == pytest.approx(0.9)  # all old: the newest alone

@@ -183,3 +183,14 @@ def test_spec_errors_name_line_field_expected_and_fix(
     assert expected in problem.expected, problem
     assert fix in problem.fix, problem
     assert "~" not in str(problem)  # pydantic's union tags never reach the user
+
+
+def test_explain_job_says_how_the_interval_is_chosen(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from relay.explain import explain_job
+
+    monkeypatch.setenv("RELAY_MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    text = explain_job(_spec({"auto": True, "min": 4, "max": 40}))
+    assert "checkpoint_every is auto" in text and "held within 4..40 steps" in text
+    assert "An attempt starting now: auto: 25 steps; no step time measured yet" in text
+    assert explain_job(_spec(20)) == "Checkpoints: every 20 steps (fixed in the spec)."

@@ -119,3 +119,14 @@ def test_without_the_section_the_threshold_is_the_policys() -> None:
     now, _ = run_steps(detector, 20.0, step_time=0.02)
     limit = detector.hang_limit(observe(now, []))
     assert (limit.seconds, limit.how) == (Detection().hang_timeout, "")
+
+
+def test_policy_explain_says_the_hang_threshold_is_derived_and_from_what(tmp_path) -> None:
+    from relay.explain import fault_sentence
+
+    derived = fault_sentence(FaultKind.HANG, CFG)
+    assert "DERIVED from the job's own steps" in derived
+    assert f"{DERIVE.safety_factor:g} x the slowest step seen" in derived
+    assert f"until {DERIVE.warmup_steps} steps are seen" in derived
+    written = fault_sentence(FaultKind.HANG, Detection())
+    assert "DERIVED" not in written and "3 seconds" in written

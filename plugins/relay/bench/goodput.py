@@ -221,7 +221,11 @@ def main(steps: int = 1200, segment: int = 300, every: int = 25, collective_time
           "checkpoint and swaps out a node that stopped answering; torchrun's own "
           "--max-restarts is not used because in-job restarts failed here (torch 2.13, gloo: "
           "'Gloo connectFullMesh failed ... Connection refused', stale peer addresses; "
-          "pytorch#167288)", flush=True)
+          "pytorch#167288)\n"
+          "  Compared: every run's absolute ETTR (productive time / wall time; productive time = "
+          "total steps x the pooled seconds per step of the two fault-free training loops), lost "
+          "steps and fault -> first productive step, Relay's runs next to the baseline's",
+          flush=True)
     all_runs: list[list[Run]] = []
     productive: list[float] = []
     with tempfile.TemporaryDirectory(prefix="relay-bench-goodput-") as tmp:

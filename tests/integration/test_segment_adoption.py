@@ -24,12 +24,14 @@ from relay.lineage import TAG_OUTCOME, TAG_SEGMENT, Lineage
 
 pytestmark = pytest.mark.integration
 
+# Checkpoints only at segment ends: rank 0 publishing every few milliseconds of this tiny
+# job slows it enough, on a loaded machine, for false straggler alarms on rank 0.
 JOB = """\
 job: {name}
 seed: 7
 total_steps: 90
 steps_per_segment: 30
-checkpoint_every: 10
+checkpoint_every: 30
 nodes: 2
 ranks_per_node: 2
 model: {{context: 32, d_model: 32, n_layers: 1, n_heads: 4, dropout: 0.1}}
@@ -73,7 +75,7 @@ def restarted(env: dict[str, str], relay_home: Path,
     assert {"segment-000/try-1", "segment-001/try-1", "segment-002/try-1"} <= set(
         _workloads(run_dir))
     assert all(read_adopted(t) is None for t in run_dir.glob("segment-*/try-*"))
-    return final_state(Lineage.from_settings(), parent, tmp_path_factory.mktemp("r"), [90, 10])
+    return final_state(Lineage.from_settings(), parent, tmp_path_factory.mktemp("r"), [90, 30])
 
 
 def test_one_workload_trains_every_segment_and_lineage_stays_true(
@@ -95,13 +97,13 @@ def test_one_workload_trains_every_segment_and_lineage_stays_true(
     # Each checkpoint is in the run of the attempt that watched the workload when it was
     # made; the chain from the final model back to step 0 is unbroken.
     chain = lineage.chain(parent)
-    assert [m.step for m in chain] == list(range(90, 0, -10))
+    assert [m.step for m in chain] == [90, 60, 30]
     runs = {m.step: m.run_id for m in chain}
-    assert runs[10] == by_segment["0"].info.run_id
+    assert runs[30] == by_segment["0"].info.run_id
     assert runs[90] == by_segment["2"].info.run_id
     assert [b["kind"] for b in boundaries(run_dir)] == ["adopt", "adopt"]
 
-    assert_same_bits(restarted, final_state(lineage, parent, tmp_path, [90, 10]))
+    assert_same_bits(restarted, final_state(lineage, parent, tmp_path, [90, 30]))
     assert workload_processes(relay_home) == {}, "the last segment stops everything"
 
 
@@ -125,5 +127,5 @@ def test_a_hang_in_the_gap_is_seen_by_the_adopting_watcher_and_recovered_bit_for
     later = read_adopted(run_dir / "segment-002" / "try-1")
     assert later is None or later["workload"].endswith("segment-001/try-2")
 
-    assert_same_bits(restarted, final_state(lineage, parent, tmp_path / "f", [90, 10]))
+    assert_same_bits(restarted, final_state(lineage, parent, tmp_path / "f", [90, 30]))
     assert workload_processes(relay_home) == {}, "no workload may outlive its DAG run"

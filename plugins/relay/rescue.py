@@ -14,6 +14,7 @@ the retry resumes from the last periodic checkpoint, as it would have anyway.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 from relay.channel import StaleAgentError
 from relay.faults import RESCUABLE, Fault, FaultKind
 from relay.launchers import Launcher, launcher_from
-from relay_train.heartbeat import Heartbeat
+from relay_train.heartbeat import Heartbeat, write_atomically
 from relay_train.launch import LaunchConfig
 from relay_train.manifest import CHECKPOINT_FILE, CheckpointManifest, CheckpointRef, file_sha256
 from relay_train.rescue import RescueResult
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 ACK_TIMEOUT_SECONDS = 2.0  # a healthy rank's thread answers within a poll (0.1s)
 RECEIVED_DIR = "rescued"  # Relay's side: the states fetched from the nodes
+KEPT_FILE = "result.json"  # in RECEIVED_DIR: the verified state, for a retry that finishes a record
 
 
 def donor(fault: Fault, cfg: LaunchConfig, beats: dict[int, Heartbeat]) -> int | None:
@@ -69,6 +71,10 @@ def request_rescue(
 
     The state is fetched from the rank's node into ``<attempt>/rescued/`` on Relay's side.
     """
+    kept = kept_rescue(attempt_dir)
+    if kept is not None:  # a retry finishing a record its killed task began: no one to ask now
+        log.info("Using the state rank %d handed over before (step %d)", kept.rank, kept.step)
+        return kept
     launcher = launcher or launcher_from(None)
     rank = donor(fault, cfg, launcher.status(attempt_dir).heartbeats)
     if rank is None:
@@ -105,7 +111,21 @@ def request_rescue(
         return None
     log.info("Rank %d handed over its state at step %d in %.2fs", rank, result.step,
              time.monotonic() - asked)
-    return dataclasses.replace(result, path=str(local))
+    result = dataclasses.replace(result, path=str(local))
+    write_atomically(attempt_dir / RECEIVED_DIR / KEPT_FILE, json.dumps(dataclasses.asdict(result)),
+                     durable=True)
+    return result
+
+
+def kept_rescue(attempt_dir: Path) -> RescueResult | None:
+    """Return the state already fetched for this attempt, if its file is still intact."""
+    try:
+        result = RescueResult.read(attempt_dir / RECEIVED_DIR / KEPT_FILE)
+    except (OSError, ValueError, TypeError):
+        return None
+    if result.path is None or result.step is None or not Path(result.path).is_file():
+        return None
+    return result if file_sha256(Path(result.path)) == result.sha256 else None
 
 
 def _fetch_state(channel: AgentChannel, node: str, result: RescueResult, attempt_dir: Path,

@@ -16,7 +16,7 @@ from torch import nn
 
 from relay.faults import Fault, FaultKind
 from relay.lineage import Lineage
-from relay.rescue import donor, publish_rescue
+from relay.rescue import donor, kept_rescue, publish_rescue
 from relay.rescue import request_rescue as ask_agents
 from relay_train.checkpoint import load_verified, snapshot
 from relay_train.heartbeat import Heartbeat, HeartbeatWriter
@@ -165,6 +165,27 @@ def test_request_rescue_returns_the_verified_state(tmp_path: Path, agents: Serve
     fault = Fault(FaultKind.NODE_UNRESPONSIVE, None, "node-b", {})
     result = ask_agents(tmp_path, _cfg(tmp_path), fault, 20, agents)
     assert result is not None and (result.rank, result.step) == (0, 30)
+
+
+def test_a_retry_finishing_the_record_reuses_the_state_fetched_before_the_stop(
+    tmp_path: Path, agents: ServedAttempt
+) -> None:
+    # A task killed after the stop leaves no rank to ask: its retry finds what was fetched.
+    _live_beats(tmp_path, [0, 2, 3])
+    responder, _ = _responder(tmp_path, 0, TrainingState(completed=30))
+    responder.start()
+    fault = Fault(FaultKind.NODE_UNRESPONSIVE, None, "node-b", {})
+    first = ask_agents(tmp_path, _cfg(tmp_path), fault, 20, agents)
+    assert first is not None
+
+    class NoOneThere:
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"asked the launcher for {name}: the workload is gone")
+
+    again = ask_agents(tmp_path, _cfg(tmp_path), fault, 20, NoOneThere())  # type: ignore[arg-type]
+    assert again == first
+    Path(str(first.path)).write_bytes(b"damaged on Relay's disk")
+    assert kept_rescue(tmp_path) is None  # never reused unless it still matches its sha256
 
 
 def test_request_rescue_gives_up_when_nobody_answers(tmp_path: Path, agents: ServedAttempt) -> None:

@@ -179,6 +179,23 @@ def _keep(folder: Path, answers: dict[int, dict[str, Any]], traces: dict[int, di
         log.warning("Could not keep the ranks' evidence in %s (%s)", folder, exc)
 
 
+def kept_evidence(folder: Path, ranks: list[int], seconds: float = 0.0) -> Evidence:
+    """Return the evidence gathered earlier into ``folder`` (by a warden, before its stop):
+    no agent is left to ask."""
+    def load(path: Path) -> dict[str, Any] | None:
+        try:
+            return dict(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            return None
+
+    answers = {r: a for r in ranks if (a := load(answer_path(folder, r))) is not None}
+    traces = {r: t for r in ranks if (t := load(trace_path(folder, r))) is not None}
+    fallback = {r: faulthandler_path(folder, r).read_text() for r in ranks
+                if r not in answers and faulthandler_path(folder, r).is_file()}
+    missing = [r for r in ranks if r not in answers and r not in fallback]
+    return Evidence(folder, answers, traces, fallback, missing, seconds)
+
+
 def _frame_lines(thread: dict[str, Any]) -> list[str]:
     """Return ``file:line in function: code`` lines, innermost last (like a traceback)."""
     return [f"{f['file']}:{f['line']} in {f['function']}: {f['code']}".rstrip(": ")

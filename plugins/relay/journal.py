@@ -87,4 +87,8 @@ def finish_interrupted(context: Mapping[str, Any], segment_dir: Path,
         handle(fault, attempt_dir, LaunchConfig.read(attempt_dir / LAUNCH_FILE))
     except SegmentFaultError:
         pass  # recorded; this try is the retry the decision asked for
+    except Exception:  # noqa: BLE001 - else every later try would fail here the same way
+        log.exception("Could not finish the record of %s; its workload is stopped next and "
+                      "this try goes on (the fault stays in the task logs only)", attempt_dir)
+        write(context, segment_dir, RECORDED, attempt_dir=str(attempt_dir), error=True)
     return attempt_dir

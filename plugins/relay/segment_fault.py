@@ -24,7 +24,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from relay import adopt, journal, resume_time, testhooks, unattended
 from relay.decide import Decision, decide
 from relay.drain import drain
-from relay.evidence import ask_for_evidence, attach_evidence, collect_evidence
+from relay.evidence import Evidence, ask_for_evidence, attach_evidence, collect_evidence
 from relay.faults import RESCUABLE, Fault, FaultKind
 from relay.launchers import Launcher, LaunchState, launcher_for
 from relay.launchers.local import STANDBY_DIR
@@ -132,10 +132,8 @@ class FaultHandling:
         clock.mark("decide", time.time())
         beats = launcher.status(attempt_dir).heartbeats  # over the channel, not from files
         progress = max((b.step for b in beats.values()), default=cfg.start_step)
-        asked, drained, rescued = self._save_state(attempt_dir, cfg, fault, decision,
-                                                   policy.policy.detection, launcher)
-        evidence = (collect_evidence(asked, policy.policy.detection.evidence_timeout)
-                    if asked else None)
+        evidence, drained, rescued = self._save_state(attempt_dir, cfg, fault, decision,
+                                                      policy.policy.detection, launcher)
         clock.mark("rescue", time.time())
         testhooks.pause("stop", attempt_dir=str(attempt_dir))
         survivors = launcher.stop(attempt_dir)
@@ -173,7 +171,7 @@ class FaultHandling:
     @staticmethod
     def _record(record: dict[str, Any], record_dir: Path, cfg: LaunchConfig,
                 lineage: Any, fault: Fault, decision: Decision,  # noqa: ANN401
-                evidence: Any, clock: resume_time.ResumeClock) -> None:  # noqa: ANN401
+                evidence: Evidence | None, clock: resume_time.ResumeClock) -> None:
         """Write the decision next to the attempt's logs (for whoever is on call) and in
         MLflow (for the record), then again with the record step's time in its breakdown."""
         if evidence is not None:  # into fault.json only: the task log's message stays one line
@@ -193,11 +191,13 @@ class FaultHandling:
                          durable=True)
 
     @staticmethod
-    def _save_state(attempt_dir: Path, cfg: LaunchConfig, fault: Fault, decision: Decision,
-                    detection: Detection, launcher: Launcher) -> tuple[Any, int | None, Any]:
+    def _save_state(
+        attempt_dir: Path, cfg: LaunchConfig, fault: Fault, decision: Decision,
+        detection: Detection, launcher: Launcher,
+    ) -> tuple[Evidence | None, int | None, Any]:
         """Ask for stacks, and drain or rescue as decided, before the stop; return
-        (evidence request, drained step, rescued state). A warden that already stopped
-        the attempt (no one resumed the task in time) did this: take its results."""
+        (evidence, drained step, rescued state). A warden that already stopped the
+        attempt (no one resumed the task in time) did this: take its results."""
         warden = unattended.take_over(attempt_dir, detection.checkpoint_timeout + 30)
         if warden is not None:
             return unattended.results(warden, decision, fault, attempt_dir)
@@ -210,7 +210,8 @@ class FaultHandling:
         elif decision.retry and not decision.rollback and fault.kind in RESCUABLE:
             rescued = request_rescue(attempt_dir, cfg, fault, detection.checkpoint_timeout,
                                      launcher)
-        return asked, drained, rescued
+        evidence = collect_evidence(asked, detection.evidence_timeout) if asked else None
+        return evidence, drained, rescued
 
     def _next_resume(self, context: Any, spec: JobSpec, decision: Decision,  # noqa: ANN401
                      fault: Fault, cfg: LaunchConfig, lineage: Any,  # noqa: ANN401

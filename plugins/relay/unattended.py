@@ -194,24 +194,23 @@ def take_over(attempt_dir: Path, wait_seconds: float) -> Stopped | None:
 
 def results(warden: Stopped, decision: Any, fault: Any,  # noqa: ANN401 - Decision, Fault
             attempt_dir: Path) -> tuple[Any, int | None, Any]:  # noqa: ANN401
-    """Return (evidence request, drained step, rescue) from what the warden saved.
+    """Return (evidence, drained step, rescue) from what the warden saved.
 
     The rescue counts only where the decision would have asked for it, and only if its
     file still matches the sha256 the rank reported.
     """
-    from relay.evidence import EvidenceRequest
+    from relay.evidence import RECEIVED_DIR, kept_evidence
     from relay.faults import RESCUABLE
-    from relay_train.evidence import EVIDENCE_DIR
     from relay_train.manifest import file_sha256
     from relay_train.rescue import RescueResult
 
     log.warning("The workload was stopped by its warden %.1fs after the fault was detected "
                 "(no one resumed the task sooner); using what it saved",
                 warden.stopped_at - warden.detected_at)
-    asked = None
+    evidence = None  # gathered over the channel before the stop; the agents are gone now
     if warden.evidence_request is not None:
-        asked = EvidenceRequest(attempt_dir / EVIDENCE_DIR, warden.evidence_request["id"],
-                                list(warden.evidence_request["ranks"]))
+        evidence = kept_evidence(attempt_dir / RECEIVED_DIR,
+                                 list(warden.evidence_request["ranks"]))
     drained = warden.drained_at if decision.checkpoint_first else None
     rescued = None
     if warden.rescued is not None and decision.retry and not decision.rollback \
@@ -222,7 +221,7 @@ def results(warden: Stopped, decision: Any, fault: Any,  # noqa: ANN401 - Decisi
         else:
             log.warning("The rescued state %s no longer matches its sha256; not used",
                         candidate.path)
-    return asked, drained, rescued
+    return evidence, drained, rescued
 
 
 # -- the warden process ------------------------------------------------------------------

@@ -255,8 +255,9 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         if event.get("refused"):  # messages from agents of another attempt (fencing)
             log.warning("Refused %d message source(s) of other attempts while watching: %s",
                         len(event["refused"]), event["refused"])
-            best_effort("record the refused messages", lambda: lineage.log_json(
-                cfg.run_id, "refused.json", event["refused"]))
+        if status == "completed" and event.get("refused"):  # a fault records them in its
+            best_effort("record the refused messages", lambda: lineage.log_json(  # decision,
+                cfg.run_id, "refused.json", event["refused"]))  # after the stop (MLflow last)
         if status == "completed" and event.get("boundary_step") is not None:
             with self._freeze_guard(context, spec, self.segment + 1):
                 parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from relay.channel import MAX_PARALLEL
 from relay.faults import RESCUABLE, Fault
 from relay.launchers import Launcher, launcher_from
+from relay.rescue import silent
 from relay_train.evidence import (
     EVIDENCE_DIR,
     FR_DIR,
@@ -44,6 +45,7 @@ from relay_train.heartbeat import write_atomically
 
 if TYPE_CHECKING:
     from relay.channel import AgentChannel
+    from relay_train.launch import LaunchConfig
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ class EvidenceRequest:
     request_id: str
     ranks: list[int]
     channel: AgentChannel
+    nodes: list[str]  # the agents asked
+    unheard: set[int] = field(default_factory=set)  # ranks not waited for (a frozen node's)
     asked_at: float = field(default_factory=time.monotonic)
 
 
@@ -77,18 +81,23 @@ class Evidence:
     seconds: float
 
 
-def ask_for_evidence(attempt_dir: Path, fault: Fault, world_size: int,
+def ask_for_evidence(attempt_dir: Path, fault: Fault, cfg: LaunchConfig,
                      launcher: Launcher | None = None) -> EvidenceRequest | None:
-    """Ask every node's agent for its ranks' stacks and traces, if ``fault`` needs them."""
+    """Ask every node's agent for its ranks' stacks and traces, if ``fault`` needs them.
+
+    A node the fault says is frozen (its agent and ranks) is neither asked nor waited for:
+    it would only cost its timeouts before the stop."""
     if fault.kind not in EVIDENCE_KINDS:
         return None
     launcher = launcher or launcher_from(None)
     channel = launcher.channel(attempt_dir)
+    frozen, unheard = silent(fault, cfg)
     request = EvidenceRequest(attempt_dir / RECEIVED_DIR, uuid.uuid4().hex,
-                              list(range(world_size)), channel)
+                              list(range(cfg.world_size)), channel,
+                              [n for n in channel.addresses if n not in frozen], unheard)
     body = {"id": request.request_id, "fault": fault.kind.value,
             "culprit_rank": fault.culprit_rank}
-    nodes = list(channel.addresses)
+    nodes = request.nodes
     if nodes:  # at once to every node: a frozen one costs its timeout, not the others'
         with ThreadPoolExecutor(max_workers=min(len(nodes), MAX_PARALLEL)) as pool:
             asked = list(pool.map(lambda n: channel.ask(n, "stacks", **body), nodes))
@@ -98,8 +107,8 @@ def ask_for_evidence(attempt_dir: Path, fault: Fault, world_size: int,
 
 
 def _gather(request: EvidenceRequest, timeout: float) -> list[dict[str, Any]]:
-    """Ask every agent for the answers so far, at once, within ``timeout``."""
-    nodes = list(request.channel.addresses)
+    """Ask every agent asked for the answers so far, at once, within ``timeout``."""
+    nodes = request.nodes
     if not nodes:
         return []
 
@@ -117,7 +126,7 @@ def _gather(request: EvidenceRequest, timeout: float) -> list[dict[str, Any]]:
 
 def _signal(request: EvidenceRequest) -> None:
     """Have each agent dump its silent ranks' stacks from C (faulthandler)."""
-    for node in request.channel.addresses:
+    for node in request.nodes:
         reply = request.channel.ask(node, "stacks/signal", id=request.request_id)
         if reply and reply.get("signalled"):
             log.info("Agent of %s signalled rank(s) %s for a C-level stack dump", node,
@@ -141,10 +150,10 @@ def collect_evidence(request: EvidenceRequest, timeout_seconds: float) -> Eviden
             pickles |= {int(r): base64.b64decode(v) for r, v in (reply.get("fr") or {}).items()}
             fallback |= {int(r): v for r, v in (reply.get("faulthandler") or {}).items()}
             exited |= {int(r) for r in reply.get("exited") or []}
-        silent = [r for r in request.ranks if r not in answers]
-        exited &= set(silent)
+        waiting = [r for r in request.ranks if r not in answers and r not in request.unheard]
+        exited &= set(waiting)
         now = time.monotonic()
-        if not set(silent) - exited or now >= deadline:
+        if not set(waiting) - exited or now >= deadline:
             break
         if now >= fallback_at and not signalled:
             _signal(request)

@@ -38,13 +38,22 @@ RECEIVED_DIR = "rescued"  # Relay's side: the states fetched from the nodes
 KEPT_FILE = "result.json"  # in RECEIVED_DIR: the verified state, for a retry that finishes a record
 
 
+def silent(fault: Fault, cfg: LaunchConfig) -> tuple[set[str], set[int]]:
+    """Return the nodes and ranks this fault says cannot answer: a frozen node's agent and
+    every rank of it. Nobody waits on them: each would cost a request timeout before the
+    stop. (An unresponsive rank's agent still answers, and may still get its C-level stack.)"""
+    if fault.kind is FaultKind.NODE_UNRESPONSIVE and fault.culprit_node in cfg.nodes:
+        node = fault.culprit_node
+        return {node}, {cfg.global_rank(node, r) for r in range(cfg.ranks_per_node)}
+    return set(), set()
+
+
 def donor(fault: Fault, cfg: LaunchConfig, beats: dict[int, Heartbeat]) -> int | None:
     """Return the healthy rank to ask: not the culprit, not on a silent node, furthest along."""
     if fault.kind not in RESCUABLE:
         return None
     excluded = {fault.culprit_rank} if fault.culprit_rank is not None else set()
-    if fault.kind is FaultKind.NODE_UNRESPONSIVE and fault.culprit_node in cfg.nodes:
-        excluded |= {cfg.global_rank(fault.culprit_node, r) for r in range(cfg.ranks_per_node)}
+    excluded |= silent(fault, cfg)[1]
     candidates = [b for r, b in beats.items() if r not in excluded and b.nonfinite_step is None]
     if not candidates:
         return None
@@ -76,11 +85,13 @@ def request_rescue(
         log.info("Using the state rank %d handed over before (step %d)", kept.rank, kept.step)
         return kept
     launcher = launcher or launcher_from(None)
-    rank = donor(fault, cfg, launcher.status(attempt_dir).heartbeats)
+    channel = launcher.channel(attempt_dir)
+    frozen = silent(fault, cfg)[0]
+    channel.poll([n for n in cfg.nodes if n not in frozen])  # a frozen agent: no wait on it
+    rank = donor(fault, cfg, dict(channel.beats))
     if rank is None:
         return None
     node = cfg.nodes[rank // cfg.ranks_per_node]
-    channel = launcher.channel(attempt_dir)
     asked = time.monotonic()
     if channel.ask(node, "rescue", rank=rank, fault=fault.kind.value) is None:
         log.warning("The agent of %s did not take the rescue request; resuming from the last "

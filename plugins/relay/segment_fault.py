@@ -203,7 +203,7 @@ class FaultHandling:
             return unattended.results(warden, decision, fault, attempt_dir)
         # Where is it stuck? Ask every rank now (after the stop nobody answers); the
         # answers arrive while the rescue runs and are gathered, bounded, before the stop.
-        asked = ask_for_evidence(attempt_dir, fault, cfg.world_size, launcher)
+        asked = ask_for_evidence(attempt_dir, fault, cfg, launcher)
         drained = rescued = None
         if decision.checkpoint_first:
             drained = drain(attempt_dir, detection.checkpoint_timeout, launcher)

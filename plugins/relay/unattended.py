@@ -242,7 +242,7 @@ def _act(args: dict[str, Any]) -> Stopped:
     launcher = launcher_from(args.get("launcher"))
     asked = rescued = drained = None
     try:  # whatever goes wrong saving, the stop below is the point
-        asked = ask_for_evidence(attempt_dir, fault, cfg.world_size, launcher)
+        asked = ask_for_evidence(attempt_dir, fault, cfg, launcher)
         if args["step"] == DRAIN:
             drained = drain(attempt_dir, args["checkpoint_timeout"], launcher)
         elif args["step"] == RESCUE:

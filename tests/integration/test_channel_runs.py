@@ -102,7 +102,7 @@ def test_the_watcher_evidence_and_rescue_read_no_file_of_the_attempt(
         event = watch(cfg, Detection(straggler={"ratio": 50}), timeout=180)
         assert event["status"] == "fault" and event["fault"]["kind"] == "hang", event
         fault = Fault.from_event(event["fault"])
-        asked = ask_for_evidence(root, fault, cfg.world_size, launcher)
+        asked = ask_for_evidence(root, fault, cfg, launcher)
         rescued = request_rescue(root, cfg, fault, 60, launcher)
         evidence = collect_evidence(asked, 5.0) if asked else None
         audit.on = False

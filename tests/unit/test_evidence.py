@@ -39,13 +39,23 @@ from relay_train.evidence import (
     armed_path,
     flight_recorder_environment,
 )
+from relay_train.launch import LaunchConfig
 from relay_train.publish import mlflow_retrying
 
 REPO = Path(__file__).resolve().parents[2]
 
+def layout(world_size: int) -> LaunchConfig:
+    """Return a launch of ``world_size`` ranks, one per node: node-a, node-b."""
+    return LaunchConfig(job="t", seed=0, model={}, data={}, optimizer={}, start_step=0,
+                        end_step=1, checkpoint_every=1, nodes=["node-a", "node-b"][:world_size],
+                        ranks_per_node=1, master_addr="127.0.0.1", master_port=1,
+                        tracking_uri="", run_id="", attempt_dir="", attempt=1, segment=0)
+
+
 def ask_for_evidence(root: Path, fault: Fault, world_size: int) -> EvidenceRequest | None:
     """Ask through real agent channel servers for node-a (rank 0) and node-b (rank 1)."""
-    return ask_agents(root, fault, world_size, serve(root, {"node-a": [0], "node-b": [1]}))
+    return ask_agents(root, fault, layout(world_size),
+                      serve(root, {"node-a": [0], "node-b": [1]}))
 # Generous: the machine is shared; a bound only matters for ranks that never answer.
 ANSWER_TIMEOUT = 20.0
 
@@ -157,6 +167,30 @@ def test_a_stopped_rank_is_skipped_within_the_bound(tmp_path: Path) -> None:
     assert summary["stacks_missing_ranks"] == [1]
     assert summary["where"].startswith("rank 1 did not answer")
     assert [s["rank"] for s in summary["stacks"]] == [0]
+
+
+def test_a_frozen_nodes_agent_is_not_asked_and_its_ranks_not_waited_for(tmp_path: Path) -> None:
+    """node-b's agent is frozen (a socket that takes connections and never answers, as a
+    SIGSTOPped agent's does): asking it would cost a request timeout before the stop."""
+    frozen = socket.create_server(("127.0.0.1", 0))
+    served = serve(tmp_path, {"node-a": [0]})
+    served.addresses["node-b"] = "http://{}:{}".format(*frozen.getsockname())
+    responder = EvidenceResponder(tmp_path, 0, "node-a", poll_seconds=0.02)
+    responder.start()
+    try:
+        fault = Fault(FaultKind.NODE_UNRESPONSIVE, None, "node-b", {"summary": "silent"})
+        request = ask_agents(tmp_path, fault, layout(2), served)
+        assert request is not None and request.nodes == ["node-a"]
+        evidence = collect_evidence(request, ANSWER_TIMEOUT)
+        frozen.settimeout(0)
+        with pytest.raises(BlockingIOError):
+            frozen.accept()  # nobody so much as connected to the frozen agent
+    finally:
+        responder.close()
+        frozen.close()
+    assert list(evidence.answers) == [0] and evidence.missing == [1]
+    # Rank 0 answered, rank 1 is not awaited: done long before the bound.
+    assert evidence.seconds < ANSWER_TIMEOUT
 
 
 def test_a_main_thread_stuck_in_c_is_dumped_by_faulthandler(tmp_path: Path) -> None:

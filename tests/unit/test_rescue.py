@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -164,6 +165,28 @@ def test_request_rescue_returns_the_verified_state(tmp_path: Path, agents: Serve
     responder.start()
     fault = Fault(FaultKind.NODE_UNRESPONSIVE, None, "node-b", {})
     result = ask_agents(tmp_path, _cfg(tmp_path), fault, 20, agents)
+    assert result is not None and (result.rank, result.step) == (0, 30)
+
+
+def test_a_frozen_nodes_agent_is_not_asked(tmp_path: Path) -> None:
+    """node-b's agent is frozen (a socket that takes connections and never answers, as a
+    SIGSTOPped agent's does): polling it would cost a timeout before the stop."""
+    frozen = socket.create_server(("127.0.0.1", 0))
+    served = ServedAttempt(tmp_path, {"node-a": [0, 1]})
+    served.addresses["node-b"] = "http://{}:{}".format(*frozen.getsockname())
+    _live_beats(tmp_path, [0, 1])
+    responder, _ = _responder(tmp_path, 0, TrainingState(completed=30))
+    responder.start()
+    try:
+        fault = Fault(FaultKind.NODE_UNRESPONSIVE, None, "node-b", {})
+        result = ask_agents(tmp_path, _cfg(tmp_path), fault, 20, served)
+        frozen.settimeout(0)
+        with pytest.raises(BlockingIOError):
+            frozen.accept()  # nobody so much as connected to the frozen agent
+    finally:
+        responder.close()
+        served.close()
+        frozen.close()
     assert result is not None and (result.rank, result.step) == (0, 30)
 
 

@@ -18,6 +18,7 @@ used, a warning is logged and the refusal is kept in :attr:`AgentChannel.refused
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import time
@@ -108,7 +109,9 @@ class AgentChannel:
             log.warning("Agent of %s answered %d to %s: %s", node, exc.code, path,
                         payload.get("error", ""))
             return None
-        except (OSError, ValueError) as exc:  # refused, reset, timed out: unreachable for now
+        # Refused, reset, timed out, or cut off mid-reply (an agent exiting as its ranks
+        # stop: http.client.IncompleteRead is no OSError): unreachable for now.
+        except (OSError, ValueError, http.client.HTTPException) as exc:
             log.debug("Agent of %s unreachable (%s): %s", node, path, exc)
             return None
         if not kind.startswith("application/json"):

@@ -10,6 +10,8 @@ the fake of ``tests/k8s_fake.py``, the channel is real.
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,6 +163,28 @@ def test_an_unreachable_address_is_not_an_answer() -> None:
     channel = AgentChannel("a/b/segment-000/try-1", {"node-a": "http://127.0.0.1:9"})
     assert channel.poll() == {"node-a": None}
     assert channel.last_seen("node-a") is None and channel.refused == []
+
+
+def test_an_agent_cut_off_mid_reply_is_not_an_answer() -> None:
+    """An agent exiting as its ranks stop may close the connection mid-reply; seen in
+    `relay bench goodput` as an IncompleteRead that failed the task stopping the workload."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer_half() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 123\r\n\r\n")
+
+    thread = threading.Thread(target=answer_half)
+    thread.start()
+    try:
+        channel = AgentChannel("a", {"node-a": "http://{}:{}".format(*server.getsockname())})
+        assert channel.call_quietly("node-a", "stop", 5.0) is None
+    finally:
+        thread.join()
+        server.close()
 
 
 def test_the_kubernetes_launcher_reads_pods_agents_over_the_channel(

@@ -69,8 +69,11 @@ def read(context: Mapping[str, Any], segment_dir: Path) -> dict[str, Any] | None
 
 
 def finish_interrupted(context: Mapping[str, Any], segment_dir: Path,
-                       handle: Callable[[Fault, Path, LaunchConfig], Any]) -> Path | None:
+                       handle: Callable[[Fault, Path, Path, LaunchConfig], Any]) -> Path | None:
     """Handle the fault a killed try was recording, if there is one; return its attempt folder.
+
+    ``handle`` gets the fault, where its workload ran, the killed try's own folder (they
+    differ when that try had adopted a workload) and the workload's launch record.
 
     ``handle`` is the fault path of ``execute_complete``; its retry verdict is this very
     try, so :class:`SegmentFaultError` is taken as done. A verdict to stop for good
@@ -80,11 +83,12 @@ def finish_interrupted(context: Mapping[str, Any], segment_dir: Path,
     if entry is None or entry.get("stage") != HANDLING:
         return None
     attempt_dir = Path(entry["attempt_dir"])
+    record_dir = Path(entry.get("record_dir") or attempt_dir)
     fault = Fault.from_event(entry["fault"])
     log.warning("The previous try died while stopping and recording %s (%s); finishing that "
                 "first", attempt_dir, fault.describe())
     try:
-        handle(fault, attempt_dir, LaunchConfig.read(attempt_dir / LAUNCH_FILE))
+        handle(fault, attempt_dir, record_dir, LaunchConfig.read(attempt_dir / LAUNCH_FILE))
     except SegmentFaultError:
         pass  # recorded; this try is the retry the decision asked for
     except Exception:  # noqa: BLE001 - else every later try would fail here the same way

@@ -88,8 +88,9 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         seg_dir = segment_dir(spec, dag_run.run_id, index)
         launcher = launcher_for(spec)
         # A try killed while stopping and recording a fault: finish that record first.
-        journal.finish_interrupted(context, seg_dir, lambda fault, where, cfg: self._on_fault(
-            context, fault, where, cfg, lineage, launcher))
+        journal.finish_interrupted(context, seg_dir, lambda fault, where, own, cfg: self._on_fault(
+            context, fault, where, adopt.attempt_view(own, cfg), lineage, launcher,
+            record_dir=own))
         # A task killed mid-segment leaves its workload running: stop it first, and close
         # the MLflow runs of such launches so the lineage shows them as abandoned.
         launcher.stop_all(seg_dir)

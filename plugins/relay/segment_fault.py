@@ -124,8 +124,8 @@ class FaultHandling:
         if decision.observe:
             return self._observe(context, fault, decision, attempt_dir, cfg, lineage, policy,
                                  launcher, record_dir)
-        journal.write(context, record_dir.parent, journal.HANDLING,
-                      attempt_dir=str(attempt_dir), fault=fault.to_event()["fault"])
+        journal.write(context, record_dir.parent, journal.HANDLING, attempt_dir=str(attempt_dir),
+                      record_dir=str(record_dir), fault=fault.to_event()["fault"])
         if decision.retry:
             self._prestart(spec, decision, record_dir.parent,
                            _lease_holder(spec.dag_id, context["dag_run"].run_id), launcher)

@@ -34,8 +34,9 @@ def test_a_retry_finishes_the_record_once(tmp_path: Path) -> None:
                   fault=HANG.to_event()["fault"])
     calls: list[Fault] = []
 
-    def handle(fault: Fault, where: Path, cfg: LaunchConfig) -> None:
+    def handle(fault: Fault, where: Path, own: Path, cfg: LaunchConfig) -> None:
         calls.append(fault)
+        assert own == where  # the try launched its workload itself
         journal.write({}, attempt.parent, journal.RECORDED, attempt_dir=str(where))
         raise SegmentFaultError("recorded", None)  # type: ignore[arg-type]
 
@@ -44,12 +45,30 @@ def test_a_retry_finishes_the_record_once(tmp_path: Path) -> None:
     assert [f.kind for f in calls] == [FaultKind.HANG]
 
 
+def test_a_try_that_adopted_a_workload_is_finished_in_its_own_folder(tmp_path: Path) -> None:
+    """Seen in `relay bench goodput`: segment 2's try adopted segment 1's workload and died
+    while recording a straggler; the retry wrote the decision into segment 1's folder."""
+    workload = _attempt(tmp_path)
+    own = tmp_path / "segment-001" / "try-1"
+    own.mkdir(parents=True)
+    journal.write({}, own.parent, journal.HANDLING, attempt_dir=str(workload),
+                  record_dir=str(own), fault=HANG.to_event()["fault"])
+    seen: list[tuple[Path, Path]] = []
+
+    def handle(fault: Fault, where: Path, record: Path, cfg: LaunchConfig) -> None:
+        seen.append((where, record))
+        raise SegmentFaultError("recorded", None)  # type: ignore[arg-type]
+
+    assert journal.finish_interrupted({}, own.parent, handle) == workload
+    assert seen == [(workload, own)]
+
+
 def test_a_record_that_cannot_be_finished_does_not_fail_every_later_try(tmp_path: Path) -> None:
     attempt = _attempt(tmp_path)
     journal.write({}, attempt.parent, journal.HANDLING, attempt_dir=str(attempt),
                   fault=HANG.to_event()["fault"])
 
-    def broken(fault: Fault, where: Path, cfg: LaunchConfig) -> None:
+    def broken(fault: Fault, where: Path, own: Path, cfg: LaunchConfig) -> None:
         raise TypeError("a bug in the fault path")
 
     assert journal.finish_interrupted({}, attempt.parent, broken) == attempt

@@ -4,7 +4,8 @@ One entry per segment task of a DAG run, in Airflow's task state store
 (AIP-103: ``context["task_state_store"]``, shared by every try of a task
 instance in its DAG run and kept in Airflow's metadata database):
 
-- ``launched``: ``execute`` started the attempt (its try and attempt folder);
+- ``launched``: ``execute`` started the attempt (its try, attempt folder and
+  launch record: config and launcher handle, see :mod:`relay.launch_record`);
 - ``handling``: ``execute_complete`` decided about a fault and is stopping and
   recording the attempt (the fault is in the entry);
 - ``recorded``: the decision is in ``decision.json`` and MLflow.
@@ -26,10 +27,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from relay import launch_record
 from relay.faults import Fault
+from relay.launchers import Launcher
 from relay.recovery import SegmentFaultError
 from relay_train.heartbeat import write_atomically
-from relay_train.launch import LAUNCH_FILE, LaunchConfig
+from relay_train.launch import LaunchConfig
 
 KEY = "relay_attempt"
 FILE = "journal.json"
@@ -68,8 +71,21 @@ def read(context: Mapping[str, Any], segment_dir: Path) -> dict[str, Any] | None
         return None
 
 
+def stop_launched(context: Mapping[str, Any], segment_dir: Path, launcher: Launcher,
+                  tracking_uri: str) -> list[str]:
+    """Stop the attempt an earlier try of this task launched, found by its launch record
+    (its folder may be on another machine); return what survived."""
+    entry = read(context, segment_dir) or {}
+    record = entry.get(launch_record.KEY)
+    if entry.get("stage") not in (LAUNCHED, HANDLING) or not record:
+        return []
+    cfg = launch_record.restore(record, launcher, tracking_uri)
+    return launcher.stop(cfg.root)
+
+
 def finish_interrupted(context: Mapping[str, Any], segment_dir: Path,
-                       handle: Callable[[Fault, Path, LaunchConfig], Any]) -> Path | None:
+                       handle: Callable[[Fault, Path, LaunchConfig], Any],
+                       launcher: Launcher, tracking_uri: str) -> Path | None:
     """Handle the fault a killed try was recording, if there is one; return its attempt folder.
 
     ``handle`` is the fault path of ``execute_complete``; its retry verdict is this very
@@ -84,7 +100,8 @@ def finish_interrupted(context: Mapping[str, Any], segment_dir: Path,
     log.warning("The previous try died while stopping and recording %s (%s); finishing that "
                 "first", attempt_dir, fault.describe())
     try:
-        handle(fault, attempt_dir, LaunchConfig.read(attempt_dir / LAUNCH_FILE))
+        handle(fault, attempt_dir, launch_record.find(attempt_dir, launcher, tracking_uri,
+                                                      entry.get(launch_record.KEY)))
     except SegmentFaultError:
         pass  # recorded; this try is the retry the decision asked for
     except Exception:  # noqa: BLE001 - else every later try would fail here the same way

@@ -21,7 +21,7 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from relay import adopt, journal, resume_time, testhooks, unattended
+from relay import adopt, journal, launch_record, resume_time, testhooks, unattended
 from relay.decide import Decision, decide
 from relay.drain import drain
 from relay.evidence import Evidence, ask_for_evidence, attach_evidence, collect_evidence
@@ -37,7 +37,7 @@ from relay.recovery import SegmentFaultError, fault_history, quarantine
 from relay.rescue import publish_rescue, request_rescue
 from relay.spec import JobSpec
 from relay_train.heartbeat import write_atomically
-from relay_train.launch import LAUNCH_FILE, LaunchConfig
+from relay_train.launch import LaunchConfig
 from relay_train.standby import STANDBY_TTL_SECONDS
 
 log = logging.getLogger("relay.segment")
@@ -125,7 +125,9 @@ class FaultHandling:
             return self._observe(context, fault, decision, attempt_dir, cfg, lineage, policy,
                                  launcher, record_dir)
         journal.write(context, record_dir.parent, journal.HANDLING,
-                      attempt_dir=str(attempt_dir), fault=fault.to_event()["fault"])
+                      attempt_dir=str(attempt_dir), fault=fault.to_event()["fault"],
+                      **{launch_record.KEY: launch_record.build(
+                          launch_record.config_of(attempt_dir, cfg), launcher)})
         if decision.retry:
             self._prestart(spec, decision, record_dir.parent,
                            _lease_holder(spec.dag_id, context["dag_run"].run_id), launcher)
@@ -260,7 +262,7 @@ class FaultHandling:
         record = record_observation(record_dir, fault, decision, policy, message)
         state = launcher.status(attempt_dir).state
         if state is LaunchState.RUNNING and fault.kind not in ENDS_ATTEMPT:
-            workload = LaunchConfig.read(attempt_dir / LAUNCH_FILE)
+            workload = launch_record.config_of(attempt_dir)
             self._watch(attempt_dir, workload, policy, launcher, kinds=watched_kinds(record_dir),
                         boundary=adopt.watch_boundary(cfg, workload))
         if state is LaunchState.SUCCEEDED:

@@ -229,17 +229,19 @@ def results(warden: Stopped, decision: Any, fault: Any,  # noqa: ANN401 - Decisi
 
 def _act(args: dict[str, Any]) -> Stopped:
     """Snapshot what is cheap to save, then stop the attempt (run under the lease)."""
+    from relay import launch_record, settings
     from relay.drain import drain
     from relay.evidence import ask_for_evidence, collect_evidence
     from relay.faults import Fault
     from relay.launchers import launcher_from
     from relay.rescue import request_rescue
-    from relay_train.launch import LAUNCH_FILE, LaunchConfig
 
     attempt_dir = Path(args["attempt_dir"])
     fault = Fault.from_event(args["fault"]["fault"])
-    cfg = LaunchConfig.read(attempt_dir / LAUNCH_FILE)
     launcher = launcher_from(args.get("launcher"))
+    # The watcher's event carries the launch record: no file of the launching machine needed.
+    cfg = launch_record.find(attempt_dir, launcher, settings.mlflow_tracking_uri(),
+                             args["fault"].get(launch_record.KEY))
     asked = rescued = drained = None
     try:  # whatever goes wrong saving, the stop below is the point
         asked = ask_for_evidence(attempt_dir, fault, cfg.world_size, launcher)

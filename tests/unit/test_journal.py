@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from relay import journal, unattended
+from relay import journal, launch_record, unattended
 from relay.evidence import RECEIVED_DIR
 from relay.faults import Fault, FaultKind
+from relay.launchers.local import HANDLE_FILE, LocalLauncher
 from relay.recovery import SegmentFaultError
 from relay_train.evidence import answer_path, faulthandler_path
 from relay_train.launch import LAUNCH_FILE, LaunchConfig
@@ -26,6 +27,7 @@ def _attempt(tmp_path: Path) -> Path:
 
 
 HANG = Fault(FaultKind.HANG, 1, "node-b", {"summary": "stalled"}, 1000.0)
+HERE = (LocalLauncher(), "sqlite:///unused.db")  # the launcher and tracking URI of this "worker"
 
 
 def test_a_retry_finishes_the_record_once(tmp_path: Path) -> None:
@@ -39,8 +41,8 @@ def test_a_retry_finishes_the_record_once(tmp_path: Path) -> None:
         journal.write({}, attempt.parent, journal.RECORDED, attempt_dir=str(where))
         raise SegmentFaultError("recorded", None)  # type: ignore[arg-type]
 
-    assert journal.finish_interrupted({}, attempt.parent, handle) == attempt
-    assert journal.finish_interrupted({}, attempt.parent, handle) is None
+    assert journal.finish_interrupted({}, attempt.parent, handle, *HERE) == attempt
+    assert journal.finish_interrupted({}, attempt.parent, handle, *HERE) is None
     assert [f.kind for f in calls] == [FaultKind.HANG]
 
 
@@ -52,10 +54,10 @@ def test_a_record_that_cannot_be_finished_does_not_fail_every_later_try(tmp_path
     def broken(fault: Fault, where: Path, cfg: LaunchConfig) -> None:
         raise TypeError("a bug in the fault path")
 
-    assert journal.finish_interrupted({}, attempt.parent, broken) == attempt
+    assert journal.finish_interrupted({}, attempt.parent, broken, *HERE) == attempt
     entry = journal.read({}, attempt.parent)
     assert entry is not None and entry["stage"] == journal.RECORDED and entry["error"]
-    assert journal.finish_interrupted({}, attempt.parent, broken) is None
+    assert journal.finish_interrupted({}, attempt.parent, broken, *HERE) is None
 
 
 def test_a_wardens_evidence_is_read_back_without_asking_any_agent(tmp_path: Path) -> None:
@@ -72,3 +74,35 @@ def test_a_wardens_evidence_is_read_back_without_asking_any_agent(tmp_path: Path
     assert evidence is not None and list(evidence.answers) == [0]
     assert list(evidence.fallback_stacks) == [1] and evidence.missing == []
     assert drained is None and rescued is None
+
+
+def test_a_retry_on_another_machine_finishes_the_record_from_the_journal_alone(
+        tmp_path: Path) -> None:
+    # The try that launched the attempt ran elsewhere: neither launch.json nor handle.json
+    # is on this machine. The journal entry's launch record is all the retry gets.
+    attempt = _attempt(tmp_path)
+    cfg = LaunchConfig.read(attempt / LAUNCH_FILE)
+    handle = {"nodes": {"node-a": {"pid": 1, "pgid": 1, "started": None, "port": 4242}},
+              "started_at": 123.0, "attempt_id": "seg/try-1"}
+    (attempt / HANDLE_FILE).write_text(json.dumps(handle))
+    record = launch_record.build(cfg, LocalLauncher())
+    (attempt / LAUNCH_FILE).unlink()
+    (attempt / HANDLE_FILE).unlink()
+    journal.write({}, attempt.parent, journal.HANDLING, attempt_dir=str(attempt),
+                  fault=HANG.to_event()["fault"], **{launch_record.KEY: record})
+    seen: list[LaunchConfig] = []
+    launcher = LocalLauncher()
+
+    def handle_fault(fault: Fault, where: Path, found: LaunchConfig) -> None:
+        seen.append(found)
+        raise SegmentFaultError("recorded", None)  # type: ignore[arg-type]
+
+    assert journal.finish_interrupted({}, attempt.parent, handle_fault, launcher,
+                                      "sqlite:///here.db") == attempt
+    assert record["launch"]["tracking_uri"] == ""  # a URI may carry credentials: never stored
+    assert seen[0].run_id == "r1" and seen[0].nodes == ["node-a", "node-b"]
+    assert seen[0].tracking_uri == "sqlite:///here.db"  # this worker's settings fill it in
+    assert launcher.started_at(attempt) == 123.0  # the handle travelled too
+    assert launcher.channel(attempt).addresses == {"node-a": "http://127.0.0.1:4242"}
+    assert launcher.channel(attempt).attempt_id == "seg/try-1"
+    assert not (attempt / LAUNCH_FILE).exists()

@@ -180,6 +180,14 @@ class KubernetesLauncher:
                  len(cfg.nodes), ", ".join(sorted(held)) or "none")
         return cfg.root
 
+    def handle(self, root: Path) -> dict[str, Any]:
+        """Return nothing: the Job's name comes from the attempt folder's name, and its
+        annotations (nodes, launch time) are in the API server for any worker to read."""
+        return {}
+
+    def attach(self, root: Path, handle: dict[str, Any]) -> None:
+        """Do nothing: see :meth:`handle`."""
+
     def _create_job(self, manifest: dict[str, Any]) -> dict[str, Any]:
         name = manifest["metadata"]["name"]
         deadline = time.monotonic() + DELETION_WAIT_SECONDS

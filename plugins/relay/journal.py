@@ -10,12 +10,18 @@ instance in its DAG run and kept in Airflow's metadata database):
   recording the attempt (the fault is in the entry);
 - ``recorded``: the decision is in ``decision.json`` and MLflow.
 
+Beside it, ``relay_faults`` lists the fault each earlier attempt of the task
+ended in (one item per attempt folder, however often its record is finished),
+appended when the decision is written: the history the policy's retry limits
+count, whichever machine the retry runs on (:func:`fault_history`).
+
 A retry that finds ``handling`` knows the task process died mid-record: it
 handles that fault again before anything else (the same pure decision, the
 rescue the healthy rank already wrote, the stop, the record), exactly once,
 and then launches its own attempt. When the task state store is missing from
 the context (it is there under ``airflow dags test`` too in Airflow 3.3.2),
-the entry goes to ``journal.json`` in the segment folder instead.
+the entry goes to ``journal.json`` in the segment folder instead, and the
+history is counted from the attempt folders' ``decision.json`` files.
 """
 
 from __future__ import annotations
@@ -28,13 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from relay import launch_record
-from relay.faults import Fault
+from relay.faults import Fault, FaultKind
 from relay.launchers import Launcher
 from relay.recovery import SegmentFaultError
+from relay.recovery import fault_history as folder_history
 from relay_train.heartbeat import write_atomically
 from relay_train.launch import LaunchConfig
 
 KEY = "relay_attempt"
+FAULTS_KEY = "relay_faults"
 FILE = "journal.json"
 LAUNCHED, HANDLING, RECORDED = "launched", "handling", "recorded"
 
@@ -69,6 +77,37 @@ def read(context: Mapping[str, Any], segment_dir: Path) -> dict[str, Any] | None
         return dict(json.loads((segment_dir / FILE).read_text()))
     except (OSError, ValueError):
         return None
+
+
+def note_fault(context: Mapping[str, Any], attempt_dir: Path, kind: FaultKind) -> None:
+    """Count the fault ``attempt_dir`` ended in, once (a finished record replaces its item)."""
+    store = _store(context)
+    if store is None:
+        return  # the attempt folder's decision.json is the count
+    found = store.get(FAULTS_KEY)
+    earlier = [f for f in found if isinstance(f, dict) and f.get("attempt_dir")
+               != str(attempt_dir)] if isinstance(found, list) else []
+    store.set(FAULTS_KEY, [*earlier, {"attempt_dir": str(attempt_dir), "kind": kind.value,
+                                      "at": time.time()}])
+
+
+def fault_history(context: Mapping[str, Any], segment_dir: Path,
+                  exclude: Path | None = None) -> list[FaultKind]:
+    """Return the fault kinds earlier attempts of the task ended in, oldest first (from the
+    task state store; without one, from ``segment_dir``'s attempt folders)."""
+    store = _store(context)
+    if store is None:
+        return folder_history(segment_dir, exclude=exclude)
+    found = store.get(FAULTS_KEY)
+    kinds = []
+    for item in found if isinstance(found, list) else []:
+        try:
+            if item["attempt_dir"] != str(exclude):
+                kinds.append(FaultKind(item["kind"]))
+        except (KeyError, TypeError, ValueError):
+            log.warning("Unreadable item %r in the task state store's %s; not counted",
+                        item, FAULTS_KEY)
+    return kinds
 
 
 def stop_launched(context: Mapping[str, Any], segment_dir: Path, launcher: Launcher,

@@ -36,7 +36,8 @@ def attempt_dirs(segment_dir: Path) -> list[Path]:
 def fault_history(segment_dir: Path, exclude: Path | None = None) -> list[FaultKind]:
     """Return the fault kinds earlier attempts of a segment ended in, oldest first.
 
-    The one source every decision counts from: each attempt folder's ``decision.json``
+    Where there is no task state store (:func:`relay.journal.fault_history` reads that
+    first), the source every decision counts from: each attempt folder's ``decision.json``
     (written, fsynced, before anything else records the decision). A folder set aside
     as ``try-N.stale-T`` (the same try launched again) is never counted.
     """

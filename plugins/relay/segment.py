@@ -29,7 +29,6 @@ from relay.observe import log_observations
 from relay.operators import RelayOperator, lineage_store, segment_dir
 from relay.policy import LoadedPolicy
 from relay.record import best_effort
-from relay.recovery import fault_history
 from relay.segment_fault import FaultHandling, _lease_holder
 from relay.spec import JobSpec
 from relay.triggers import SegmentWatchTrigger
@@ -68,6 +67,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         """Launch the segment (or adopt the running workload) and defer to the watcher,
         or do nothing if already past it."""
         task_started = time.time()
+        self._task_context = context  # the task state store, for the fault history
         spec = self.spec()
         with self._freeze_guard(context, spec, self.segment):
             return self._execute(context, task_started)
@@ -132,7 +132,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
             "policy_sha256": policy.sha256, "attempt_dir": str(attempt_dir),
         })
         interval.record(attempt_dir)
-        history = fault_history(seg_dir, exclude=attempt_dir)
+        history = self._history(seg_dir, exclude=attempt_dir)
         self._corrupt(lineage, run_id, corrupt, policy, history)
         resume = latest.resume_from() if latest is not None else None
         boundaries, run_on_to = adopt.lookahead(spec, index) if adopting else ([], None)
@@ -190,7 +190,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
             "adopted_workload": str(workload),
         })
         self._corrupt(lineage, run_id, corrupt, policy,
-                      fault_history(attempt_dir.parent, exclude=attempt_dir))
+                      self._history(attempt_dir.parent, exclude=attempt_dir))
         _ends, next_end = adopt.lookahead(spec, index)
         at = adopt.adopt(attempt_dir, workload, run_id=run_id, segment=index,
                          attempt=try_number, resume_step=resume_step, end=end,
@@ -209,7 +209,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         node_ranks = {n: [cfg.global_rank(n, r) for r in range(cfg.ranks_per_node)]
                       for n in cfg.nodes}
         detection = policy.policy.detection
-        history = fault_history(attempt_dir.parent, exclude=attempt_dir)
+        history = self._history(attempt_dir.parent, exclude=attempt_dir)
         # Only the trigger's own arguments survive deferral reliably (``dag.test``
         # drops defer kwargs): the launch record rides there, back to execute_complete.
         self.defer(
@@ -233,6 +233,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         However the attempt ends, its nodes' lease ends with it (not when it defers again).
         """
         watching = False
+        self._task_context = context
         self._workload_continues = False  # handed over at a boundary: its nodes stay leased
         try:
             return self._complete(context, event)

@@ -33,7 +33,7 @@ from relay.notify import escalate
 from relay.observe import ENDS_ATTEMPT, record_observation, watched_kinds
 from relay.policy import Detection, LoadedPolicy
 from relay.record import best_effort, record_fault
-from relay.recovery import SegmentFaultError, fault_history, quarantine
+from relay.recovery import SegmentFaultError, quarantine
 from relay.rescue import publish_rescue, request_rescue
 from relay.spec import JobSpec
 from relay_train.heartbeat import write_atomically
@@ -62,6 +62,11 @@ class FaultHandling:
     """What :class:`~relay.segment.TrainSegmentOperator` does with a fault (a mixin)."""
 
     segment: int
+    _task_context: Any = None  # set by execute / execute_complete
+
+    def _history(self, segment_dir: Path, exclude: Path | None = None) -> list[FaultKind]:
+        """Return the faults earlier attempts of this task ended in (see relay.journal)."""
+        return journal.fault_history(self._task_context or {}, segment_dir, exclude)
 
     def _corrupt(self, lineage: Any, run_id: str, corrupt: list[Any],  # noqa: ANN401
                  policy: LoadedPolicy, history: list[FaultKind]) -> None:
@@ -116,7 +121,7 @@ class FaultHandling:
         launcher = launcher or launcher_for(spec)
         # Decide, drain and stop before touching MLflow: a frozen rank may hold the
         # tracking store's lock (SQLite) until its process is gone.
-        history = fault_history(record_dir.parent, exclude=record_dir)
+        history = journal.fault_history(context, record_dir.parent, exclude=record_dir)
         decision = decide(fault, history, policy.policy, policy.sha256)
         if decision.quarantine_node:  # a quarantine names the machine, not the node's slot
             host = launcher.host_of(attempt_dir, decision.quarantine_node)
@@ -162,6 +167,7 @@ class FaultHandling:
                   "refused": (refused or []) + launcher.channel(attempt_dir).refused,
                   "time_to_resume": clock.to_dict(),
                   "policy_file": str(policy.path)}
+        journal.note_fault(context, record_dir, fault.kind)  # before MLflow, which may hang
         self._record(record, record_dir, cfg, lineage, fault, decision, evidence, clock)
         journal.write(context, record_dir.parent, journal.RECORDED, attempt_dir=str(attempt_dir))
         self._complete_resume_time(record_dir, lineage)  # off this recovery's critical path
@@ -273,6 +279,7 @@ class FaultHandling:
         adopt.let_go(attempt_dir)
         write_atomically(record_dir / "decision.json", json.dumps(
             {**record, "survivors": survivors}, indent=2, default=str), durable=True)
+        journal.note_fault(context, record_dir, fault.kind)  # counted, as decision.json is
         record_fault(lineage, cfg.run_id, record_dir, record, {
             "relay.fault_kind": fault.kind.value, "relay.decision": decision.action,
             "relay.rule": decision.rule, "relay.policy_sha256": decision.policy_sha256,

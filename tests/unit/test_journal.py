@@ -106,3 +106,38 @@ def test_a_retry_on_another_machine_finishes_the_record_from_the_journal_alone(
     assert launcher.channel(attempt).addresses == {"node-a": "http://127.0.0.1:4242"}
     assert launcher.channel(attempt).attempt_id == "seg/try-1"
     assert not (attempt / LAUNCH_FILE).exists()
+
+
+class Store:
+    """Airflow's task state store as a task sees it (get/set of JSON values), in memory."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, object] = {}
+
+    def get(self, key: str, default: object = None) -> object:
+        return json.loads(json.dumps(self.values[key])) if key in self.values else default
+
+    def set(self, key: str, value: object) -> None:
+        self.values[key] = json.loads(json.dumps(value))
+
+
+def test_fault_history_comes_from_the_task_state_store_counting_each_attempt_once(
+        tmp_path: Path) -> None:
+    # The retry runs on a machine that never saw the earlier attempts' folders.
+    context = {"task_state_store": Store()}
+    seg = tmp_path / "segment-000"
+    journal.note_fault(context, seg / "try-1", FaultKind.HANG)
+    journal.note_fault(context, seg / "try-2", FaultKind.CRASH)
+    journal.note_fault(context, seg / "try-2", FaultKind.CRASH)  # its record finished again
+    assert not seg.exists()
+    assert journal.fault_history(context, seg) == [FaultKind.HANG, FaultKind.CRASH]
+    assert journal.fault_history(context, seg, exclude=seg / "try-2") == [FaultKind.HANG]
+
+
+def test_without_a_task_state_store_the_folders_decisions_are_the_history(
+        tmp_path: Path) -> None:
+    seg = tmp_path / "segment-000"
+    (seg / "try-1").mkdir(parents=True)
+    (seg / "try-1" / "decision.json").write_text(json.dumps({"fault": {"kind": "nan_loss"}}))
+    journal.note_fault({}, seg / "try-1", FaultKind.NAN_LOSS)  # nothing to keep it in: no-op
+    assert journal.fault_history({}, seg) == [FaultKind.NAN_LOSS]

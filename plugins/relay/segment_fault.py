@@ -21,7 +21,15 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from relay import adopt, journal, launch_record, resume_time, testhooks, unattended
+from relay import (
+    adopt,
+    journal,
+    launch_record,
+    resume_time,
+    testhooks,
+    unattended,
+    warden_results,
+)
 from relay.decide import Decision, decide
 from relay.drain import drain
 from relay.evidence import Evidence, ask_for_evidence, attach_evidence, collect_evidence
@@ -31,6 +39,7 @@ from relay.launchers.local import STANDBY_DIR
 from relay.nodes import NodePool
 from relay.notify import escalate
 from relay.observe import ENDS_ATTEMPT, record_observation, watched_kinds
+from relay.operators import lineage_store
 from relay.policy import Detection, LoadedPolicy
 from relay.record import best_effort, record_fault
 from relay.recovery import SegmentFaultError, quarantine
@@ -206,7 +215,9 @@ class FaultHandling:
         """Ask for stacks, and drain or rescue as decided, before the stop; return
         (evidence, drained step, rescued state). A warden that already stopped the
         attempt (no one resumed the task in time) did this: take its results."""
-        warden = unattended.take_over(attempt_dir, detection.checkpoint_timeout + 30)
+        warden = unattended.take_over(  # on this machine, or held by a warden elsewhere
+            attempt_dir, detection.checkpoint_timeout + 30, launcher,
+            lambda: warden_results.fetch(lineage_store(), cfg.run_id, attempt_dir))
         if warden is not None:
             return unattended.results(warden, decision, fault, attempt_dir)
         # Where is it stuck? Ask every rank now (after the stop nobody answers); the

@@ -217,7 +217,9 @@ class FaultHandling:
         attempt (no one resumed the task in time) did this: take its results."""
         warden = unattended.take_over(  # on this machine, or held by a warden elsewhere
             attempt_dir, detection.checkpoint_timeout + 30, launcher,
-            lambda: warden_results.fetch(lineage_store(), cfg.run_id, attempt_dir))
+            lambda: warden_results.fetch(lineage_store(), cfg.run_id, attempt_dir),
+            None if detection.stop_unattended_after is None
+            else fault.detected_at + detection.stop_unattended_after)
         if warden is not None:
             return unattended.results(warden, decision, fault, attempt_dir)
         # Where is it stuck? Ask every rank now (after the stop nobody answers); the

@@ -40,6 +40,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -56,6 +57,7 @@ POLL_SECONDS = 0.5
 STOP_GRACE_SECONDS = 5.0
 CLAIM_SECONDS = 2.0  # relay.claim.CLAIM_TIMEOUT_SECONDS (this module imports no HTTP client)
 BOUND_MARGIN_SECONDS = CLAIM_SECONDS + 2 * STOP_GRACE_SECONDS
+EARLY_CLAIM_MARGIN_SECONDS = 10.0  # covers clock skew between the triggerer and a worker
 
 # What the warden does before the stop, per fault kind (the policy's rule decides it).
 RESCUE, DRAIN, STOP = "rescue", "drain", "stop"
@@ -181,12 +183,16 @@ class Stopped:
 
 
 def take_over(attempt_dir: Path, wait_seconds: float, launcher: Any = None,  # noqa: ANN401
-              fetch: Callable[[], Stopped | None] | None = None) -> Stopped | None:
+              fetch: Callable[[], Stopped | None] | None = None,
+              warden_due: float | None = None) -> Stopped | None:
     """Take the attempt for ``execute_complete``; return what a warden already did, if any.
 
     Waits (up to ``wait_seconds``) for a warden that is stopping the attempt right now: on
     this machine (its lease), or elsewhere (the agents name it, see :mod:`relay.claim`;
-    ``fetch`` then brings what it saved, see :mod:`relay.warden_results`).
+    ``fetch`` then brings what it saved, see :mod:`relay.warden_results`). ``warden_due``:
+    when a warden would claim the attempt (None: there is none). Well before then the
+    agents' claim is sent without waiting for their answers (a frozen agent's timeout stays
+    off the recovery's path): no warden can hold it yet.
     """
     with lease(attempt_dir, wait_seconds) as held:
         if not held:
@@ -196,11 +202,16 @@ def take_over(attempt_dir: Path, wait_seconds: float, launcher: Any = None,  # n
         claim = claimed_by(attempt_dir)
         if claim is None:
             _write_claim(attempt_dir, "execute_complete")
-            if launcher is None:
+            if launcher is None or warden_due is None:
                 return None
             from relay.claim import claim_attempt, claimer
 
-            outcome = claim_attempt(launcher, attempt_dir, claimer("execute_complete"))
+            by = claimer("execute_complete")
+            if time.time() < warden_due - EARLY_CLAIM_MARGIN_SECONDS:
+                threading.Thread(target=claim_attempt, args=(launcher, attempt_dir, by),
+                                 name="relay-claim", daemon=True).start()
+                return None
+            outcome = claim_attempt(launcher, attempt_dir, by)
             if outcome.won:
                 return None
             log.warning("%s is held by %s (agents: %s); waiting up to %.0fs for what it saved",

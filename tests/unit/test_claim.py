@@ -150,7 +150,8 @@ def test_execute_complete_waits_for_a_warden_elsewhere_and_uses_what_it_saved(
                 warden_results.publish(lineage, run_id, there, stopped)
             return warden_results.fetch(lineage, run_id, attempt)
 
-        got = unattended.take_over(attempt, 30, LocalLauncher(), fetch)
+        got = unattended.take_over(attempt, 30, LocalLauncher(), fetch,
+                                   warden_due=time.time() - 1)  # the warden's time came
         assert got is not None and len(looks) == 2  # not there at first: it waited
         assert group_members(proc.pid) == [proc.pid], "execute_complete must not stop it first"
     finally:
@@ -163,3 +164,30 @@ def test_execute_complete_waits_for_a_warden_elsewhere_and_uses_what_it_saved(
     assert rescued is not None and Path(rescued.path).read_bytes() == state.read_bytes()
     assert Path(rescued.path).is_relative_to(attempt)  # downloaded here, sha256 checked again
     assert evidence is not None and list(evidence.answers) == [0] and drained is None
+
+
+def test_execute_complete_before_the_wardens_time_claims_without_waiting(
+        tmp_path: Path) -> None:
+    attempt, proc = _attempt(tmp_path)
+    try:
+        assert unattended.take_over(attempt, 30, LocalLauncher(), None,
+                                    warden_due=time.time() + 60) is None
+        deadline = time.monotonic() + 10
+        while (late := claim_attempt(LocalLauncher(), attempt, "warden A")).won \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+    # The claim went out in the background; it landed before any warden could ask.
+    assert not late.won and late.holder.startswith("execute_complete"), late.describe()
+
+
+def test_without_a_warden_there_is_nothing_to_claim(tmp_path: Path) -> None:
+    attempt, proc = _attempt(tmp_path)
+    try:
+        assert unattended.take_over(attempt, 30, LocalLauncher(), None, warden_due=None) is None
+        assert claim_attempt(LocalLauncher(), attempt, "someone").won
+    finally:
+        proc.kill()
+        proc.wait()

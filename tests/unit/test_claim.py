@@ -12,10 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 from agents import close_served_agents, serve  # noqa: F401 - the fixture closes the agents
+from processes import wait_exit
 
 from relay import unattended, warden_results
 from relay.claim import claim_attempt
@@ -92,17 +94,6 @@ def _event(attempt: Path) -> dict[str, object]:
     return {**fault.to_event(), "attempt_dir": str(attempt)}
 
 
-def _wait_exit(pid: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return
-        except OSError:
-            return
-        time.sleep(0.1)
-
-
 def test_a_warden_leaves_an_attempt_execute_complete_took_on_another_machine(
         tmp_path: Path) -> None:
     attempt, proc = _attempt(tmp_path)
@@ -111,7 +102,7 @@ def test_a_warden_leaves_an_attempt_execute_complete_took_on_another_machine(
         assert pid is not None
         # execute_complete on another machine: no claimed.json here, only the agents know.
         assert claim_attempt(LocalLauncher(), attempt, "execute_complete elsewhere").won
-        _wait_exit(pid)
+        wait_exit(pid)
         assert group_members(proc.pid) == [proc.pid], "the warden touched the workload"
         assert unattended.Stopped.read(attempt) is None
         log = (attempt / "logs" / "unattended.log").read_text()
@@ -172,10 +163,10 @@ def test_execute_complete_before_the_wardens_time_claims_without_waiting(
     try:
         assert unattended.take_over(attempt, 30, LocalLauncher(), None,
                                     warden_due=time.time() + 60) is None
-        deadline = time.monotonic() + 10
-        while (late := claim_attempt(LocalLauncher(), attempt, "warden A")).won \
-                and time.monotonic() < deadline:
-            time.sleep(0.1)
+        for thread in threading.enumerate():  # the warden asks 10 s+ later, not at once
+            if thread.name == "relay-claim":
+                thread.join(timeout=30)
+        late = claim_attempt(LocalLauncher(), attempt, "warden A")
     finally:
         proc.kill()
         proc.wait()

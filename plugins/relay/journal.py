@@ -36,8 +36,7 @@ from typing import Any
 from relay import launch_record
 from relay.faults import Fault, FaultKind
 from relay.launchers import Launcher
-from relay.recovery import SegmentFaultError
-from relay.recovery import fault_history as folder_history
+from relay.recovery import SegmentFaultError, faults_by_attempt
 from relay_train.heartbeat import write_atomically
 from relay_train.launch import LaunchConfig
 
@@ -93,21 +92,27 @@ def note_fault(context: Mapping[str, Any], attempt_dir: Path, kind: FaultKind) -
 
 def fault_history(context: Mapping[str, Any], segment_dir: Path,
                   exclude: Path | None = None) -> list[FaultKind]:
-    """Return the fault kinds earlier attempts of the task ended in, oldest first (from the
-    task state store; without one, from ``segment_dir``'s attempt folders)."""
+    """Return the fault kinds earlier attempts of the task ended in, oldest first: those
+    the task state store lists, and any attempt folder here with a ``decision.json`` it
+    does not (one recorded before the store was used), each attempt once."""
+    kinds = faults_by_attempt(segment_dir, exclude)
     store = _store(context)
-    if store is None:
-        return folder_history(segment_dir, exclude=exclude)
-    found = store.get(FAULTS_KEY)
-    kinds = []
+    found = store.get(FAULTS_KEY) if store is not None else None
     for item in found if isinstance(found, list) else []:
         try:
             if item["attempt_dir"] != str(exclude):
-                kinds.append(FaultKind(item["kind"]))
+                kinds[str(item["attempt_dir"])] = FaultKind(item["kind"])
         except (KeyError, TypeError, ValueError):
             log.warning("Unreadable item %r in the task state store's %s; not counted",
                         item, FAULTS_KEY)
-    return kinds
+    return [kinds[a] for a in sorted(kinds, key=_try_number)]
+
+
+def _try_number(attempt_dir: str) -> tuple[int, str]:
+    """Sort key: an attempt folder's try number (``try-N``), then its path."""
+    name = Path(attempt_dir).name
+    number = name.removeprefix("try-")
+    return (int(number) if number.isdigit() else 0, attempt_dir)
 
 
 def stop_launched(context: Mapping[str, Any], segment_dir: Path, launcher: Launcher,

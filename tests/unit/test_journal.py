@@ -141,3 +141,15 @@ def test_without_a_task_state_store_the_folders_decisions_are_the_history(
     (seg / "try-1" / "decision.json").write_text(json.dumps({"fault": {"kind": "nan_loss"}}))
     journal.note_fault({}, seg / "try-1", FaultKind.NAN_LOSS)  # nothing to keep it in: no-op
     assert journal.fault_history({}, seg) == [FaultKind.NAN_LOSS]
+
+
+def test_the_store_and_this_machines_folders_each_count_an_attempt_once(tmp_path: Path) -> None:
+    context = {"task_state_store": Store()}
+    seg = tmp_path / "segment-000"
+    for n, kind in ((1, "crash"), (2, "hang")):  # try 1 recorded before the store was used
+        (seg / f"try-{n}").mkdir(parents=True)
+        (seg / f"try-{n}" / "decision.json").write_text(json.dumps({"fault": {"kind": kind}}))
+    journal.note_fault(context, seg / "try-2", FaultKind.HANG)
+    journal.note_fault(context, seg / "try-3", FaultKind.NAN_LOSS)  # on another machine
+    assert journal.fault_history(context, seg) == [
+        FaultKind.CRASH, FaultKind.HANG, FaultKind.NAN_LOSS]

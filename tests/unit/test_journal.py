@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 from relay import journal, launch_record, unattended
 from relay.evidence import RECEIVED_DIR
 from relay.faults import Fault, FaultKind
-from relay.launchers.local import HANDLE_FILE, LocalLauncher
+from relay.launchers.local import HANDLE_FILE, LocalLauncher, agent_handle
 from relay.recovery import SegmentFaultError
 from relay_train.evidence import answer_path, faulthandler_path
 from relay_train.launch import LAUNCH_FILE, LaunchConfig
@@ -153,3 +154,22 @@ def test_the_store_and_this_machines_folders_each_count_an_attempt_once(tmp_path
     journal.note_fault(context, seg / "try-3", FaultKind.NAN_LOSS)  # on another machine
     assert journal.fault_history(context, seg) == [
         FaultKind.CRASH, FaultKind.HANG, FaultKind.NAN_LOSS]
+
+
+def test_a_retry_elsewhere_stops_what_a_killed_try_launched(tmp_path: Path) -> None:
+    # The killed try's machine kept handle.json; this one has only the journal's record.
+    attempt = _attempt(tmp_path)
+    cfg = LaunchConfig.read(attempt / LAUNCH_FILE)
+    proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        (attempt / HANDLE_FILE).write_text(json.dumps(
+            {"nodes": {"node-a": agent_handle(proc.pid)}, "started_at": 1.0}))
+        record = launch_record.build(cfg, LocalLauncher())
+        (attempt / HANDLE_FILE).unlink()
+        journal.write({}, attempt.parent, journal.LAUNCHED, attempt_dir=str(attempt),
+                      **{launch_record.KEY: record})
+        assert journal.stop_launched({}, attempt.parent, LocalLauncher(), "sqlite:///x.db") == []
+        assert proc.wait(timeout=30) is not None
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -163,7 +163,7 @@ class KubernetesLauncher:
 
         key = AttemptKey.from_dir(cfg.root)
         cfg.root.mkdir(parents=True, exist_ok=True)
-        cfg.write(cfg.root / LAUNCH_FILE)  # the Relay side's copy, for execute_complete
+        cfg.write(cfg.root / LAUNCH_FILE)  # for this worker's reports; the record travels
         pod_cfg = replace(cfg, attempt_dir=POD_ATTEMPT_DIR, master_addr=master_addr(key),
                           master_port=RENDEZVOUS_PORT, attempt_id=attempt_id_of(cfg.root))
         held = NodePool().quarantines()

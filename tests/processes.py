@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 
@@ -18,3 +19,15 @@ def workload_processes(home: Path) -> dict[int, str]:
         if ("relay_train." in cmd or "relay.unattended" in cmd) and str(home) in cmd:
             found[int(entry.name)] = cmd
     return found
+
+
+def wait_exit(pid: int, timeout: float = 60) -> None:
+    """Wait until ``pid`` has exited (or is a zombie), at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except OSError:
+            return
+        time.sleep(0.1)

@@ -12,7 +12,11 @@ its launcher gave it (127.0.0.1 locally, the pod's address on Kubernetes):
   ``/v1/stacks`` (``id``), ``/v1/stacks/signal`` (``id``): requests, which the agent
   hands to its ranks on node-local disk (the files :mod:`relay_train.rescue` and
   :mod:`relay_train.evidence` watch);
-- ``GET /v1/rescue``, ``/v1/rescue/file``, ``/v1/stacks``: the ranks' answers.
+- ``GET /v1/rescue``, ``/v1/rescue/file``, ``/v1/stacks``: the ranks' answers;
+- ``POST /v1/claim`` (``by``): who acts on this attempt's fault (Relay's
+  ``execute_complete`` or its warden, maybe on different machines). The agent
+  grants the first claimer and names it to every later one (``granted``,
+  ``holder``); see :mod:`relay.claim` for how Relay counts the answers.
 
 Fencing: every request names its attempt (``attempt`` in the query or the body)
 and every reply carries the agent's own; a request for another attempt gets
@@ -89,7 +93,7 @@ class AgentServer:
 
     def __init__(self, agent: Served, host: str, port: int) -> None:
         self.agent = agent
-        handler = type("Handler", (_Handler,), {"agent": agent})
+        handler = type("Handler", (_Handler,), {"agent": agent, "claim": _Claim()})
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="channel",
@@ -116,8 +120,25 @@ class AgentServer:
         self.httpd.server_close()
 
 
+class _Claim:
+    """The first claimer of this agent's attempt (one per server; fenced by attempt)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holder: str | None = None
+        self.at: float | None = None
+
+    def take(self, by: str) -> dict[str, Any]:
+        with self.lock:
+            if self.holder is None:
+                self.holder, self.at = by, node_clock()
+                log.info("channel: attempt claimed by %s", by)
+            return {"granted": self.holder == by, "holder": self.holder}
+
+
 class _Handler(BaseHTTPRequestHandler):
     agent: Served
+    claim: _Claim
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002, ANN401
@@ -170,7 +191,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         route = {f"{API}/stop": self._stop, f"{API}/drain": self._drain,
                  f"{API}/rescue": self._rescue, f"{API}/stacks": self._ask_stacks,
-                 f"{API}/stacks/signal": self._signal_stacks}
+                 f"{API}/stacks/signal": self._signal_stacks, f"{API}/claim": self._claim}
         handler = route.get(url.path)
         if handler is None:
             self._reply(404, {"error": f"no such path {url.path}"})
@@ -202,6 +223,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _stop(self, body: dict[str, Any]) -> dict[str, Any]:
         self.agent.request_stop(str(body.get("reason") or "Relay asked over the channel"))
         return {"stopping": True}
+
+    def _claim(self, body: dict[str, Any]) -> dict[str, Any]:
+        by = body["by"]
+        if not isinstance(by, str) or not by:
+            raise ValueError("claim: expected a non-empty string 'by'")
+        return self.claim.take(by)
 
     def _drain(self, body: dict[str, Any]) -> dict[str, Any]:
         stop_at = int(body["stop_at"])

@@ -142,7 +142,12 @@ class LaunchConfig:
     @classmethod
     def read(cls, path: Path) -> LaunchConfig:
         """Read a launch file written by :meth:`write`."""
-        raw = json.loads(path.read_text())
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> LaunchConfig:
+        """Rebuild a launch config from ``dataclasses.asdict`` of one."""
+        raw = dict(fields)
         resume = raw.pop("resume", None)
         entry = raw.pop("entrypoint", None)
         return cls(**raw, resume=ResumeFrom(**resume) if resume else None,

@@ -8,6 +8,7 @@ from relay.notify import redact
 from relay.policy import Detection, LoadedPolicy
 from relay.rules import JOB_WIDE, Action, Escalation, Mode, Rule
 from relay.spec import JobSpec
+from relay.unattended import BOUND_MARGIN_SECONDS
 
 _UNITS = ((86400, "day"), (3600, "hour"), (60, "minute"), (1, "second"))
 
@@ -119,7 +120,7 @@ def _unattended_sentence(d: Detection) -> str:
     if d.stop_unattended_after is None:
         return ("When Airflow cannot act on a detected fault (its scheduler is down), the faulty "
                 "workload keeps its nodes until it can (stop_unattended_after is off).")
-    bound = d.stop_unattended_after + d.checkpoint_timeout + 10
+    bound = d.stop_unattended_after + d.checkpoint_timeout + BOUND_MARGIN_SECONDS
     return (
         "When Airflow cannot act on a detected fault (its scheduler is down), Relay still stops "
         f"the faulty workload {humanize(d.stop_unattended_after)} after detecting it, once a "

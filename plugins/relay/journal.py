@@ -4,17 +4,24 @@ One entry per segment task of a DAG run, in Airflow's task state store
 (AIP-103: ``context["task_state_store"]``, shared by every try of a task
 instance in its DAG run and kept in Airflow's metadata database):
 
-- ``launched``: ``execute`` started the attempt (its try and attempt folder);
+- ``launched``: ``execute`` started the attempt (its try, attempt folder and
+  launch record: config and launcher handle, see :mod:`relay.launch_record`);
 - ``handling``: ``execute_complete`` decided about a fault and is stopping and
   recording the attempt (the fault is in the entry);
 - ``recorded``: the decision is in ``decision.json`` and MLflow.
+
+Beside it, ``relay_faults`` lists the fault each earlier attempt of the task
+ended in (one item per attempt folder, however often its record is finished),
+appended when the decision is written: the history the policy's retry limits
+count, whichever machine the retry runs on (:func:`fault_history`).
 
 A retry that finds ``handling`` knows the task process died mid-record: it
 handles that fault again before anything else (the same pure decision, the
 rescue the healthy rank already wrote, the stop, the record), exactly once,
 and then launches its own attempt. When the task state store is missing from
 the context (it is there under ``airflow dags test`` too in Airflow 3.3.2),
-the entry goes to ``journal.json`` in the segment folder instead.
+the entry goes to ``journal.json`` in the segment folder instead, and the
+history is counted from the attempt folders' ``decision.json`` files.
 """
 
 from __future__ import annotations
@@ -26,12 +33,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from relay.faults import Fault
-from relay.recovery import SegmentFaultError
+from relay import launch_record
+from relay.faults import Fault, FaultKind
+from relay.launchers import Launcher
+from relay.recovery import SegmentFaultError, faults_by_attempt
 from relay_train.heartbeat import write_atomically
-from relay_train.launch import LAUNCH_FILE, LaunchConfig
+from relay_train.launch import LaunchConfig
 
 KEY = "relay_attempt"
+FAULTS_KEY = "relay_faults"
 FILE = "journal.json"
 LAUNCHED, HANDLING, RECORDED = "launched", "handling", "recorded"
 
@@ -68,8 +78,58 @@ def read(context: Mapping[str, Any], segment_dir: Path) -> dict[str, Any] | None
         return None
 
 
+def note_fault(context: Mapping[str, Any], attempt_dir: Path, kind: FaultKind) -> None:
+    """Count the fault ``attempt_dir`` ended in, once (a finished record replaces its item)."""
+    store = _store(context)
+    if store is None:
+        return  # the attempt folder's decision.json is the count
+    found = store.get(FAULTS_KEY)
+    earlier = [f for f in found if isinstance(f, dict) and f.get("attempt_dir")
+               != str(attempt_dir)] if isinstance(found, list) else []
+    store.set(FAULTS_KEY, [*earlier, {"attempt_dir": str(attempt_dir), "kind": kind.value,
+                                      "at": time.time()}])
+
+
+def fault_history(context: Mapping[str, Any], segment_dir: Path,
+                  exclude: Path | None = None) -> list[FaultKind]:
+    """Return the fault kinds earlier attempts of the task ended in, oldest first: those
+    the task state store lists, and any attempt folder here with a ``decision.json`` it
+    does not (one recorded before the store was used), each attempt once."""
+    kinds = faults_by_attempt(segment_dir, exclude)
+    store = _store(context)
+    found = store.get(FAULTS_KEY) if store is not None else None
+    for item in found if isinstance(found, list) else []:
+        try:
+            if item["attempt_dir"] != str(exclude):
+                kinds[str(item["attempt_dir"])] = FaultKind(item["kind"])
+        except (KeyError, TypeError, ValueError):
+            log.warning("Unreadable item %r in the task state store's %s; not counted",
+                        item, FAULTS_KEY)
+    return [kinds[a] for a in sorted(kinds, key=_try_number)]
+
+
+def _try_number(attempt_dir: str) -> tuple[int, str]:
+    """Sort key: an attempt folder's try number (``try-N``), then its path."""
+    name = Path(attempt_dir).name
+    number = name.removeprefix("try-")
+    return (int(number) if number.isdigit() else 0, attempt_dir)
+
+
+def stop_launched(context: Mapping[str, Any], segment_dir: Path, launcher: Launcher,
+                  tracking_uri: str) -> list[str]:
+    """Stop the attempt an earlier try of this task launched, found by its launch record
+    (its folder may be on another machine); return what survived."""
+    entry = read(context, segment_dir) or {}
+    record = entry.get(launch_record.KEY)
+    if entry.get("stage") not in (LAUNCHED, HANDLING) or not record:
+        return []
+    cfg = launch_record.restore(record, launcher, tracking_uri)
+    return launcher.stop(cfg.root)
+
+
 def finish_interrupted(context: Mapping[str, Any], segment_dir: Path,
-                       handle: Callable[[Fault, Path, Path, LaunchConfig], Any]) -> Path | None:
+                       handle: Callable[[Fault, Path, Path, LaunchConfig], Any],
+                       launcher: Launcher, tracking_uri: str) -> Path | None:
     """Handle the fault a killed try was recording, if there is one; return its attempt folder.
 
     ``handle`` gets the fault, where its workload ran, the killed try's own folder (they
@@ -88,7 +148,8 @@ def finish_interrupted(context: Mapping[str, Any], segment_dir: Path,
     log.warning("The previous try died while stopping and recording %s (%s); finishing that "
                 "first", attempt_dir, fault.describe())
     try:
-        handle(fault, attempt_dir, record_dir, LaunchConfig.read(attempt_dir / LAUNCH_FILE))
+        handle(fault, attempt_dir, record_dir, launch_record.find(
+            attempt_dir, launcher, tracking_uri, entry.get(launch_record.KEY)))
     except SegmentFaultError:
         pass  # recorded; this try is the retry the decision asked for
     except Exception:  # noqa: BLE001 - else every later try would fail here the same way

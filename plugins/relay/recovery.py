@@ -36,17 +36,24 @@ def attempt_dirs(segment_dir: Path) -> list[Path]:
 def fault_history(segment_dir: Path, exclude: Path | None = None) -> list[FaultKind]:
     """Return the fault kinds earlier attempts of a segment ended in, oldest first.
 
-    The one source every decision counts from: each attempt folder's ``decision.json``
-    (written, fsynced, before anything else records the decision). A folder set aside
+    What this machine's folders say: each attempt folder's ``decision.json`` (written,
+    fsynced, before anything else records the decision). Decisions count from
+    :func:`relay.journal.fault_history`, which adds what the task state store lists
+    (attempts recorded on other machines). A folder set aside
     as ``try-N.stale-T`` (the same try launched again) is never counted.
     """
-    kinds = []
+    return list(faults_by_attempt(segment_dir, exclude).values())
+
+
+def faults_by_attempt(segment_dir: Path, exclude: Path | None = None) -> dict[str, FaultKind]:
+    """Return, per attempt folder (oldest first), the fault kind its ``decision.json`` names."""
+    kinds = {}
     for folder in attempt_dirs(segment_dir):
         record = folder / "decision.json"
         if folder == exclude or not record.exists():
             continue
         try:
-            kinds.append(FaultKind(json.loads(record.read_text())["fault"]["kind"]))
+            kinds[str(folder)] = FaultKind(json.loads(record.read_text())["fault"]["kind"])
         except (OSError, ValueError, KeyError, TypeError):
             log.warning("Unreadable earlier decision %s; not counted", record)
     return kinds

@@ -2,8 +2,10 @@
 previous segment handed over), defer to the watcher, and finish or hand over.
 
 Nothing survives deferral, so ``execute_complete`` finds the workload again
-from the event and the attempt folder. A fault goes to the policy through
-:class:`relay.segment_fault.FaultHandling`.
+from the event: the launch record (config and launcher handle) travels in the
+watcher's arguments and comes back in its event, or from the task state store
+(:mod:`relay.launch_record`), never only from the folder ``execute`` wrote.
+A fault goes to the policy through :class:`relay.segment_fault.FaultHandling`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
 
-from relay import adopt, journal, resume_time, unattended
+from relay import adopt, journal, launch_record, resume_time, testhooks, unattended
 from relay.chaosconf import ChaosConfError, chaos_faults
 from relay.faults import Fault
 from relay.interval import interval_for
@@ -27,7 +29,6 @@ from relay.observe import log_observations
 from relay.operators import RelayOperator, lineage_store, segment_dir
 from relay.policy import LoadedPolicy
 from relay.record import best_effort
-from relay.recovery import fault_history
 from relay.segment_fault import FaultHandling, _lease_holder
 from relay.spec import JobSpec
 from relay.triggers import SegmentWatchTrigger
@@ -66,6 +67,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         """Launch the segment (or adopt the running workload) and defer to the watcher,
         or do nothing if already past it."""
         task_started = time.time()
+        self._task_context = context  # the task state store, for the fault history
         spec = self.spec()
         with self._freeze_guard(context, spec, self.segment):
             return self._execute(context, task_started)
@@ -90,9 +92,10 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         # A try killed while stopping and recording a fault: finish that record first.
         journal.finish_interrupted(context, seg_dir, lambda fault, where, own, cfg: self._on_fault(
             context, fault, where, adopt.attempt_view(own, cfg), lineage, launcher,
-            record_dir=own))
+            record_dir=own), launcher, lineage.tracking_uri)
         # A task killed mid-segment leaves its workload running: stop it first, and close
         # the MLflow runs of such launches so the lineage shows them as abandoned.
+        journal.stop_launched(context, seg_dir, launcher, lineage.tracking_uri)
         launcher.stop_all(seg_dir)
         adopt.stop_adopted(seg_dir, launcher)
         lineage.abandon_running(parent, index)
@@ -130,7 +133,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
             "policy_sha256": policy.sha256, "attempt_dir": str(attempt_dir),
         })
         interval.record(attempt_dir)
-        history = fault_history(seg_dir, exclude=attempt_dir)
+        history = self._history(seg_dir, exclude=attempt_dir)
         self._corrupt(lineage, run_id, corrupt, policy, history)
         resume = latest.resume_from() if latest is not None else None
         boundaries, run_on_to = adopt.lookahead(spec, index) if adopting else ([], None)
@@ -149,7 +152,8 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         launch_called = time.time()
         launcher.launch(cfg, standby_dir=seg_dir / STANDBY_DIR)
         journal.write(context, seg_dir, journal.LAUNCHED, attempt_dir=str(attempt_dir),
-                      run_id=run_id, nodes=nodes)
+                      run_id=run_id, nodes=nodes,
+                      **{launch_record.KEY: launch_record.build(cfg, launcher)})
         resume_time.note_launch(attempt_dir, task_started, launch_called)
         log.info("Segment %d try %d: steps [%d, %d) on %s; MLflow child run %s; attempt folder %s",
                  index, try_number, resume_step, end, ", ".join(nodes), run_id, attempt_dir)
@@ -187,7 +191,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
             "adopted_workload": str(workload),
         })
         self._corrupt(lineage, run_id, corrupt, policy,
-                      fault_history(attempt_dir.parent, exclude=attempt_dir))
+                      self._history(attempt_dir.parent, exclude=attempt_dir))
         _ends, next_end = adopt.lookahead(spec, index)
         at = adopt.adopt(attempt_dir, workload, run_id=run_id, segment=index,
                          attempt=try_number, resume_step=resume_step, end=end,
@@ -206,9 +210,9 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         node_ranks = {n: [cfg.global_rank(n, r) for r in range(cfg.ranks_per_node)]
                       for n in cfg.nodes}
         detection = policy.policy.detection
-        history = fault_history(attempt_dir.parent, exclude=attempt_dir)
+        history = self._history(attempt_dir.parent, exclude=attempt_dir)
         # Only the trigger's own arguments survive deferral reliably (``dag.test``
-        # drops defer kwargs); execute_complete re-reads the rest from the attempt folder.
+        # drops defer kwargs): the launch record rides there, back to execute_complete.
         self.defer(
             trigger=SegmentWatchTrigger(
                 attempt_dir=str(attempt_dir), node_ranks=node_ranks,
@@ -217,6 +221,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
                 poll_interval_seconds=detection.poll_interval, kinds=kinds,
                 launcher=launcher.config(), boundary_step=boundary,
                 unattended=unattended.plan(policy.policy, history, policy.sha256),
+                launch_record=launch_record.build(cfg, launcher),
             ),
             method_name="execute_complete",
         )
@@ -229,6 +234,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         However the attempt ends, its nodes' lease ends with it (not when it defers again).
         """
         watching = False
+        self._task_context = context
         self._workload_continues = False  # handed over at a boundary: its nodes stay leased
         try:
             return self._complete(context, event)
@@ -243,15 +249,19 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
     def _complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401
         woke = time.time()  # the deferred task runs again (time to resume: wake)
         attempt_dir = Path(event["attempt_dir"])  # where the workload runs
+        testhooks.pause("complete", attempt_dir=str(attempt_dir))
         spec = self.spec()
         # This try's own folder: the attempt folder, or where it recorded an adoption.
         record_dir = segment_dir(spec, context["dag_run"].run_id, self.segment) / (
             f"try-{int(context['ti'].try_number)}")
         if adopt.read_adopted(record_dir) is None:
             record_dir = attempt_dir
-        cfg = adopt.attempt_view(record_dir, LaunchConfig.read(attempt_dir / LAUNCH_FILE))
         lineage = lineage_store()
         launcher = launcher_for(spec)
+        entry = journal.read(context, record_dir.parent) or {}
+        cfg = adopt.attempt_view(record_dir, launch_record.find(
+            attempt_dir, launcher, lineage.tracking_uri, event.get(launch_record.KEY),
+            entry.get(launch_record.KEY)))
         status = event.get("status")
         if event.get("refused"):  # messages from agents of another attempt (fencing)
             log.warning("Refused %d message source(s) of other attempts while watching: %s",

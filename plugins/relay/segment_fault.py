@@ -21,7 +21,15 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from relay import adopt, journal, resume_time, testhooks, unattended
+from relay import (
+    adopt,
+    journal,
+    launch_record,
+    resume_time,
+    testhooks,
+    unattended,
+    warden_results,
+)
 from relay.decide import Decision, decide
 from relay.drain import drain
 from relay.evidence import Evidence, ask_for_evidence, attach_evidence, collect_evidence
@@ -31,13 +39,14 @@ from relay.launchers.local import STANDBY_DIR
 from relay.nodes import NodePool
 from relay.notify import escalate
 from relay.observe import ENDS_ATTEMPT, record_observation, watched_kinds
+from relay.operators import lineage_store
 from relay.policy import Detection, LoadedPolicy
 from relay.record import best_effort, record_fault
-from relay.recovery import SegmentFaultError, fault_history, quarantine
+from relay.recovery import SegmentFaultError, quarantine
 from relay.rescue import publish_rescue, request_rescue
 from relay.spec import JobSpec
 from relay_train.heartbeat import write_atomically
-from relay_train.launch import LAUNCH_FILE, LaunchConfig
+from relay_train.launch import LaunchConfig
 from relay_train.standby import STANDBY_TTL_SECONDS
 
 log = logging.getLogger("relay.segment")
@@ -62,6 +71,11 @@ class FaultHandling:
     """What :class:`~relay.segment.TrainSegmentOperator` does with a fault (a mixin)."""
 
     segment: int
+    _task_context: Any = None  # set by execute / execute_complete
+
+    def _history(self, segment_dir: Path, exclude: Path | None = None) -> list[FaultKind]:
+        """Return the faults earlier attempts of this task ended in (see relay.journal)."""
+        return journal.fault_history(self._task_context or {}, segment_dir, exclude)
 
     def _corrupt(self, lineage: Any, run_id: str, corrupt: list[Any],  # noqa: ANN401
                  policy: LoadedPolicy, history: list[FaultKind]) -> None:
@@ -116,7 +130,7 @@ class FaultHandling:
         launcher = launcher or launcher_for(spec)
         # Decide, drain and stop before touching MLflow: a frozen rank may hold the
         # tracking store's lock (SQLite) until its process is gone.
-        history = fault_history(record_dir.parent, exclude=record_dir)
+        history = journal.fault_history(context, record_dir.parent, exclude=record_dir)
         decision = decide(fault, history, policy.policy, policy.sha256)
         if decision.quarantine_node:  # a quarantine names the machine, not the node's slot
             host = launcher.host_of(attempt_dir, decision.quarantine_node)
@@ -124,8 +138,11 @@ class FaultHandling:
         if decision.observe:
             return self._observe(context, fault, decision, attempt_dir, cfg, lineage, policy,
                                  launcher, record_dir)
-        journal.write(context, record_dir.parent, journal.HANDLING, attempt_dir=str(attempt_dir),
-                      record_dir=str(record_dir), fault=fault.to_event()["fault"])
+        journal.write(context, record_dir.parent, journal.HANDLING,
+                      attempt_dir=str(attempt_dir), record_dir=str(record_dir),
+                      fault=fault.to_event()["fault"],
+                      **{launch_record.KEY: launch_record.build(
+                          launch_record.config_of(attempt_dir, cfg), launcher)})
         if decision.retry:
             self._prestart(spec, decision, record_dir.parent,
                            _lease_holder(spec.dag_id, context["dag_run"].run_id), launcher)
@@ -160,6 +177,7 @@ class FaultHandling:
                   "refused": (refused or []) + launcher.channel(attempt_dir).refused,
                   "time_to_resume": clock.to_dict(),
                   "policy_file": str(policy.path)}
+        journal.note_fault(context, record_dir, fault.kind)  # before MLflow, which may hang
         self._record(record, record_dir, cfg, lineage, fault, decision, evidence, clock)
         journal.write(context, record_dir.parent, journal.RECORDED, attempt_dir=str(attempt_dir))
         self._complete_resume_time(record_dir, lineage)  # off this recovery's critical path
@@ -198,7 +216,11 @@ class FaultHandling:
         """Ask for stacks, and drain or rescue as decided, before the stop; return
         (evidence, drained step, rescued state). A warden that already stopped the
         attempt (no one resumed the task in time) did this: take its results."""
-        warden = unattended.take_over(attempt_dir, detection.checkpoint_timeout + 30)
+        warden = unattended.take_over(  # on this machine, or held by a warden elsewhere
+            attempt_dir, detection.checkpoint_timeout + 30, launcher,
+            lambda: warden_results.fetch(lineage_store(), cfg.run_id, attempt_dir),
+            None if detection.stop_unattended_after is None
+            else fault.detected_at + detection.stop_unattended_after)
         if warden is not None:
             return unattended.results(warden, decision, fault, attempt_dir)
         # Where is it stuck? Ask every rank now (after the stop nobody answers); the
@@ -260,7 +282,7 @@ class FaultHandling:
         record = record_observation(record_dir, fault, decision, policy, message)
         state = launcher.status(attempt_dir).state
         if state is LaunchState.RUNNING and fault.kind not in ENDS_ATTEMPT:
-            workload = LaunchConfig.read(attempt_dir / LAUNCH_FILE)
+            workload = launch_record.config_of(attempt_dir)
             self._watch(attempt_dir, workload, policy, launcher, kinds=watched_kinds(record_dir),
                         boundary=adopt.watch_boundary(cfg, workload))
         if state is LaunchState.SUCCEEDED:
@@ -271,6 +293,7 @@ class FaultHandling:
         adopt.let_go(attempt_dir)
         write_atomically(record_dir / "decision.json", json.dumps(
             {**record, "survivors": survivors}, indent=2, default=str), durable=True)
+        journal.note_fault(context, record_dir, fault.kind)  # counted, as decision.json is
         record_fault(lineage, cfg.run_id, record_dir, record, {
             "relay.fault_kind": fault.kind.value, "relay.decision": decision.action,
             "relay.rule": decision.rule, "relay.policy_sha256": decision.policy_sha256,

@@ -77,8 +77,12 @@ class SegmentWatchTrigger(BaseTrigger):
         launcher: dict[str, Any] | None = None,
         unattended: dict[str, str] | None = None,
         boundary_step: int | None = None,
+        launch_record: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        # The attempt's launch config and handle (relay.launch_record): the watcher finds the
+        # attempt through it, and hands it back in its event (another machine may resume).
+        self.launch_record = launch_record
         self.boundary_step = boundary_step  # completed once every rank is past it (relay.adopt)
         self.attempt_dir = attempt_dir
         self.node_ranks = node_ranks
@@ -104,6 +108,7 @@ class SegmentWatchTrigger(BaseTrigger):
                 "launcher": self.launcher,
                 "unattended": self.unattended,
                 "boundary_step": self.boundary_step,
+                "launch_record": self.launch_record,
             },
         )
 
@@ -116,10 +121,13 @@ class SegmentWatchTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Poll until there is one thing to report, then report it."""
         root = Path(self.attempt_dir)
+        carried = {"launch_record": self.launch_record} if self.launch_record else {}
         try:
             enabled = None if self.kinds is None else frozenset(FaultKind(k) for k in self.kinds)
             detector = Detector(Detection.model_validate(self.detection), enabled)
             launcher = launcher_from(self.launcher)  # one per run: it remembers lease renewals
+            if self.launch_record:
+                launcher.attach(root, dict(self.launch_record.get("handle") or {}))
             while True:
                 obs = await asyncio.to_thread(
                     observe_attempt, root, self.node_ranks, self.heartbeat_interval_seconds,
@@ -131,17 +139,21 @@ class SegmentWatchTrigger(BaseTrigger):
                 if obs.launch is not None and obs.launch.state is LaunchState.SUCCEEDED:
                     late = detector.at_completion(obs)
                     yield TriggerEvent(
-                        {**late.to_event(), "attempt_dir": self.attempt_dir, **refused} if late
-                        else {"status": "completed", "attempt_dir": self.attempt_dir, **refused}
+                        {**late.to_event(), "attempt_dir": self.attempt_dir, **refused,
+                         **carried} if late
+                        else {"status": "completed", "attempt_dir": self.attempt_dir, **refused,
+                              **carried}
                     )
                     return
                 if self.passed_boundary(obs):  # this segment's steps are done; later ones
                     yield TriggerEvent({"status": "completed", "attempt_dir": self.attempt_dir,
-                                        "boundary_step": self.boundary_step, "at": obs.now})
+                                        "boundary_step": self.boundary_step, "at": obs.now,
+                                        **carried})
                     return  # are the next segment's to watch
                 fault = detector.check(obs)
                 if fault is not None:
-                    event = {**fault.to_event(), "attempt_dir": self.attempt_dir, **refused}
+                    event = {**fault.to_event(), "attempt_dir": self.attempt_dir, **refused,
+                             **carried}
                     step = (self.unattended or {}).get(fault.kind.value)
                     if step is not None:  # should no one resume the task (scheduler down)
                         await asyncio.to_thread(start_warden, root, event, step,
@@ -150,7 +162,7 @@ class SegmentWatchTrigger(BaseTrigger):
                     return
                 await asyncio.sleep(self.poll_interval_seconds)
         except Exception as exc:  # an error event, never a dead trigger
-            yield _error_event(self.attempt_dir, exc)
+            yield TriggerEvent({**_error_event(self.attempt_dir, exc).payload, **carried})
 
 
 # What a sensor can see without a launcher: no exit codes, no agents.

@@ -12,16 +12,23 @@ has a healthy rank hand over its in-memory state (or has the ranks drain to a
 checkpoint, when the rule is ``checkpoint_and_migrate``), stops every process
 of the attempt, and writes what it did to ``unattended/stopped.json``. The
 decision, the quarantine, publishing the rescued state and the MLflow record
-stay with ``execute_complete``, which reads that file when it runs. The bound:
-the workload is stopped at most ``stop_unattended_after`` + ``checkpoint_timeout``
-(rescue or drain) + 2 x the stop grace (5 s each) after the fault was detected.
+stay with ``execute_complete``, which reads that file when it runs (after the
+stop the warden also logs it, the evidence and the rescued state to the
+attempt's MLflow run, for an ``execute_complete`` on another machine: see
+:mod:`relay.warden_results`). The bound: the workload is stopped at most
+``stop_unattended_after`` + ``checkpoint_timeout`` (rescue or drain) +
+:data:`BOUND_MARGIN_SECONDS` (the agents' claim, 2 s, and 2 x the stop grace,
+5 s each) after the fault was detected.
 
 Exactly one of them acts on an attempt, however many watchers fired (Airflow
-may run a trigger twice): each takes the attempt's lease, an exclusive
-``flock`` on ``unattended/lease.lock`` (freed by the kernel if its holder
-dies), and acts only if ``claimed.json`` is not there yet, writing it first.
-The warden holds the lock while it works, so ``execute_complete`` waits for a
-warden mid-stop and then uses its results.
+may run a trigger twice), on one machine or several. On one machine each takes
+the attempt's lease, an exclusive ``flock`` on ``unattended/lease.lock`` (freed
+by the kernel if its holder dies), and acts only if ``claimed.json`` is not
+there yet, writing it first; the warden holds the lock while it works, so
+``execute_complete`` waits for a warden mid-stop and then uses its results.
+Across machines the attempt's node agents decide (:mod:`relay.claim`): the
+warden acts only if they grant it the claim, and ``execute_complete`` that
+finds it held by a warden elsewhere waits for that warden's results.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,6 +55,9 @@ STOPPED_FILE = "stopped.json"
 LOCK_FILE = "lease.lock"
 POLL_SECONDS = 0.5
 STOP_GRACE_SECONDS = 5.0
+CLAIM_SECONDS = 2.0  # relay.claim.CLAIM_TIMEOUT_SECONDS (this module imports no HTTP client)
+BOUND_MARGIN_SECONDS = CLAIM_SECONDS + 2 * STOP_GRACE_SECONDS
+EARLY_CLAIM_MARGIN_SECONDS = 10.0  # covers clock skew between the triggerer and a worker
 
 # What the warden does before the stop, per fault kind (the policy's rule decides it).
 RESCUE, DRAIN, STOP = "rescue", "drain", "stop"
@@ -171,10 +182,17 @@ class Stopped:
             return None
 
 
-def take_over(attempt_dir: Path, wait_seconds: float) -> Stopped | None:
+def take_over(attempt_dir: Path, wait_seconds: float, launcher: Any = None,  # noqa: ANN401
+              fetch: Callable[[], Stopped | None] | None = None,
+              warden_due: float | None = None) -> Stopped | None:
     """Take the attempt for ``execute_complete``; return what a warden already did, if any.
 
-    Waits (up to ``wait_seconds``) for a warden that is stopping the attempt right now.
+    Waits (up to ``wait_seconds``) for a warden that is stopping the attempt right now: on
+    this machine (its lease), or elsewhere (the agents name it, see :mod:`relay.claim`;
+    ``fetch`` then brings what it saved, see :mod:`relay.warden_results`). ``warden_due``:
+    when a warden would claim the attempt (None: there is none). Well before then the
+    agents' claim is sent without waiting for their answers (a frozen agent's timeout stays
+    off the recovery's path): no warden can hold it yet.
     """
     with lease(attempt_dir, wait_seconds) as held:
         if not held:
@@ -184,12 +202,46 @@ def take_over(attempt_dir: Path, wait_seconds: float) -> Stopped | None:
         claim = claimed_by(attempt_dir)
         if claim is None:
             _write_claim(attempt_dir, "execute_complete")
-            return None
+            if launcher is None or warden_due is None:
+                return None
+            from relay.claim import claim_attempt, claimer
+
+            by = claimer("execute_complete")
+            if time.time() < warden_due - EARLY_CLAIM_MARGIN_SECONDS:
+                threading.Thread(target=claim_attempt, args=(launcher, attempt_dir, by),
+                                 name="relay-claim", daemon=True).start()
+                return None
+            outcome = claim_attempt(launcher, attempt_dir, by)
+            if outcome.won:
+                return None
+            log.warning("%s is held by %s (agents: %s); waiting up to %.0fs for what it saved",
+                        attempt_dir, outcome.holder, outcome.describe(), wait_seconds)
+            return _wait_for_results(attempt_dir, wait_seconds, fetch)
     stopped = Stopped.read(attempt_dir)
     if stopped is None:
         log.warning("%s was claimed by %s, which left no record (it died?); handling it in full",
                     attempt_dir, claim)
     return stopped
+
+
+def _wait_for_results(attempt_dir: Path, wait_seconds: float,
+                      fetch: Callable[[], Stopped | None] | None) -> Stopped | None:
+    """Return the record of a warden on another machine once it is readable, else None."""
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        stopped = Stopped.read(attempt_dir)
+        if stopped is None and fetch is not None:
+            try:
+                stopped = fetch()
+            except Exception as exc:  # noqa: BLE001 - the store may be busy: look again
+                log.info("The warden's record of %s is not readable yet (%s)", attempt_dir, exc)
+        if stopped is not None:
+            return stopped
+        if time.monotonic() >= deadline:
+            log.warning("No record from the warden of %s after %.0fs; handling it in full",
+                        attempt_dir, wait_seconds)
+            return None
+        time.sleep(1.0)
 
 
 def results(warden: Stopped, decision: Any, fault: Any,  # noqa: ANN401 - Decision, Fault
@@ -227,25 +279,24 @@ def results(warden: Stopped, decision: Any, fault: Any,  # noqa: ANN401 - Decisi
 # -- the warden process ------------------------------------------------------------------
 
 
-def _act(args: dict[str, Any]) -> Stopped:
-    """Snapshot what is cheap to save, then stop the attempt (run under the lease)."""
+def _act(args: dict[str, Any], cfg: Any, launcher: Any, save: bool) -> Stopped:  # noqa: ANN401
+    """Snapshot what is cheap to save (if an agent answers), then stop the attempt (run
+    under the lease and the agents' claim)."""
     from relay.drain import drain
     from relay.evidence import ask_for_evidence, collect_evidence
     from relay.faults import Fault
-    from relay.launchers import launcher_from
     from relay.rescue import request_rescue
-    from relay_train.launch import LAUNCH_FILE, LaunchConfig
 
     attempt_dir = Path(args["attempt_dir"])
     fault = Fault.from_event(args["fault"]["fault"])
-    cfg = LaunchConfig.read(attempt_dir / LAUNCH_FILE)
-    launcher = launcher_from(args.get("launcher"))
     asked = rescued = drained = None
+    if not save:
+        log.warning("No agent of %s answers: nothing to save from; stopping it", attempt_dir)
     try:  # whatever goes wrong saving, the stop below is the point
-        asked = ask_for_evidence(attempt_dir, fault, cfg, launcher)
-        if args["step"] == DRAIN:
+        asked = None if not save else ask_for_evidence(attempt_dir, fault, cfg, launcher)
+        if save and args["step"] == DRAIN:
             drained = drain(attempt_dir, args["checkpoint_timeout"], launcher)
-        elif args["step"] == RESCUE:
+        elif save and args["step"] == RESCUE:
             rescued = request_rescue(attempt_dir, cfg, fault, args["checkpoint_timeout"],
                                      launcher)
         if asked is not None:  # the answers are on disk now; execute_complete summarises them
@@ -270,15 +321,28 @@ def run_warden(args: dict[str, Any]) -> str:
         if claimed_by(attempt_dir) is not None:
             return "claimed"
         time.sleep(POLL_SECONDS)
+    from relay import launch_record, settings
+    from relay.claim import claim_attempt, claimer
+    from relay.launchers import launcher_from
+
+    launcher = launcher_from(args.get("launcher"))
+    # The watcher's event carries the launch record: no file of the launching machine needed.
+    cfg = launch_record.find(attempt_dir, launcher, settings.mlflow_tracking_uri(),
+                             args["fault"].get(launch_record.KEY))
     with lease(attempt_dir, 0.0) as held:
         if not held or claimed_by(attempt_dir) is not None:
+            return "claimed"
+        outcome = claim_attempt(launcher, attempt_dir, claimer("warden"))
+        if not outcome.won:  # execute_complete (or another warden) elsewhere has it
+            log.warning("%s is held by %s (agents: %s); leaving it", attempt_dir,
+                        outcome.holder, outcome.describe())
             return "claimed"
         _write_claim(attempt_dir, "warden")
         log.warning("No one handled the %s fault of %s within %.0fs of its detection (is "
                     "Airflow's scheduler down?); stopping the workload (%s first)",
                     args["fault"]["fault"].get("kind"), attempt_dir, args["after_seconds"],
                     args["step"])
-        stopped = _act(args)
+        stopped = _act(args, cfg, launcher, save=bool(outcome.granted) or not outcome.nodes)
         from relay_train.heartbeat import write_atomically
 
         write_atomically(folder(attempt_dir) / STOPPED_FILE,
@@ -288,7 +352,20 @@ def run_warden(args: dict[str, Any]) -> str:
                     attempt_dir, stopped.stopped_at - stopped.detected_at,
                     stopped.rescued and stopped.rescued.get("step"), stopped.drained_at,
                     stopped.survivors or "none")
+    _publish(cfg, attempt_dir, stopped)
     return "stopped"
+
+
+def _publish(cfg: Any, attempt_dir: Path, stopped: Stopped) -> None:  # noqa: ANN401
+    """Put the results where execute_complete on another machine reads them (MLflow, now
+    that the workload is stopped: no frozen rank holds the tracking store's lock)."""
+    from relay.lineage import Lineage
+    from relay.warden_results import publish
+
+    try:
+        publish(Lineage.from_settings(), cfg.run_id, attempt_dir, stopped)
+    except Exception:  # noqa: BLE001 - the record stays here; execute_complete may be too
+        log.exception("Could not log what the warden saved to MLflow run %s", cfg.run_id)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,7 +116,8 @@ def _stopped_while_scheduler_down(api: AirflowApi, home: Path, run_id: str,
                                   scheduler: int) -> unattended.Stopped:
     """Wait for the warden's stop; check it came within the bound, the scheduler still down."""
     attempt = _attempt(home, run_id, 0, 1)
-    bound = DETECTION.stop_unattended_after + DETECTION.checkpoint_timeout + 10
+    bound = (DETECTION.stop_unattended_after + DETECTION.checkpoint_timeout
+             + unattended.BOUND_MARGIN_SECONDS)
     _wait_for(unattended.folder(attempt) / unattended.STOPPED_FILE, bound + 120)
     stopped = unattended.Stopped.read(attempt)
     assert stopped is not None

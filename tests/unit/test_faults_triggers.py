@@ -193,6 +193,28 @@ def test_a_nan_the_ranks_outran_is_still_reported(tmp_path: Path) -> None:
     assert (fault["kind"], fault["culprit_rank"], fault["evidence"]["step"]) == ("nan_loss", 1, 25)
 
 
+def test_the_watcher_finds_the_agents_through_the_launch_record_it_was_given(
+        tmp_path: Path) -> None:
+    # The triggerer is another machine: no handle.json there, only the trigger's arguments.
+    root = fabricate(
+        tmp_path / "try-1",
+        {"node-a": ("failed", {0: 1, 1: -15}), "node-b": ("failed", {2: 1, 3: -9})},
+    )
+    write_training_heartbeats(root)
+    record = {"launch": {"attempt_dir": str(root)},
+              "handle": json.loads((root / HANDLE_FILE).read_text())}
+    (root / HANDLE_FILE).unlink()
+    trigger = SegmentWatchTrigger(str(root), NODE_RANKS, poll_interval_seconds=0.02,
+                                  launch_record=record)
+    rebuilt = SegmentWatchTrigger(**trigger.serialize()[1])
+
+    event = asyncio.run(first_event(rebuilt))
+
+    fault = event.payload["fault"]  # the agents' exit codes, asked at their recorded ports
+    assert (fault["kind"], fault["culprit_rank"], fault["culprit_node"]) == ("crash", 3, "node-b")
+    assert event.payload["launch_record"] == record  # back to execute_complete, wherever
+
+
 def write_training_heartbeats(root: Path, step: int = 5) -> None:
     """Every rank past start-up: a later death is a crash, not a failed launch."""
     folder = root / "heartbeats"

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import wait_exit
 
 from relay import unattended
 from relay.faults import Fault, FaultKind
@@ -64,17 +65,6 @@ def _event(attempt: Path, detected_at: float) -> dict[str, object]:
 DETECTION = {"stop_unattended_after": 1.0, "checkpoint_timeout": 5.0, "evidence_timeout": 1.0}
 
 
-def _wait_exit(pid: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return
-        except OSError:
-            return
-        time.sleep(0.1)
-
-
 def test_an_unhandled_fault_is_stopped_by_one_warden(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Where the watcher runs, Airflow forbids its metadata DB (supervisor.py sets this):
@@ -96,7 +86,7 @@ def test_an_unhandled_fault_is_stopped_by_one_warden(
                                      stdout=out, stderr=subprocess.STDOUT)
         assert proc.wait(timeout=60) is not None  # the workload was stopped
         rival.wait(timeout=60)
-        _wait_exit(first)
+        wait_exit(first)
         stopped = unattended.Stopped.read(attempt)
         assert stopped is not None and stopped.survivors == []
         assert stopped.stopped_at - stopped.detected_at >= DETECTION["stop_unattended_after"]
@@ -119,7 +109,7 @@ def test_a_handled_fault_is_left_to_execute_complete(tmp_path: Path) -> None:
                                       {**DETECTION, "stop_unattended_after": 30.0}, None)
         assert pid is not None
         assert unattended.take_over(attempt, 5) is None  # execute_complete takes the attempt
-        _wait_exit(pid, timeout=10)  # the warden leaves at its next look
+        wait_exit(pid, timeout=10)  # the warden leaves at its next look
         assert group_members(proc.pid) == [proc.pid]  # and never touched the workload
         assert unattended.claimed_by(attempt)["by"] == "execute_complete"
         assert unattended.Stopped.read(attempt) is None

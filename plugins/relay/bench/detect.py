@@ -75,7 +75,7 @@ def run_trial(store: Store, root: Path, scenario: Scenario, detection: Detection
     cfg = launch_config(store, root, steps=100_000, chaos=[scenario.fault])
     with launched(cfg) as attempt:
         event = watch(cfg, detection, timeout=detection.startup_timeout + 90)
-        launched_at = LocalLauncher.started_at(attempt)
+        launched_at = LocalLauncher().started_at(attempt)
         strikes = chaos_strikes(attempt)
     record: dict[str, Any] = {"scenario": scenario.name, "status": event.get("status")}
     if event.get("status") != "fault":

@@ -112,6 +112,15 @@ class Launcher(Protocol):
         """Start one node agent per node of ``cfg``; return the attempt folder."""
         ...
 
+    def handle(self, root: Path) -> dict[str, Any]:
+        """Return what this launcher needs to find a launched attempt again on another
+        machine (JSON; it travels with the attempt, see :mod:`relay.launch_record`)."""
+        ...
+
+    def attach(self, root: Path, handle: dict[str, Any]) -> None:
+        """Find the attempt at ``root`` through ``handle`` (from :meth:`handle`), not a file."""
+        ...
+
     def status(self, root: Path) -> LaunchStatus:
         """Return the attempt's state now, with its heartbeats; never blocks for long."""
         ...

@@ -163,7 +163,7 @@ class KubernetesLauncher:
 
         key = AttemptKey.from_dir(cfg.root)
         cfg.root.mkdir(parents=True, exist_ok=True)
-        cfg.write(cfg.root / LAUNCH_FILE)  # the Relay side's copy, for execute_complete
+        cfg.write(cfg.root / LAUNCH_FILE)  # for this worker's reports; the record travels
         pod_cfg = replace(cfg, attempt_dir=POD_ATTEMPT_DIR, master_addr=master_addr(key),
                           master_port=RENDEZVOUS_PORT, attempt_id=attempt_id_of(cfg.root))
         held = NodePool().quarantines()
@@ -179,6 +179,14 @@ class KubernetesLauncher:
         log.info("Job %s/%s: %d pods, quarantined nodes excluded: %s", self.namespace, key.name,
                  len(cfg.nodes), ", ".join(sorted(held)) or "none")
         return cfg.root
+
+    def handle(self, root: Path) -> dict[str, Any]:
+        """Return nothing: the Job's name comes from the attempt folder's name, and its
+        annotations (nodes, launch time) are in the API server for any worker to read."""
+        return {}
+
+    def attach(self, root: Path, handle: dict[str, Any]) -> None:
+        """Do nothing: see :meth:`handle`."""
 
     def _create_job(self, manifest: dict[str, Any]) -> dict[str, Any]:
         name = manifest["metadata"]["name"]

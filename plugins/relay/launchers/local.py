@@ -4,7 +4,10 @@ Each agent starts in its own session, so its process group (agent + ranks)
 outlives the Airflow task that launched it while the task defers, and can be
 stopped as a whole by PGID. The launch record is the one file Relay keeps in
 the attempt folder, and only this launcher: ``handle.json`` (the attempt's id,
-PIDs, PGIDs, the agents' start times and channel ports). What the agents and
+PIDs, PGIDs, the agents' start times and channel ports); the same handle travels
+with the attempt (:meth:`LocalLauncher.handle`, :meth:`LocalLauncher.attach`, see
+:mod:`relay.launch_record`), so a task that finds no such file still finds its
+agents. What the agents and
 ranks say (state, exit codes, heartbeats, answers) comes over the channel
 (:mod:`relay.channel`), as on a cluster. Every signal goes through
 :mod:`relay_train.pids`, so a PID reused by another process is never touched.
@@ -117,6 +120,7 @@ class LocalLauncher:
 
     def __init__(self) -> None:
         self._channels: dict[Path, AgentChannel] = {}
+        self._attached: dict[Path, dict[str, Any]] = {}  # root -> a handle that travelled
 
     def config(self) -> dict[str, Any]:
         """Return the factory's description of this launcher."""
@@ -224,10 +228,25 @@ class LocalLauncher:
             for f in (record, ready_file(directory, node), claimed_file(directory, node)):
                 f.unlink(missing_ok=True)
 
-    @staticmethod
-    def _handle(root: Path) -> dict[str, dict[str, int | None]]:
+    def handle(self, root: Path) -> dict[str, Any]:
+        """Return the attempt's handle: its id, the agents' PIDs, PGIDs, start times and
+        channel ports, and when it was launched (an attached one, else ``handle.json``)."""
+        if root in self._attached:
+            return dict(self._attached[root])
         try:
-            nodes = json.loads((root / HANDLE_FILE).read_text())["nodes"]
+            return dict(json.loads((root / HANDLE_FILE).read_text()))
+        except (OSError, ValueError, TypeError):
+            return {}
+
+    def attach(self, root: Path, handle: dict[str, Any]) -> None:
+        """Use ``handle`` for the attempt at ``root`` (its ``handle.json`` may not be here)."""
+        if handle:
+            self._attached[root] = dict(handle)
+            self._channels.pop(root, None)
+
+    def _handle(self, root: Path) -> dict[str, dict[str, int | None]]:
+        try:
+            nodes = self.handle(root)["nodes"]
             return {
                 str(n): {"pid": int(ids["pid"]), "pgid": int(ids["pgid"]),
                          "started": None if ids.get("started") is None else int(ids["started"]),
@@ -237,18 +256,17 @@ class LocalLauncher:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return {}
 
-    @staticmethod
-    def started_at(root: Path) -> float:
+    def started_at(self, root: Path) -> float:
         """Return when the attempt was launched (epoch seconds)."""
-        return float(json.loads((root / HANDLE_FILE).read_text())["started_at"])
+        found = self.handle(root)
+        if "started_at" not in found:
+            raise KeyError(f"no launch handle for {root} (neither attached nor {HANDLE_FILE})")
+        return float(found["started_at"])
 
     def channel(self, root: Path) -> AgentChannel:
         """Return the channel to the attempt's agents (on loopback, at the recorded ports)."""
         if root not in self._channels:
-            try:
-                attempt_id = str(json.loads((root / HANDLE_FILE).read_text())["attempt_id"])
-            except (OSError, ValueError, KeyError, TypeError):
-                attempt_id = attempt_id_of(root)
+            attempt_id = str(self.handle(root).get("attempt_id") or attempt_id_of(root))
             addresses = {n: f"http://127.0.0.1:{ids['port']}"
                          for n, ids in self._handle(root).items() if ids["port"] is not None}
             self._channels[root] = AgentChannel(attempt_id, addresses)

@@ -36,7 +36,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from relay.interval import INTERVAL_FILE
 from relay.launchers import Launcher, LaunchState
+from relay.nodes import NodePool
 from relay.spec import JobSpec
 from relay_train.chaos import CHAOS_LOG
 from relay_train.heartbeat import read_heartbeats, write_atomically
@@ -145,14 +147,16 @@ def adopt(record_dir: Path, workload: Path, *, run_id: str, segment: int, attemp
           resume_step: int, end: int, next_end: int | None) -> int:
     """Take ``workload`` over for this attempt; return the step it was at.
 
-    It may train on to ``next_end`` (the next segment's end), unless it already waits
-    at this segment's end: then it waits for the next segment's task, so that every
-    segment has its own attempt (a task slower than a whole segment costs that wait).
+    It may train on to ``next_end`` (the next segment's end; the job's last step for
+    the last segment). One waiting at this segment's end has not checkpointed it yet:
+    its rank 0 waits for this adoption first, so the checkpoint goes to this attempt's
+    run, and it waits again at ``next_end`` for the next segment's task (every segment
+    has its own attempt; a task slower than a whole segment costs that wait).
     The pointer is written first, so a retry of this segment finds (and stops) the
     workload even if this task is killed right after.
     """
     at = max((b.step for b in read_heartbeats(workload / "heartbeats").values()), default=0)
-    run_on_to = next_end if next_end is not None and at < end else end
+    run_on_to = next_end if next_end is not None else end
     now = time.time()
     record_dir.mkdir(parents=True, exist_ok=True)
     write_atomically(record_dir / ADOPTED_FILE, json.dumps({
@@ -169,6 +173,25 @@ def adopt(record_dir: Path, workload: Path, *, run_id: str, segment: int, attemp
              "checkpoints to MLflow run %s; it may train on to step %d",
              workload, at, resume_step, end, run_id, run_on_to)
     return at
+
+
+def kept_interval(workload: Path, record_dir: Path, steps: int) -> dict[str, str]:
+    """Record the checkpoint interval an adopting attempt keeps; return its MLflow params.
+
+    A running workload keeps the interval its launch chose (``checkpoint_every: auto``
+    picks one per launch): changing it mid-run would need every rank to switch at
+    the same step.
+    """
+    try:
+        choice = dict(json.loads((workload / INTERVAL_FILE).read_text()))
+    except (OSError, ValueError):
+        choice = {"steps": steps, "mode": None, "reason": ""}
+    choice["reason"] = (f"kept from the adopted workload {workload.parent.name}/{workload.name}"
+                        f" (chosen at its launch): {choice.get('reason') or steps}")
+    choice["adopted_workload"] = str(workload)
+    record_dir.mkdir(parents=True, exist_ok=True)
+    write_atomically(record_dir / INTERVAL_FILE, json.dumps(choice, indent=2))
+    return {"checkpoint_every": str(steps), "checkpoint_every_reason": choice["reason"][:5000]}
 
 
 def stop_adopted(segment_dir: Path, launcher: Launcher) -> list[str]:
@@ -305,4 +328,20 @@ def stop_run_workloads(run_dir: Path, launcher: Launcher) -> list[Path]:
             launcher.stop(root)
             let_go(root)
             stopped.append(root)
+    return stopped
+
+
+def end_run(run_dir: Path, holder: str, launcher: Launcher | None) -> list[Path]:
+    """The DAG run is over (finalized, or failed): stop what still trains for it and end
+    its nodes' lease, so no workload outlives the run and the next run gets the nodes.
+
+    A workload handed over at a boundary keeps the run's lease while no task watches
+    it; a segment task that ends without its own ``execute_complete`` (nothing left to
+    train) would otherwise leave that lease to expire hours later. ``launcher`` None:
+    the job never hands a workload over, only the lease ends.
+    """
+    stopped = [] if launcher is None else stop_run_workloads(run_dir, launcher)
+    freed = NodePool().release_lease(holder)
+    if freed:
+        log.info("DAG run %s is over: released node(s) %s", holder, ", ".join(freed))
     return stopped

@@ -179,6 +179,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
             return False
         cfg = LaunchConfig.read(workload / LAUNCH_FILE)
         run_id = lineage.attempt_run(parent, index, try_number, {
+            **adopt.kept_interval(workload, attempt_dir, cfg.checkpoint_every),
             "segment": index, "attempt": try_number, "nodes": ",".join(cfg.nodes),
             "resume_step": resume_step, "end_step": end, "world_size": spec.world_size,
             "resume_checkpoint": str(latest.manifest.ref) if latest else "none (step 0)",

@@ -289,6 +289,24 @@ def test_the_watcher_completes_once_every_rank_passed_the_boundary(
     assert trigger.serialize()[1]["boundary_step"] == 60
 
 
+def test_rank_0s_record_of_crossing_the_boundary_counts_where_heartbeats_lag(
+    tmp_path: Path,
+) -> None:
+    # A rank that crashed or froze just after the boundary keeps a heartbeat from before
+    # it: the fault belongs to the next segment, whose task adopts and handles it.
+    trigger = SegmentWatchTrigger(str(tmp_path), {"node-a": [0], "node-b": [1]},
+                                  boundary_step=60)
+    obs = Observation(now=time.time(), launched_at=0.0,
+                      heartbeats={0: _beat(0, 58), 1: _beat(1, 64)},
+                      node_ranks=trigger.node_ranks, heartbeat_interval=0.5)
+    assert trigger.passed_boundary(obs) is False
+    (tmp_path / BOUNDARIES_FILE).write_text(json.dumps({"step": 30}) + "\n")
+    assert trigger.passed_boundary(obs) is False  # an earlier boundary
+    with (tmp_path / BOUNDARIES_FILE).open("a") as out:
+        out.write(json.dumps({"step": 60, "agree": 0.0}) + "\n" + '{"step": 9')
+    assert trigger.passed_boundary(obs) is True
+
+
 def test_a_restart_boundary_breaks_down_into_parts_that_add_up(tmp_path: Path) -> None:
     run = tmp_path / "run"
     before = _workload(run, 0, 1, [30, 30], run_on_to=None)

@@ -253,11 +253,13 @@ def note_boundary(record_dir: Path, fired_at: float | None, woke_at: float) -> N
 
 
 def wait_published(lineage: Any, parent: str, run_id: str, step: int,  # noqa: ANN401
-                   timeout_seconds: float) -> bool:
+                   timeout_seconds: float, workload: Path | None = None) -> bool:
     """Wait (bounded) until the checkpoint at ``step`` counts: its manifest is in MLflow.
 
     It is looked for in ``run_id`` (the run the workload publishes to) and, now and
     then, in every attempt run of the DAG run (a late adoption moves the run later).
+    Once Relay has stopped ``workload`` meanwhile (a freeze before it published),
+    nothing more can come: one last look, then no.
     """
     deadline = time.monotonic() + timeout_seconds
     polls = 0
@@ -268,7 +270,8 @@ def wait_published(lineage: Any, parent: str, run_id: str, step: int,  # noqa: A
             return True
         if polls % 10 == 9 and any(m.step == step for m in lineage.manifests(parent)):
             return True
-        if time.monotonic() >= deadline:
+        stopped = workload is not None and (workload / STOPPED_FILE).exists()
+        if stopped or time.monotonic() >= deadline:
             return any(m.step == step for m in lineage.manifests(parent))
         polls += 1
         time.sleep(0.2)

@@ -296,7 +296,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         and leave the workload training for the next segment's task to adopt."""
         step = int(event["boundary_step"])
         timeout = self.policy(self.spec()).policy.detection.checkpoint_timeout
-        if not adopt.wait_published(lineage, parent, cfg.run_id, step, timeout):
+        if not adopt.wait_published(lineage, parent, cfg.run_id, step, timeout, workload):
             launcher.stop(workload)
             adopt.let_go(workload)
             lineage.finish_run(cfg.run_id, "no_checkpoint")

@@ -355,3 +355,27 @@ def test_the_end_of_a_dag_run_stops_its_workloads_and_frees_its_nodes(
     assert pool.select(2, holder="relay_j/run-2") == ["node-a", "node-b"]
     assert adopt.end_run(run, "relay_j/run-2", None) == []  # a job that never hands over
     assert pool.leases() == {}
+
+
+class _NoCheckpointYet:
+    """A lineage whose MLflow holds no manifest (the publisher froze before writing it)."""
+
+    def __init__(self) -> None:
+        self.client = self
+
+    def list_artifacts(self, run_id: str, path: str) -> list[Any]:
+        return []
+
+    def manifests(self, parent: str) -> list[Any]:
+        return []
+
+
+def test_waiting_for_a_boundary_checkpoint_ends_once_relay_stopped_the_workload(
+    tmp_path: Path,
+) -> None:
+    workload = _workload(tmp_path / "run", 0, 1, [30, 30])
+    adopt.let_go(workload)  # the freeze guard stopped it: nothing more will be published
+
+    started = time.monotonic()
+    assert adopt.wait_published(_NoCheckpointYet(), "p", "r", 30, 60.0, workload) is False
+    assert time.monotonic() - started < 30.0  # not the whole checkpoint_timeout

@@ -232,6 +232,7 @@ class Session:
         """
         if self.rank != 0:
             return 0.0
+        self._await_owner(step)
         started = time.perf_counter()
         if state is None:
             state = self._tracked()
@@ -251,6 +252,8 @@ class Session:
 
             self._dcp = DcpCheckpointer(self.cfg.root / "staging",
                                         self._publisher() if self.rank == 0 else None)
+        if self.rank == 0:
+            self._await_owner(step)
         self._heartbeat.enter(Phase.CHECKPOINT)
         return self._dcp.save(state, step).stall_seconds
 
@@ -310,6 +313,15 @@ class Session:
             self._injected = self._chaos.delay(step, self._natural.value or 0.0)
             yield step
             step += 1
+
+    def _await_owner(self, step: int) -> None:
+        """Rank 0, at a later segment's end: wait (bounded) for that segment's task to adopt
+        the workload, so this checkpoint goes to its run (see relay_train.boundary)."""
+        if self._bounds.owner_pending(step) is None or self._drain.stop_at() is not None:
+            return  # (a drained attempt's last checkpoint is awaited by its own task)
+        self._heartbeat.enter(Phase.CHECKPOINT)  # not a stalled step: waiting for the task
+        self._bounds.await_owner(step)
+        self._follow_adoption(step)
 
     def _follow_adoption(self, step: int) -> None:
         """Send later checkpoints to the adopting attempt's run; aim chaos at its steps."""

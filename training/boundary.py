@@ -8,13 +8,20 @@ next segment's end). The next segment's task *adopts* it by writing
 on checkpoints go to the adopting attempt's MLflow run, chaos faults see the
 adopting segment and attempt, and ``run_on_to`` moves one segment further.
 
+A checkpoint at a later segment's end belongs to that segment's attempt, so
+before publishing it rank 0 waits (at most ``adopt_wait_seconds``) until that
+segment's task has adopted the workload (:meth:`BoundaryKeeper.await_owner`);
+this is also the job's last step, so every segment has an attempt of its own,
+however fast its steps are. Without an adoption in time the checkpoint goes to
+the earlier attempt's run.
+
 Every rank must stop at the same step, so the limit only changes at the limit
 itself, where the ranks agree: rank 0 reads ``adopt.json`` (waiting for it at
-most ``adopt_wait_seconds`` when nobody has adopted the workload yet) and
+most ``adopt_wait_seconds`` in all when nobody has adopted the workload yet) and
 broadcasts the new limit; with none, every rank finishes there (its checkpoint
 is published), so a workload whose next task never comes does not hold its
-nodes for longer than one segment plus that wait. The job's last step is never
-waited at. Imports torch and the standard library only.
+nodes for longer than one segment plus that wait. Imports torch and the
+standard library only.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ class BoundaryKeeper:
         self.total = max([cfg.end_step, *cfg.boundaries])
         self.adoption: Adoption | None = None
         self._seen: tuple[int, int] | None = None
+        self._waited: tuple[int, float] | None = None  # (step, seconds) of await_owner
 
     def checkpoint_steps(self) -> set[int]:
         """Return the steps a checkpoint is always published at (segment ends, the limit)."""
@@ -101,6 +109,39 @@ class BoundaryKeeper:
             return segment, self.adoption.attempt
         return segment, 1  # past the segment's end, not adopted yet: that segment's first try
 
+    def owner_pending(self, step: int) -> int | None:
+        """Return the later segment that ends at ``step`` while no task of it has adopted
+        this workload yet (None: the step is no such end, or its segment adopted it)."""
+        if not self.run_on or step <= self.cfg.end_step or step not in self.cfg.boundaries:
+            return None
+        segment = self.cfg.boundaries.index(step)
+        if self.adoption is not None and self.adoption.segment >= segment:
+            return None
+        return segment
+
+    def await_owner(self, step: int) -> bool:
+        """Rank 0, before checkpointing at a later segment's end: wait until that segment's
+        task adopts this workload, so the checkpoint goes to its attempt run.
+
+        Bounded by ``adopt_wait_seconds``; return whether it came. Without one the
+        checkpoint goes to the earlier run and :meth:`agree` does not wait again.
+        """
+        segment = self.owner_pending(step)
+        if segment is None:
+            return True
+        started = time.monotonic()
+        self.poll()
+        while self.owner_pending(step) is not None:
+            if time.monotonic() - started >= self.cfg.adopt_wait_seconds:
+                log.warning("rank %d: segment %d's task did not adopt this workload within "
+                            "%gs of step %d; its checkpoint goes to the earlier attempt's run",
+                            self.rank, segment, self.cfg.adopt_wait_seconds, step)
+                break
+            time.sleep(POLL_SECONDS)
+            self.poll()
+        self._waited = (step, time.monotonic() - started)
+        return self.owner_pending(step) is None
+
     def agree(self, step: int, device: torch.device) -> bool:
         """At the limit: agree with every rank whether to go on; return True to go on."""
         if not self.run_on or step >= self.total:
@@ -120,7 +161,8 @@ class BoundaryKeeper:
 
     def _offer(self) -> int:
         """Rank 0: the limit an adoption grants, waiting for one at most the bound."""
-        deadline = time.monotonic() + self.cfg.adopt_wait_seconds
+        waited_here = self._waited is not None and self._waited[0] == self.limit
+        deadline = time.monotonic() + (0.0 if waited_here else self.cfg.adopt_wait_seconds)
         while True:
             self.poll()
             if self.adoption is not None and self.adoption.run_on_to > self.limit:
@@ -130,7 +172,10 @@ class BoundaryKeeper:
             time.sleep(POLL_SECONDS)
 
     def record(self, step: int, stall: float, agreed: float) -> None:
-        """Rank 0: append what crossing the boundary at ``step`` cost the training loop."""
+        """Rank 0: append what crossing the boundary at ``step`` cost the training loop
+        (``agreed`` plus any wait for a late adoption before its checkpoint)."""
+        if self._waited is not None and self._waited[0] == step:
+            agreed += self._waited[1]
         entry = {"step": step, "at": time.time(), "checkpoint_stall": round(stall, 4),
                  "agree": round(agreed, 4), "loop_cost": round(stall + agreed, 4),
                  "adopted_by": None if self.adoption is None else

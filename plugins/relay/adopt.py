@@ -36,11 +36,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from relay.interval import INTERVAL_FILE
 from relay.launchers import Launcher, LaunchState
+from relay.nodes import NodePool
 from relay.spec import JobSpec
 from relay_train.chaos import CHAOS_LOG
 from relay_train.heartbeat import read_heartbeats, write_atomically
-from relay_train.launch import ADOPT_FILE, FIRST_STEP_FILE, LAUNCH_FILE, LaunchConfig
+from relay_train.launch import (
+    ADOPT_FILE,
+    BOUNDARIES_FILE,
+    FIRST_STEP_FILE,
+    LAUNCH_FILE,
+    LaunchConfig,
+)
 from relay_train.manifest import MANIFEST_FILE, step_dir
 
 log = logging.getLogger(__name__)
@@ -96,6 +104,27 @@ def watch_boundary(view: LaunchConfig, workload: LaunchConfig) -> int | None:
     return view.end_step if view.end_step < max(workload.boundaries) else None
 
 
+def crossed(workload: Path, step: int) -> bool:
+    """Return whether the workload's rank 0 recorded crossing the boundary at ``step``.
+
+    It records it after the boundary checkpoint was handed to its publisher, at the
+    next step's start, which DDP's collectives reach only once every rank finished the
+    steps before: proof that the segment's steps are done, where heartbeats may lag by
+    an interval (a rank that died or froze just after the boundary keeps an older one).
+    """
+    try:
+        lines = (workload / BOUNDARIES_FILE).read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        try:
+            if json.loads(line).get("step") == step:
+                return True
+        except ValueError:
+            continue  # a line being written
+    return False
+
+
 def live_workload(run_dir: Path, index: int, launcher: Launcher) -> Path | None:
     """Return the newest workload an earlier segment launched that Relay has not let go of.
 
@@ -145,14 +174,16 @@ def adopt(record_dir: Path, workload: Path, *, run_id: str, segment: int, attemp
           resume_step: int, end: int, next_end: int | None) -> int:
     """Take ``workload`` over for this attempt; return the step it was at.
 
-    It may train on to ``next_end`` (the next segment's end), unless it already waits
-    at this segment's end: then it waits for the next segment's task, so that every
-    segment has its own attempt (a task slower than a whole segment costs that wait).
+    It may train on to ``next_end`` (the next segment's end; the job's last step for
+    the last segment). One waiting at this segment's end has not checkpointed it yet:
+    its rank 0 waits for this adoption first, so the checkpoint goes to this attempt's
+    run, and it waits again at ``next_end`` for the next segment's task (every segment
+    has its own attempt; a task slower than a whole segment costs that wait).
     The pointer is written first, so a retry of this segment finds (and stops) the
     workload even if this task is killed right after.
     """
     at = max((b.step for b in read_heartbeats(workload / "heartbeats").values()), default=0)
-    run_on_to = next_end if next_end is not None and at < end else end
+    run_on_to = next_end if next_end is not None else end
     now = time.time()
     record_dir.mkdir(parents=True, exist_ok=True)
     write_atomically(record_dir / ADOPTED_FILE, json.dumps({
@@ -169,6 +200,25 @@ def adopt(record_dir: Path, workload: Path, *, run_id: str, segment: int, attemp
              "checkpoints to MLflow run %s; it may train on to step %d",
              workload, at, resume_step, end, run_id, run_on_to)
     return at
+
+
+def kept_interval(workload: Path, record_dir: Path, steps: int) -> dict[str, str]:
+    """Record the checkpoint interval an adopting attempt keeps; return its MLflow params.
+
+    A running workload keeps the interval its launch chose (``checkpoint_every: auto``
+    picks one per launch): changing it mid-run would need every rank to switch at
+    the same step.
+    """
+    try:
+        choice = dict(json.loads((workload / INTERVAL_FILE).read_text()))
+    except (OSError, ValueError):
+        choice = {"steps": steps, "mode": None, "reason": ""}
+    choice["reason"] = (f"kept from the adopted workload {workload.parent.name}/{workload.name}"
+                        f" (chosen at its launch): {choice.get('reason') or steps}")
+    choice["adopted_workload"] = str(workload)
+    record_dir.mkdir(parents=True, exist_ok=True)
+    write_atomically(record_dir / INTERVAL_FILE, json.dumps(choice, indent=2))
+    return {"checkpoint_every": str(steps), "checkpoint_every_reason": choice["reason"][:5000]}
 
 
 def stop_adopted(segment_dir: Path, launcher: Launcher) -> list[str]:
@@ -203,11 +253,13 @@ def note_boundary(record_dir: Path, fired_at: float | None, woke_at: float) -> N
 
 
 def wait_published(lineage: Any, parent: str, run_id: str, step: int,  # noqa: ANN401
-                   timeout_seconds: float) -> bool:
+                   timeout_seconds: float, workload: Path | None = None) -> bool:
     """Wait (bounded) until the checkpoint at ``step`` counts: its manifest is in MLflow.
 
     It is looked for in ``run_id`` (the run the workload publishes to) and, now and
     then, in every attempt run of the DAG run (a late adoption moves the run later).
+    Once Relay has stopped ``workload`` meanwhile (a freeze before it published),
+    nothing more can come: one last look, then no.
     """
     deadline = time.monotonic() + timeout_seconds
     polls = 0
@@ -218,7 +270,8 @@ def wait_published(lineage: Any, parent: str, run_id: str, step: int,  # noqa: A
             return True
         if polls % 10 == 9 and any(m.step == step for m in lineage.manifests(parent)):
             return True
-        if time.monotonic() >= deadline:
+        stopped = workload is not None and (workload / STOPPED_FILE).exists()
+        if stopped or time.monotonic() >= deadline:
             return any(m.step == step for m in lineage.manifests(parent))
         polls += 1
         time.sleep(0.2)
@@ -305,4 +358,20 @@ def stop_run_workloads(run_dir: Path, launcher: Launcher) -> list[Path]:
             launcher.stop(root)
             let_go(root)
             stopped.append(root)
+    return stopped
+
+
+def end_run(run_dir: Path, holder: str, launcher: Launcher | None) -> list[Path]:
+    """The DAG run is over (finalized, or failed): stop what still trains for it and end
+    its nodes' lease, so no workload outlives the run and the next run gets the nodes.
+
+    A workload handed over at a boundary keeps the run's lease while no task watches
+    it; a segment task that ends without its own ``execute_complete`` (nothing left to
+    train) would otherwise leave that lease to expire hours later. ``launcher`` None:
+    the job never hands a workload over, only the lease ends.
+    """
+    stopped = [] if launcher is None else stop_run_workloads(run_dir, launcher)
+    freed = NodePool().release_lease(holder)
+    if freed:
+        log.info("DAG run %s is over: released node(s) %s", holder, ", ".join(freed))
     return stopped

@@ -37,17 +37,20 @@ class CloseParentRunOnFailure:
 
     @staticmethod
     def _stop_workloads(context: Any) -> None:  # noqa: ANN401
-        """Stop a workload handed over at a boundary that no later segment will adopt."""
+        """Stop a workload handed over at a boundary that no later segment will adopt, and
+        end the DAG run's node lease."""
         from relay import settings
-        from relay.adopt import stop_run_workloads
+        from relay.adopt import end_run
         from relay.launchers import launcher_from
         from relay.paths import safe_name
+        from relay.segment_fault import _lease_holder
 
         dag_run = context.get("dag_run")
         if dag_run is None:
             return
         run_dir = settings.runs_dir() / dag_run.dag_id / safe_name(dag_run.run_id)
-        for root in stop_run_workloads(run_dir, launcher_from(None)):
+        holder = _lease_holder(dag_run.dag_id, dag_run.run_id)
+        for root in end_run(run_dir, holder, launcher_from(None)):
             log.warning("Stopped the workload %s: its DAG run failed", root)
 
     def _close(self, context: Any) -> None:  # noqa: ANN401

@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     goodput.add_argument("--repeats", type=int, default=3)
     goodput.add_argument("--smoke", action="store_true",
                          help="160 steps, 1 repeat, 15 s timeout: checks it works, no figures")
-    goodput.add_argument("--segment-boundary", choices=["adopt", "restart"], default="restart",
+    goodput.add_argument("--segment-boundary", choices=["adopt", "restart"], default="adopt",
                          help="Relay's job spec segment_boundary (default %(default)s)")
     goodput.set_defaults(func=_cmd_bench_goodput)
     add_commands(sub)

@@ -35,6 +35,19 @@ def lineage_store():  # noqa: ANN201 - imported lazily: DAG parsing must not imp
     return Lineage.from_settings()
 
 
+def _end_run(spec: JobSpec, dag_run_id: str) -> None:
+    """Stop what still trains for the DAG run and end its node lease (see relay.adopt)."""
+    from relay import adopt
+    from relay.launchers import launcher_for
+    from relay.segment_fault import _lease_holder
+
+    run_dir = segment_dir(spec, dag_run_id, 0).parent
+    launcher = launcher_for(spec)
+    handing_over = launcher if adopt.enabled(spec, launcher) else None
+    for root in adopt.end_run(run_dir, _lease_holder(spec.dag_id, dag_run_id), handing_over):
+        log.warning("Stopped the workload %s: nothing may outlive its DAG run", root)
+
+
 class RelayOperator(BaseOperator):
     """Common ground: the job spec file, loaded (and validated) at run time."""
 
@@ -106,6 +119,7 @@ class FinalizeOperator(RelayOperator):
     def execute(self, context: Any) -> dict[str, Any]:  # noqa: ANN401
         """Return the final checkpoint and the chain back to step 0."""
         spec = self.spec()
+        _end_run(spec, context["dag_run"].run_id)
         lineage = lineage_store()
         parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id)
         chain = lineage.chain(parent)

@@ -184,6 +184,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
             return False
         cfg = LaunchConfig.read(workload / LAUNCH_FILE)
         run_id = lineage.attempt_run(parent, index, try_number, {
+            **adopt.kept_interval(workload, attempt_dir, cfg.checkpoint_every),
             "segment": index, "attempt": try_number, "nodes": ",".join(cfg.nodes),
             "resume_step": resume_step, "end_step": end, "world_size": spec.world_size,
             "resume_checkpoint": str(latest.manifest.ref) if latest else "none (step 0)",
@@ -306,7 +307,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         and leave the workload training for the next segment's task to adopt."""
         step = int(event["boundary_step"])
         timeout = self.policy(self.spec()).policy.detection.checkpoint_timeout
-        if not adopt.wait_published(lineage, parent, cfg.run_id, step, timeout):
+        if not adopt.wait_published(lineage, parent, cfg.run_id, step, timeout, workload):
             launcher.stop(workload)
             adopt.let_go(workload)
             lineage.finish_run(cfg.run_id, "no_checkpoint")

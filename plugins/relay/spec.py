@@ -171,7 +171,7 @@ class JobSpec(BaseModel):
     launcher: Literal["local", "kubernetes"] = "local"
     # adopt: a segment's workload trains on past its end and the next segment's task adopts
     # it (relay.adopt); restart: every segment launches a fresh workload.
-    segment_boundary: Literal["adopt", "restart"] = "restart"
+    segment_boundary: Literal["adopt", "restart"] = "adopt"
     kubernetes: KubernetesSpec | None = Field(None, validate_default=True)
 
     @field_validator("retry_delay", "collective_timeout", "heartbeat_interval", mode="before")

@@ -19,6 +19,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from relay.adopt import crossed
 from relay.detection import Detector, Observation
 from relay.faults import FaultKind
 from relay.launchers import Launcher, LaunchState, launcher_from
@@ -113,10 +114,13 @@ class SegmentWatchTrigger(BaseTrigger):
         )
 
     def passed_boundary(self, obs: Observation) -> bool:
-        """Return whether every rank has trained past ``boundary_step`` (the workload goes on)."""
+        """Return whether every rank has trained past ``boundary_step`` (the workload goes on):
+        their heartbeats say so, or rank 0's record of crossing it (heartbeats lag)."""
+        if self.boundary_step is None:
+            return False
         ranks = [r for ranks in self.node_ranks.values() for r in ranks]
-        return self.boundary_step is not None and all(
-            r in obs.heartbeats and obs.heartbeats[r].step >= self.boundary_step for r in ranks)
+        return all(r in obs.heartbeats and obs.heartbeats[r].step >= self.boundary_step
+                   for r in ranks) or crossed(Path(self.attempt_dir), self.boundary_step)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Poll until there is one thing to report, then report it."""

@@ -35,7 +35,11 @@ model: {{context: 32, d_model: 32, n_layers: 1, n_heads: 4, dropout: 0.1}}
 data: {{corpus: "builtin:python_docs", batch_size: 8}}
 retry_delay: 1s
 chaos: allowed
+segment_boundary: restart
 """
+# restart: every attempt launches, so each picks its own interval and checkpoints exactly
+# over [start, end). An adopted segment keeps its workload's interval (tests/unit/
+# test_boundary.py), and checkpoints before its adoption belong to the earlier attempt.
 CRASH = {"kind": "crash", "segment": 0, "step": 20, "rank": 1, "attempt": 1}
 
 

@@ -21,6 +21,7 @@ from processes import workload_processes
 from relay.adopt import ADOPTED_FILE, read_adopted
 from relay.boundary_time import boundaries
 from relay.lineage import TAG_OUTCOME, TAG_SEGMENT, Lineage
+from relay.nodes import NodePool
 
 pytestmark = pytest.mark.integration
 
@@ -59,6 +60,13 @@ def _run_dir(relay_home: Path, job: str) -> Path:
     return runs[-1]
 
 
+def _leased_to(parent: str) -> list[str]:
+    """Return the nodes still leased to the DAG run of MLflow run ``parent``."""
+    dag_run = Lineage.from_settings().client.get_run(parent).data.tags["relay.dag_run_id"]
+    return sorted(n for n, lease in NodePool().leases().items()
+                  if lease["holder"].endswith(f"/{dag_run}"))
+
+
 def _workloads(run_dir: Path) -> list[str]:
     """Return the attempt folders that launched processes (segment/try), in order."""
     return sorted(f"{h.parent.parent.name}/{h.parent.name}"
@@ -78,10 +86,6 @@ def restarted(env: dict[str, str], relay_home: Path,
     return final_state(Lineage.from_settings(), parent, tmp_path_factory.mktemp("r"), [90, 30])
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "opt-in adoption, merged with the channel and fencing: on a fresh clone the final "
-    "checkpoint (step 90) was logged in segment 1's run, not segment 2's (the chain itself "
-    "stayed unbroken); open in issue 12"))
 def test_one_workload_trains_every_segment_and_lineage_stays_true(
     env: dict[str, str], relay_home: Path, tmp_path: Path, restarted: dict[str, Any],
 ) -> None:
@@ -109,6 +113,7 @@ def test_one_workload_trains_every_segment_and_lineage_stays_true(
 
     assert_same_bits(restarted, final_state(lineage, parent, tmp_path, [90, 30]))
     assert workload_processes(relay_home) == {}, "the last segment stops everything"
+    assert _leased_to(parent) == [], "the next DAG run gets the nodes back"
 
 
 def test_a_hang_in_the_gap_is_seen_by_the_adopting_watcher_and_recovered_bit_for_bit(
@@ -125,11 +130,16 @@ def test_a_hang_in_the_gap_is_seen_by_the_adopting_watcher_and_recovered_bit_for
     assert json.loads((faulty / ADOPTED_FILE).read_text())["workload"].endswith(
         "segment-000/try-1")
     assert (faulty / "decision.json").exists()
-    # The retry launched afresh; the segment after it adopted that new workload (or, this
-    # job's steps taking milliseconds, found its steps already trained by it: a no-op).
+    # The retry launched afresh; the segment after it adopted that new workload, though
+    # this job's steps take milliseconds: the workload held its final checkpoint back
+    # until the last segment's task came, so that segment has an attempt of its own.
     assert _workloads(run_dir) == ["segment-000/try-1", "segment-001/try-2"]
     later = read_adopted(run_dir / "segment-002" / "try-1")
-    assert later is None or later["workload"].endswith("segment-001/try-2")
+    assert later is not None and later["workload"].endswith("segment-001/try-2")
+    final = lineage.chain(parent)[0]
+    assert final.step == 90
+    assert lineage.client.get_run(final.run_id).data.tags[TAG_SEGMENT] == "2"
 
     assert_same_bits(restarted, final_state(lineage, parent, tmp_path / "f", [90, 30]))
     assert workload_processes(relay_home) == {}, "no workload may outlive its DAG run"
+    assert _leased_to(parent) == [], "the next DAG run gets the nodes back"

@@ -7,6 +7,7 @@ The whole path through Airflow and real DDP is tests/integration/test_segment_ad
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,20 @@ import torch
 from relay import adopt
 from relay.boundary_time import RESTART_PARTS, boundaries
 from relay.detection import Observation
+from relay.interval import INTERVAL_FILE
 from relay.launchers import LaunchState, LaunchStatus
+from relay.nodes import NodePool
 from relay.triggers import SegmentWatchTrigger
 from relay_train.boundary import Adoption, BoundaryKeeper
 from relay_train.chaos import ChaosMonkey
 from relay_train.heartbeat import Heartbeat, HeartbeatWriter
-from relay_train.launch import ADOPT_FILE, FIRST_STEP_FILE, RESULT_FILE, LaunchConfig
+from relay_train.launch import (
+    ADOPT_FILE,
+    BOUNDARIES_FILE,
+    FIRST_STEP_FILE,
+    RESULT_FILE,
+    LaunchConfig,
+)
 
 CPU = torch.device("cpu")
 
@@ -78,6 +87,44 @@ def test_without_an_adoption_the_ranks_wait_the_bound_then_finish(tmp_path: Path
     assert keeper.agree(60, CPU) is False
     assert time.monotonic() - started >= 0.3
     assert keeper.limit == 60
+
+
+def test_a_later_segments_end_is_checkpointed_only_once_its_task_adopted_the_workload(
+    tmp_path: Path,
+) -> None:
+    keeper = BoundaryKeeper(_cfg(tmp_path, adopt_wait_seconds=30.0), rank=0)
+    assert keeper.owner_pending(30) is None  # its own segment's end: its own run
+    assert keeper.owner_pending(45) is None  # not a segment end
+    assert keeper.owner_pending(60) == 1
+    writer = threading.Timer(0.2, _adopt_file, (tmp_path, 90, 1, 3))
+    writer.start()
+
+    started = time.monotonic()
+    assert keeper.await_owner(60) is True
+    assert 0.2 <= time.monotonic() - started < 30.0
+    assert keeper.adoption == Adoption(90, "run-1", 1, 3)
+    assert keeper.owner_pending(60) is None
+    # The job's last step is segment 2's end: it waits for segment 2's task as well, so
+    # the final checkpoint is in the last segment's run however fast the steps are.
+    assert keeper.owner_pending(90) == 2
+    _adopt_file(tmp_path, 90, segment=2, attempt=1)
+    assert keeper.await_owner(90) is True and keeper.adoption.segment == 2
+
+
+def test_a_task_that_never_comes_costs_one_bounded_wait_then_the_ranks_finish(
+    tmp_path: Path,
+) -> None:
+    keeper = BoundaryKeeper(_cfg(tmp_path, adopt_wait_seconds=0.3), rank=0)
+
+    started = time.monotonic()
+    assert keeper.await_owner(60) is False  # the checkpoint goes to the earlier run
+    assert time.monotonic() - started >= 0.3
+    again = time.monotonic()
+    assert keeper.agree(60, CPU) is False  # no second wait at the same limit
+    assert time.monotonic() - again < 0.3
+    keeper.record(60, stall=0.01, agreed=0.0)
+    [entry] = [json.loads(line) for line in (tmp_path / BOUNDARIES_FILE).read_text().splitlines()]
+    assert entry["agree"] >= 0.3  # the wait is part of what the boundary cost the loop
 
 
 def test_a_workload_launched_to_stop_never_runs_on(tmp_path: Path) -> None:
@@ -171,11 +218,28 @@ def test_adopting_records_both_sides_and_runs_on_only_when_in_time(tmp_path: Pat
     assert adopt.watch_boundary(view, LaunchConfig.read(early / "launch.json")) == 60
     assert json.loads((record / FIRST_STEP_FILE).read_text())["adopted"] is True
 
-    # Already waiting at this segment's end: it waits there for the next segment's task.
+    # Waiting at this segment's end (its rank 0 holds that checkpoint back for this
+    # adoption): it may go on to the next segment's end, and waits there for that task.
     late = _workload(tmp_path / "run2", 0, 1, [60, 60])
     adopt.adopt(tmp_path / "run2" / "segment-001" / "try-1", late, run_id="r1", segment=1,
-                attempt=1, resume_step=60, end=60, next_end=90)
-    assert json.loads((late / ADOPT_FILE).read_text())["run_on_to"] == 60
+                attempt=1, resume_step=30, end=60, next_end=90)
+    assert json.loads((late / ADOPT_FILE).read_text())["run_on_to"] == 90
+
+
+def test_an_adopting_attempt_records_the_interval_it_keeps(tmp_path: Path) -> None:
+    workload = _workload(tmp_path / "run", 0, 2, [41, 42])
+    (workload / INTERVAL_FILE).write_text(json.dumps(
+        {"steps": 10, "mode": "auto", "reason": "Young/Daly: 10 steps"}))
+    record = tmp_path / "run" / "segment-001" / "try-1"
+
+    params = adopt.kept_interval(workload, record, 10)
+
+    kept = json.loads((record / INTERVAL_FILE).read_text())
+    assert (kept["steps"], kept["mode"]) == (10, "auto")
+    assert kept["reason"] == params["checkpoint_every_reason"]
+    assert kept["reason"].startswith("kept from the adopted workload segment-000/try-2")
+    assert kept["reason"].endswith("Young/Daly: 10 steps")
+    assert params["checkpoint_every"] == "10"
 
 
 def test_a_retry_stops_what_an_earlier_try_adopted(tmp_path: Path) -> None:
@@ -225,6 +289,24 @@ def test_the_watcher_completes_once_every_rank_passed_the_boundary(
     assert trigger.serialize()[1]["boundary_step"] == 60
 
 
+def test_rank_0s_record_of_crossing_the_boundary_counts_where_heartbeats_lag(
+    tmp_path: Path,
+) -> None:
+    # A rank that crashed or froze just after the boundary keeps a heartbeat from before
+    # it: the fault belongs to the next segment, whose task adopts and handles it.
+    trigger = SegmentWatchTrigger(str(tmp_path), {"node-a": [0], "node-b": [1]},
+                                  boundary_step=60)
+    obs = Observation(now=time.time(), launched_at=0.0,
+                      heartbeats={0: _beat(0, 58), 1: _beat(1, 64)},
+                      node_ranks=trigger.node_ranks, heartbeat_interval=0.5)
+    assert trigger.passed_boundary(obs) is False
+    (tmp_path / BOUNDARIES_FILE).write_text(json.dumps({"step": 30}) + "\n")
+    assert trigger.passed_boundary(obs) is False  # an earlier boundary
+    with (tmp_path / BOUNDARIES_FILE).open("a") as out:
+        out.write(json.dumps({"step": 60, "agree": 0.0}) + "\n" + '{"step": 9')
+    assert trigger.passed_boundary(obs) is True
+
+
 def test_a_restart_boundary_breaks_down_into_parts_that_add_up(tmp_path: Path) -> None:
     run = tmp_path / "run"
     before = _workload(run, 0, 1, [30, 30], run_on_to=None)
@@ -255,3 +337,45 @@ def test_a_failed_dag_run_stops_the_workload_it_handed_over(tmp_path: Path) -> N
     assert adopt.stop_run_workloads(run, launcher) == [running]
     assert launcher.stopped == [running]
     assert adopt.live_workload(run, 2, launcher) is None
+
+
+def test_the_end_of_a_dag_run_stops_its_workloads_and_frees_its_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RELAY_HOME", str(tmp_path / "home"))
+    pool = NodePool()
+    assert pool.select(2, holder="relay_j/run-1") == ["node-a", "node-b"]
+    run = tmp_path / "run"
+    running = _workload(run, 1, 1, [70, 70])
+    launcher = FakeLauncher({running: LaunchState.RUNNING})
+
+    assert adopt.end_run(run, "relay_j/run-1", launcher) == [running]
+    assert pool.leases() == {}
+    # The next DAG run is placed where an uninterrupted run would be.
+    assert pool.select(2, holder="relay_j/run-2") == ["node-a", "node-b"]
+    assert adopt.end_run(run, "relay_j/run-2", None) == []  # a job that never hands over
+    assert pool.leases() == {}
+
+
+class _NoCheckpointYet:
+    """A lineage whose MLflow holds no manifest (the publisher froze before writing it)."""
+
+    def __init__(self) -> None:
+        self.client = self
+
+    def list_artifacts(self, run_id: str, path: str) -> list[Any]:
+        return []
+
+    def manifests(self, parent: str) -> list[Any]:
+        return []
+
+
+def test_waiting_for_a_boundary_checkpoint_ends_once_relay_stopped_the_workload(
+    tmp_path: Path,
+) -> None:
+    workload = _workload(tmp_path / "run", 0, 1, [30, 30])
+    adopt.let_go(workload)  # the freeze guard stopped it: nothing more will be published
+
+    started = time.monotonic()
+    assert adopt.wait_published(_NoCheckpointYet(), "p", "r", 30, 60.0, workload) is False
+    assert time.monotonic() - started < 30.0  # not the whole checkpoint_timeout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ from mlflow.entities import RunStatus
 
 from relay.callbacks import TAG_FAILED_TASK, TAG_FAILURE_REASON, CloseParentRunOnFailure
 from relay.lineage import Lineage
+from relay.nodes import NodePool
 from relay.settings import REPO_ROOT
 from relay.spec import load_job_spec
 
@@ -73,3 +75,14 @@ def test_every_job_dag_and_its_tasks_close_the_run_on_failure() -> None:
         callbacks = task.on_failure_callback
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
         assert any(isinstance(c, CloseParentRunOnFailure) for c in callbacks), task.task_id
+
+
+def test_a_failed_dag_run_frees_its_nodes_for_the_next_run(
+    lineage: Lineage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RELAY_HOME", str(tmp_path))  # the node pool and the runs folder
+    pool = NodePool()
+    pool.select(2, holder="relay_cb/manual__4")  # kept by a workload handed over at a boundary
+    CloseParentRunOnFailure("cb")({"dag_run": SimpleNamespace(
+        dag_id="relay_cb", run_id="manual__4"), "reason": "task_failure"})
+    assert pool.leases() == {}

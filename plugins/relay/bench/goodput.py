@@ -200,7 +200,7 @@ def one_repeat(home: Path, repeat: int, args: dict[str, Any]) -> tuple[list[Run]
 
 def main(steps: int = 1200, segment: int = 300, every: int = 25, collective_timeout: float = 120.0,
          repeats: int = 3, smoke: bool = False, measure_default_timeout: bool = False,
-         segment_boundary: str = "restart") -> int:
+         segment_boundary: str = "adopt") -> int:
     """Run the repeats and print ETTR, lost steps and time to resume side by side."""
     args: dict[str, Any] = {"steps": steps, "segment": segment, "every": every,
                             "collective_timeout": collective_timeout, "repeats": repeats,

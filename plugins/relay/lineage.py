@@ -12,7 +12,7 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -268,37 +268,41 @@ class Lineage:
 
     def manifests(self, parent_run_id: str) -> list[CheckpointManifest]:
         """Return every logged checkpoint manifest of a DAG run, newest step first."""
-        found: list[CheckpointManifest] = []
+        return list(self.newest_first(parent_run_id))
+
+    def newest_first(self, parent_run_id: str) -> Iterator[CheckpointManifest]:
+        """Yield a DAG run's checkpoint manifests, newest step first, reading each only when
+        asked for: choosing where to resume reads the newest one or two, not every
+        checkpoint the job ever made (a full scan took seconds late in a long job)."""
+        by_step: dict[int, list[tuple[Any, str]]] = {}
+        for run in self.child_runs(parent_run_id):
+            rejected = {k.removeprefix(TAG_REJECTED) for k in run.data.tags
+                        if k.startswith(TAG_REJECTED)}
+            for entry in self._call(self.client.list_artifacts, run.info.run_id, CHECKPOINT_ROOT):
+                name = entry.path.rsplit("/", 1)[-1]
+                if entry.is_dir and name not in rejected:
+                    by_step.setdefault(_step_of(name), []).append((run, entry.path))
         with tempfile.TemporaryDirectory() as tmp:
-            for run in self.child_runs(parent_run_id):
-                run_id = run.info.run_id
-                rejected = {k.removeprefix(TAG_REJECTED) for k in run.data.tags
-                            if k.startswith(TAG_REJECTED)}
-                entries = self._call(self.client.list_artifacts, run_id, CHECKPOINT_ROOT)
-                for entry in entries:
-                    if not entry.is_dir or entry.path.rsplit("/", 1)[-1] in rejected:
-                        continue
-                    if self._refuse_fenced(run, entry.path.rsplit("/", 1)[-1]):
-                        continue
-                    names = {
-                        a.path.rsplit("/", 1)[-1]
-                        for a in self._call(self.client.list_artifacts, run_id, entry.path)
-                    }
-                    if MANIFEST_FILE not in names:
-                        continue  # file logged, manifest not: it does not count
-                    local = self._call(
-                        self.client.download_artifacts, run_id, f"{entry.path}/{MANIFEST_FILE}", tmp
-                    )
-                    try:
-                        manifest = CheckpointManifest.from_json(Path(local).read_text())
-                    except ValueError as exc:
-                        log.warning(
-                            "Ignoring bad manifest %s in run %s: %s", entry.path, run_id, exc
-                        )
-                        continue
-                    found.append(manifest)
-        found.sort(key=lambda m: (m.step, m.created_at), reverse=True)
-        return found
+            for step in sorted(by_step, reverse=True):
+                found = [m for run, path in by_step[step]
+                         if (m := self._manifest(run, path, tmp)) is not None]
+                yield from sorted(found, key=lambda m: (m.step, m.created_at), reverse=True)
+
+    def _manifest(self, run: Any, path: str, tmp: str) -> CheckpointManifest | None:  # noqa: ANN401
+        """Read one step dir's manifest; None if it is fenced, missing or unreadable."""
+        run_id = run.info.run_id
+        if self._refuse_fenced(run, path.rsplit("/", 1)[-1]):
+            return None
+        names = {a.path.rsplit("/", 1)[-1]
+                 for a in self._call(self.client.list_artifacts, run_id, path)}
+        if MANIFEST_FILE not in names:
+            return None  # file logged, manifest not: it does not count
+        local = self._call(self.client.download_artifacts, run_id, f"{path}/{MANIFEST_FILE}", tmp)
+        try:
+            return CheckpointManifest.from_json(Path(local).read_text())
+        except ValueError as exc:
+            log.warning("Ignoring bad manifest %s in run %s: %s", path, run_id, exc)
+            return None
 
     def latest_valid_checkpoint(
         self, parent_run_id: str, download_dir: Path
@@ -311,7 +315,7 @@ class Lineage:
     ) -> tuple[VerifiedCheckpoint | None, list[CorruptCheckpoint]]:
         """Return the newest verified checkpoint and the corrupt ones newer than it."""
         corrupt: list[CorruptCheckpoint] = []
-        for manifest in self.manifests(parent_run_id):
+        for manifest in self.newest_first(parent_run_id):
             target = download_dir / f"step-{manifest.step:08d}"
             target.mkdir(parents=True, exist_ok=True)
             local, bad = self._download_verified(manifest, target)
@@ -365,3 +369,9 @@ class Lineage:
                 break
             chain.append(nxt)
         return chain
+
+
+def _step_of(step_dir: str) -> int:
+    """Return the step a checkpoint dir is named for (``step-00000872``); -1 if none."""
+    number = step_dir.removeprefix("step-")
+    return int(number) if number.isdigit() else -1

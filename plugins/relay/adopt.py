@@ -306,6 +306,14 @@ def _silent(workload: Path, seconds: float) -> list[int]:
                   if now - b.wall_clock > seconds)
 
 
+def _adopted_by(workload: Path, index: int) -> bool:
+    """Return whether segment ``index`` (or a later one) has adopted ``workload``."""
+    try:
+        return int(json.loads((workload / ADOPT_FILE).read_text())["segment"]) >= index
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 @contextlib.contextmanager
 def freeze_guard(run_dir: Path, index: int, launcher: Launcher, silent_seconds: float,
                  grace_seconds: float = 5.0) -> Iterator[None]:
@@ -327,8 +335,8 @@ def freeze_guard(run_dir: Path, index: int, launcher: Launcher, silent_seconds: 
             if time.monotonic() - started < grace_seconds:
                 continue
             workload = live_workload(run_dir, index, launcher)
-            if workload is None:
-                return
+            if workload is None or _adopted_by(workload, index):
+                return  # gone, or adopted by this task: its own watcher sees any silence
             silent = _silent(workload, silent_seconds)
             if silent:
                 log.warning("The workload %s went silent between two segments (ranks %s, no "

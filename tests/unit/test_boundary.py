@@ -379,3 +379,23 @@ def test_waiting_for_a_boundary_checkpoint_ends_once_relay_stopped_the_workload(
     started = time.monotonic()
     assert adopt.wait_published(_NoCheckpointYet(), "p", "r", 30, 60.0, workload) is False
     assert time.monotonic() - started < 30.0  # not the whole checkpoint_timeout
+
+
+def test_the_freeze_guard_leaves_a_workload_this_task_adopted_to_its_watcher(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    workload = _workload(run, 0, 1, [52, 52])
+    for beat in (workload / "heartbeats").iterdir():  # a frozen node: silent for a minute
+        record = json.loads(beat.read_text())
+        beat.write_text(json.dumps({**record, "wall_clock": time.time() - 60}))
+    adopt.adopt(run / "segment-001" / "try-1", workload, run_id="r1", segment=1, attempt=1,
+                resume_step=30, end=60, next_end=90)
+    launcher = FakeLauncher({workload: LaunchState.RUNNING})
+
+    with adopt.freeze_guard(run, 1, launcher, silent_seconds=2.0, grace_seconds=0.0):
+        time.sleep(1.5)
+    assert launcher.stopped == []  # segment 1's watcher judges the silence (node_unresponsive)
+    with adopt.freeze_guard(run, 2, launcher, silent_seconds=2.0, grace_seconds=0.0):
+        time.sleep(1.5)  # segment 2's task, before adopting: nobody watches it
+    assert launcher.stopped == [workload]

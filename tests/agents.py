@@ -8,6 +8,7 @@ supervision is left out (no ranks are forked); everything on the wire is real.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -91,3 +92,23 @@ def close_served_agents() -> Iterator[None]:
     yield
     while SERVED:
         SERVED.popitem()[1].close()
+
+
+class FrozenAgent:
+    """An agent address that takes connections and never answers, as a SIGSTOPped agent's."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = "http://{}:{}".format(*self.server.getsockname())
+
+    def was_asked(self) -> bool:
+        """Return whether anybody so much as connected to it."""
+        self.server.settimeout(0)
+        try:
+            self.server.accept()[0].close()
+        except BlockingIOError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self.server.close()

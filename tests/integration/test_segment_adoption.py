@@ -116,6 +116,7 @@ def test_one_workload_trains_every_segment_and_lineage_stays_true(
     assert _leased_to(parent) == [], "the next DAG run gets the nodes back"
 
 
+@pytest.mark.slow  # ~90 s; `make test-slow` (and CI) run it; keeps `make test` near 10 min
 def test_a_hang_in_the_gap_is_seen_by_the_adopting_watcher_and_recovered_bit_for_bit(
     env: dict[str, str], relay_home: Path, tmp_path: Path, restarted: dict[str, Any],
 ) -> None:

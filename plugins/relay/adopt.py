@@ -268,11 +268,11 @@ def wait_published(lineage: Any, parent: str, run_id: str, step: int,  # noqa: A
                  for a in lineage.client.list_artifacts(run_id, step_dir(step))}
         if MANIFEST_FILE in names:
             return True
-        if polls % 10 == 9 and any(m.step == step for m in lineage.manifests(parent)):
+        if polls % 10 == 9 and lineage.has_checkpoint(parent, step):
             return True
         stopped = workload is not None and (workload / STOPPED_FILE).exists()
         if stopped or time.monotonic() >= deadline:
-            return any(m.step == step for m in lineage.manifests(parent))
+            return lineage.has_checkpoint(parent, step)
         polls += 1
         time.sleep(0.2)
 

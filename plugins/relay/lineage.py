@@ -288,6 +288,14 @@ class Lineage:
                          if (m := self._manifest(run, path, tmp)) is not None]
                 yield from sorted(found, key=lambda m: (m.step, m.created_at), reverse=True)
 
+    def has_checkpoint(self, parent_run_id: str, step: int) -> bool:
+        """Return whether a DAG run has a counted checkpoint at ``step`` (reading newest
+        first, down to that step only)."""
+        for manifest in self.newest_first(parent_run_id):
+            if manifest.step <= step:
+                return manifest.step == step
+        return False
+
     def _manifest(self, run: Any, path: str, tmp: str) -> CheckpointManifest | None:  # noqa: ANN401
         """Read one step dir's manifest; None if it is fenced, missing or unreadable."""
         run_id = run.info.run_id

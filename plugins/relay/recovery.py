@@ -33,20 +33,14 @@ def attempt_dirs(segment_dir: Path) -> list[Path]:
     return [p for _n, p in sorted(found)]
 
 
-def fault_history(segment_dir: Path, exclude: Path | None = None) -> list[FaultKind]:
-    """Return the fault kinds earlier attempts of a segment ended in, oldest first.
-
-    What this machine's folders say: each attempt folder's ``decision.json`` (written,
-    fsynced, before anything else records the decision). Decisions count from
-    :func:`relay.journal.fault_history`, which adds what the task state store lists
-    (attempts recorded on other machines). A folder set aside
-    as ``try-N.stale-T`` (the same try launched again) is never counted.
-    """
-    return list(faults_by_attempt(segment_dir, exclude).values())
-
-
 def faults_by_attempt(segment_dir: Path, exclude: Path | None = None) -> dict[str, FaultKind]:
-    """Return, per attempt folder (oldest first), the fault kind its ``decision.json`` names."""
+    """Return, per attempt folder (oldest first), the fault kind its ``decision.json`` names.
+
+    What this machine's folders say (written, fsynced, before anything else records the
+    decision); decisions count from :func:`relay.journal.fault_history`, which adds what
+    the task state store lists. A folder set aside as ``try-N.stale-T`` (the same try
+    launched again) is never counted.
+    """
     kinds = {}
     for folder in attempt_dirs(segment_dir):
         record = folder / "decision.json"

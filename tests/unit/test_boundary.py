@@ -366,8 +366,8 @@ class _NoCheckpointYet:
     def list_artifacts(self, run_id: str, path: str) -> list[Any]:
         return []
 
-    def manifests(self, parent: str) -> list[Any]:
-        return []
+    def has_checkpoint(self, parent: str, step: int) -> bool:
+        return False
 
 
 def test_waiting_for_a_boundary_checkpoint_ends_once_relay_stopped_the_workload(

@@ -57,3 +57,19 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path: Path
 
     assert latest is not None and latest.manifest.step == 20
     assert [c.manifest.step for c in corrupt] == [30]
+
+
+def test_has_checkpoint_reads_down_to_the_step_only(tmp_path: Path) -> None:
+    lineage = Lineage(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    parent = lineage.parent_run("t", "relay_t", "run-1")
+    run = lineage.attempt_run(parent, 0, 1, {"segment": 0})
+    for step in (10, 20, 30, 40):
+        _publish(lineage, run, step, tmp_path)
+    counting = CountingClient(lineage.client)
+    lineage._client = counting
+
+    assert lineage.has_checkpoint(parent, 30)
+    assert [p.rsplit("/", 1)[0] for p in counting.downloads] == [
+        "checkpoints/step-00000040", "checkpoints/step-00000030"]  # two manifests, no more
+    assert not lineage.has_checkpoint(parent, 25)
+    assert not lineage.has_checkpoint(parent, 50)

@@ -67,7 +67,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(
 def test_fault_history_comes_from_attempt_folders_and_skips_stale_ones(tmp_path: Path) -> None:
     import json
 
-    from relay.recovery import fault_history
+    from relay.journal import fault_history
 
     def decided(folder: str, kind: str) -> Path:
         path = tmp_path / folder
@@ -81,5 +81,5 @@ def test_fault_history_comes_from_attempt_folders_and_skips_stale_ones(tmp_path:
     decided("try-10", "straggler")
     current = decided("try-11", "nan_loss")
     (tmp_path / "try-3").mkdir()  # an attempt that has not decided anything
-    assert [k.value for k in fault_history(tmp_path, exclude=current)] == [
+    assert [k.value for k in fault_history({}, tmp_path, exclude=current)] == [
         "crash", "hang", "straggler"]

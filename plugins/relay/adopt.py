@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 ADOPTED_FILE = "adopted.json"  # in the adopting attempt's folder: the workload it watches
 BOUNDARY_FILE = "boundary.json"  # in an attempt's folder: when its task saw the boundary
 STOPPED_FILE = "let-go.json"  # in a workload's folder: Relay stopped it; never adopt it
+# The freeze guard (a thread of the task) and the adoption (the task itself) decide the
+# same workload's fate: one of them, never both (a stopped workload adopted is a "crash").
+_HANDOVER = threading.Lock()
 
 
 def enabled(spec: JobSpec, launcher: Launcher) -> bool:
@@ -171,8 +174,9 @@ def refusal(workload: Path, end: int, resume_step: int) -> str | None:
 
 
 def adopt(record_dir: Path, workload: Path, *, run_id: str, segment: int, attempt: int,
-          resume_step: int, end: int, next_end: int | None) -> int:
-    """Take ``workload`` over for this attempt; return the step it was at.
+          resume_step: int, end: int, next_end: int | None) -> int | None:
+    """Take ``workload`` over for this attempt; return the step it was at (None: the
+    freeze guard stopped it first).
 
     It may train on to ``next_end`` (the next segment's end; the job's last step for
     the last segment). One waiting at this segment's end has not checkpointed it yet:
@@ -186,13 +190,16 @@ def adopt(record_dir: Path, workload: Path, *, run_id: str, segment: int, attemp
     run_on_to = next_end if next_end is not None else end
     now = time.time()
     record_dir.mkdir(parents=True, exist_ok=True)
-    write_atomically(record_dir / ADOPTED_FILE, json.dumps({
-        "workload": str(workload), "run_id": run_id, "segment": segment, "attempt": attempt,
-        "resume_step": resume_step, "end_step": end, "at_step": at, "adopted_at": now}),
-        durable=True)
-    write_atomically(workload / ADOPT_FILE, json.dumps({
-        "run_on_to": run_on_to, "run_id": run_id, "segment": segment, "attempt": attempt}),
-        durable=True)
+    with _HANDOVER:
+        if (workload / STOPPED_FILE).exists():
+            return None
+        write_atomically(record_dir / ADOPTED_FILE, json.dumps({
+            "workload": str(workload), "run_id": run_id, "segment": segment,
+            "attempt": attempt, "resume_step": resume_step, "end_step": end, "at_step": at,
+            "adopted_at": now}), durable=True)
+        write_atomically(workload / ADOPT_FILE, json.dumps({
+            "run_on_to": run_on_to, "run_id": run_id, "segment": segment,
+            "attempt": attempt}), durable=True)
     # Productive from the adoption on (reports and the Recovery page read this file).
     write_atomically(record_dir / FIRST_STEP_FILE, json.dumps(
         {"step": at, "at": now, "node": None, "adopted": True}))
@@ -334,18 +341,20 @@ def freeze_guard(run_dir: Path, index: int, launcher: Launcher, silent_seconds: 
         while not done.wait(0.5):
             if time.monotonic() - started < grace_seconds:
                 continue
-            workload = live_workload(run_dir, index, launcher)
-            if workload is None or _adopted_by(workload, index):
-                return  # gone, or adopted by this task: its own watcher sees any silence
-            silent = _silent(workload, silent_seconds)
-            if silent:
-                log.warning("The workload %s went silent between two segments (ranks %s, no "
-                            "heartbeat for %.0fs) while this task waits on MLflow: stopping it; "
-                            "the next segment resumes from the latest checkpoint",
-                            workload, silent, silent_seconds)
-                launcher.stop(workload)
-                let_go(workload)
-                return
+            with _HANDOVER:
+                workload = live_workload(run_dir, index, launcher)
+                if workload is None or _adopted_by(workload, index):
+                    return  # gone, or adopted by this task: its own watcher sees any silence
+                silent = _silent(workload, silent_seconds)
+                if not silent:
+                    continue
+                let_go(workload)  # first: this task must not adopt what is being stopped
+            log.warning("The workload %s went silent between two segments (ranks %s, no "
+                        "heartbeat for %.0fs) while this task waits on MLflow: stopping it; "
+                        "the next segment resumes from the latest checkpoint",
+                        workload, silent, silent_seconds)
+            launcher.stop(workload)
+            return
 
     thread = threading.Thread(target=watch, name="freeze-guard", daemon=True)
     thread.start()

@@ -88,11 +88,14 @@ class Detector:
         self._first_step: int | None = None
         self._stepped: dict[int, tuple[int, float]] = {}  # rank -> (step, when it was reached)
         self._secondary_since: float | None = None
+        self._watching_since: float | None = None  # this detector's first observation
         self._steps = StepTimes()  # for a hang threshold derived from the job's step time
         self.baseline: float | None = None
 
     def check(self, obs: Observation) -> Fault | None:
         """Return the fault these observations show, if any."""
+        if self._watching_since is None:
+            self._watching_since = obs.now
         for rank, beat in obs.heartbeats.items():
             seen = self._stepped.get(rank)
             if seen is None or beat.step != seen[0]:
@@ -147,8 +150,12 @@ class Detector:
         waited = obs.now - obs.launched_at
         if waited <= self.cfg.startup_timeout:
             return None
+        stepping = any(b.phase != Phase.STARTING.value for b in obs.heartbeats.values())
         for rank in obs.expected_ranks:
             beat = obs.heartbeats.get(rank)
+            node = obs.node_of(rank)
+            if beat is None and stepping and node and self._agent_age(obs, node) == math.inf:
+                continue  # it rendezvoused, then its node fell silent: the liveness rules
             if beat is None or beat.phase == Phase.STARTING.value:
                 state = "no heartbeat" if beat is None else "still starting"
                 return Fault(
@@ -215,24 +222,41 @@ class Detector:
                               "host": node.host}, obs.now)
         return None
 
+    def _unheard(self, obs: Observation, limit: float) -> set[int]:
+        """Return the ranks this watcher never heard although the job is past start-up.
+
+        A watcher that adopted a running workload (or restarted) starts with no
+        heartbeats; a node frozen before that never sends one. Once any rank steps,
+        every rank rendezvoused, so a rank unheard for ``limit`` s is silent.
+        """
+        since = self._watching_since
+        if obs.launch is None or since is None or obs.now - since <= limit:
+            return set()
+        if not any(b.phase != Phase.STARTING.value for b in obs.heartbeats.values()):
+            return set()
+        return {r for r in obs.expected_ranks if r not in obs.heartbeats}
+
     def _stale(self, obs: Observation) -> Fault | None:
-        stale = {r for r, b in obs.heartbeats.items() if self._is_stale(b, obs.now)}
-        if not stale:
-            return None
         # A frozen node's ranks fall silent within one heartbeat interval of each
         # other, and its agent a little later; wait for that before blaming a rank.
         agent_limit = self.cfg.heartbeat_timeout + AGENT_STATUS_INTERVAL_SECONDS
+        unheard = self._unheard(obs, agent_limit)
+        stale = {r for r, b in obs.heartbeats.items() if self._is_stale(b, obs.now)}
+        if not stale and not unheard:
+            return None
         grace = AGENT_STATUS_INTERVAL_SECONDS + 2 * obs.heartbeat_interval
         for node, ranks in obs.node_ranks.items():
             if FaultKind.NODE_UNRESPONSIVE not in self.enabled:
                 break
             agent_age = self._agent_age(obs, node)
-            if ranks and set(ranks) <= stale and (agent_age is None or agent_age > agent_limit):
-                ages = {r: round(self._age(obs.heartbeats[r], obs.now), 2) for r in ranks}
+            if ranks and set(ranks) <= stale | unheard and (
+                    agent_age is None or agent_age > agent_limit):
+                ages = {r: round(self._age(obs.heartbeats[r], obs.now), 2)
+                        if r in obs.heartbeats else None for r in ranks}
                 return Fault(FaultKind.NODE_UNRESPONSIVE, None, node,
                              {"summary": f"every rank of {node} and its agent went silent",
                               "heartbeat_age_seconds": ages,
-                              "agent_age_seconds": None if agent_age is None
+                              "agent_age_seconds": None if agent_age in (None, math.inf)
                               else round(agent_age, 2)}, obs.now)
         for rank in sorted(stale, key=lambda r: obs.heartbeats[r].wall_clock):
             beat = obs.heartbeats[rank]
@@ -284,7 +308,8 @@ class Detector:
         # Every rank busy at once (an evaluation pass, say) is judged on the policy's own
         # hang_timeout: a threshold derived from the steps is for one rank that holds up others.
         working = [b for b in beats if b.phase in _WORKING and b.rank in alive]
-        if working and len(working) == len(beats) and all(
+        heard_all = all(r in obs.heartbeats for r in obs.expected_ranks)
+        if working and heard_all and len(working) == len(beats) and all(
             in_phase[b.rank] > self.cfg.hang_timeout for b in working
         ):
             return Fault(FaultKind.HANG, None, None,

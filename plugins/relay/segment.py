@@ -197,6 +197,12 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         at = adopt.adopt(attempt_dir, workload, run_id=run_id, segment=index,
                          attempt=try_number, resume_step=resume_step, end=end,
                          next_end=next_end)
+        if at is None:
+            log.warning("Not adopting the workload %s: it went silent and was stopped first. "
+                        "Launching afresh", workload)
+            lineage.fence_attempt(run_id, "abandoned: the workload it was to adopt was stopped")
+            lineage.finish_run(run_id, "abandoned")
+            return False
         lineage.set_tags(run_id, {"relay.adopted_at_step": str(at)})
         resume_time.note_launch(attempt_dir, task_started, time.time())
         view = adopt.attempt_view(attempt_dir, cfg)

@@ -399,3 +399,22 @@ def test_the_freeze_guard_leaves_a_workload_this_task_adopted_to_its_watcher(
     with adopt.freeze_guard(run, 2, launcher, silent_seconds=2.0, grace_seconds=0.0):
         time.sleep(1.5)  # segment 2's task, before adopting: nobody watches it
     assert launcher.stopped == [workload]
+
+
+def test_a_workload_the_freeze_guard_stopped_is_never_adopted(tmp_path: Path) -> None:
+    """The guard marks the workload let go before stopping it: an adoption that comes
+    while it stops (the task unblocked by that very stop) launches afresh instead."""
+    run = tmp_path / "run"
+    workload = _workload(run, 0, 1, [52, 52])
+    for beat in (workload / "heartbeats").iterdir():
+        record = json.loads(beat.read_text())
+        beat.write_text(json.dumps({**record, "wall_clock": time.time() - 60}))
+    launcher = FakeLauncher({workload: LaunchState.RUNNING})
+    with adopt.freeze_guard(run, 1, launcher, silent_seconds=2.0, grace_seconds=0.0):
+        time.sleep(1.5)
+    assert launcher.stopped == [workload]
+    record = run / "segment-001" / "try-1"
+    assert adopt.adopt(record, workload, run_id="r1", segment=1, attempt=1, resume_step=30,
+                       end=60, next_end=90) is None
+    assert not (record / adopt.ADOPTED_FILE).exists()
+    assert adopt.live_workload(run, 1, launcher) is None

@@ -830,3 +830,33 @@ def test_a_freezing_node_is_not_blamed_on_its_first_silent_rank() -> None:
     later = T0 + AGENT_STATUS_INTERVAL_SECONDS + 0.5
     assert_fault(check(observe(later, beats, launch=launch)), FaultKind.NODE_UNRESPONSIVE, None,
                  "node-b")
+
+
+def test_a_node_frozen_before_the_watcher_started_is_node_unresponsive() -> None:
+    """A watcher that adopts a running workload never hears a node frozen before it came.
+
+    Its ranks are missing, not stale, and its agent never answered: the node is silent,
+    not every rank "busy" (the job-wide hang rule needs every rank heard).
+    """
+    detector = Detector(CFG)
+    alive = running(T0, agent_age={"node-a": None})
+    hung_since = CFG.hang_timeout + 1.0  # node-b waits on node-a in the collective
+    beats = [hb(r, T0, phase=COLLECTIVE, in_phase=hung_since) for r in (2, 3)]
+    assert detector.check(observe(T0, beats, launch=alive)) is None  # just started watching
+    later = T0 + CFG.heartbeat_timeout + AGENT_STATUS_INTERVAL_SECONDS + INTERVAL
+    beats = [hb(r, later, phase=COLLECTIVE, in_phase=hung_since + later - T0) for r in (2, 3)]
+    fault = detector.check(observe(later, beats, launch=running(later, agent_age={"node-a": None})))
+    fault = assert_fault(fault, FaultKind.NODE_UNRESPONSIVE, None, "node-a")
+    assert fault.evidence["heartbeat_age_seconds"] == {0: None, 1: None}
+    assert fault.evidence["agent_age_seconds"] is None
+
+
+def test_unheard_ranks_of_a_node_whose_agent_answers_are_no_node_fault() -> None:
+    detector = Detector(CFG)
+    beats = [hb(r, T0) for r in (2, 3)]
+    assert detector.check(observe(T0, beats, launched_at=T0 - 1)) is None
+    later = T0 + CFG.heartbeat_timeout + AGENT_STATUS_INTERVAL_SECONDS + INTERVAL
+    assert detector.check(observe(later, [hb(r, later) for r in (2, 3)], launched_at=T0 - 1)) \
+        is None  # their heartbeats may be late; past startup_timeout: a launch failure
+    fault = detector.check(observe(later, [hb(r, later) for r in (2, 3)]))
+    assert_fault(fault, FaultKind.LAUNCH_FAILURE, 0, "node-a", "no heartbeat")

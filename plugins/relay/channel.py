@@ -76,6 +76,12 @@ class AgentChannel:
         self.beats: dict[int, Heartbeat] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, Future[NodeReport | None]] = {}
+        self.silent: set[str] = set()  # nodes known not to answer (a frozen node): not asked
+
+    def mark_silent(self, nodes: set[str]) -> None:
+        """Stop asking ``nodes`` (a fault found them frozen): each ask would only cost its
+        timeout. Their last answers are kept."""
+        self.silent |= nodes & set(self.addresses)
 
     # -- one request ----------------------------------------------------------------
 
@@ -175,7 +181,8 @@ class AgentChannel:
         for the next poll (with the time it arrived), so a loaded host is not a silent one,
         and a frozen agent costs no poll more than that wait.
         """
-        targets = [n for n in (self.addresses if nodes is None else nodes) if n in self.addresses]
+        targets = [n for n in (self.addresses if nodes is None else nodes)
+                   if n in self.addresses and n not in self.silent]
         if not targets:
             return {}
         if self._pool is None:

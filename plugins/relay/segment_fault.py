@@ -43,7 +43,7 @@ from relay.operators import lineage_store
 from relay.policy import Detection, LoadedPolicy
 from relay.record import best_effort, record_fault
 from relay.recovery import SegmentFaultError, quarantine
-from relay.rescue import publish_rescue, request_rescue
+from relay.rescue import publish_rescue, request_rescue, silent
 from relay.spec import JobSpec
 from relay_train.heartbeat import write_atomically
 from relay_train.launch import LaunchConfig
@@ -147,6 +147,7 @@ class FaultHandling:
             self._prestart(spec, decision, record_dir.parent,
                            _lease_holder(spec.dag_id, context["dag_run"].run_id), launcher)
         clock.mark("decide", time.time())
+        launcher.channel(attempt_dir).mark_silent(silent(fault, cfg)[0])
         beats = launcher.status(attempt_dir).heartbeats  # over the channel, not from files
         progress = max((b.step for b in beats.values()), default=cfg.start_step)
         evidence, drained, rescued = self._save_state(attempt_dir, cfg, fault, decision,

@@ -285,10 +285,11 @@ def _act(args: dict[str, Any], cfg: Any, launcher: Any, save: bool) -> Stopped: 
     from relay.drain import drain
     from relay.evidence import ask_for_evidence, collect_evidence
     from relay.faults import Fault
-    from relay.rescue import request_rescue
+    from relay.rescue import request_rescue, silent
 
     attempt_dir = Path(args["attempt_dir"])
     fault = Fault.from_event(args["fault"]["fault"])
+    launcher.channel(attempt_dir).mark_silent(silent(fault, cfg)[0])
     asked = rescued = drained = None
     if not save:
         log.warning("No agent of %s answers: nothing to save from; stopping it", attempt_dir)

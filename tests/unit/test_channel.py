@@ -252,3 +252,25 @@ def test_a_slow_answer_counts_at_the_next_poll_with_the_time_it_arrived(
     assert second["node-b"].received_at < time.time() - 0.2
     assert sorted(channel.beats) == [0, 1, 2, 3]
     channel.close()
+
+
+def test_a_node_marked_silent_is_not_asked_again_and_keeps_its_last_word(
+    root: Path, agents: ServedAttempt
+) -> None:
+    """A fault that found node-b frozen marks it: later polls (the heartbeats read before
+    the rescue) and the stop's asks skip it instead of waiting out its timeout."""
+    from agents import FrozenAgent
+
+    _beat_all(root)
+    agents.status(root)
+    frozen = FrozenAgent()
+    try:
+        channel = agents.channel(root)
+        channel.addresses["node-b"] = frozen.address  # node-b froze after its last answer
+        channel.mark_silent({"node-b", "node-z"})  # a node the attempt lacks is ignored
+        assert channel.silent == {"node-b"}
+        status = agents.status(root)
+        assert not frozen.was_asked()
+        assert sorted(status.heartbeats) == [0, 1, 2, 3]
+    finally:
+        frozen.close()

@@ -340,7 +340,7 @@ class LocalLauncher:
     def _ask_to_stop(self, root: Path, nodes: list[str]) -> None:
         """Ask the agents over the channel first, as on a cluster (signals follow anyway)."""
         channel = self.channel(root)
-        targets = [n for n in nodes if n in channel.addresses]
+        targets = [n for n in nodes if n in channel.addresses and n not in channel.silent]
         if not targets:
             return
         with ThreadPoolExecutor(max_workers=min(len(targets), MAX_PARALLEL)) as pool:

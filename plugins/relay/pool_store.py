@@ -31,6 +31,7 @@ import fcntl
 import functools
 import json
 import os
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -63,7 +64,7 @@ class PoolStore(Protocol):
 
 
 def _parse(raw: str, where: str, fix: str) -> dict[str, Any]:
-    """Return the pool's state from its JSON text (None: a fresh pool); check its shape."""
+    """Return the pool's state from its JSON text; raise PoolStoreError if it is not one."""
     try:
         state = json.loads(raw)
     except ValueError as exc:
@@ -224,8 +225,6 @@ class SqlStore:
     @contextmanager
     def locked(self) -> Iterator[dict[str, Any]]:
         """Yield the state inside a transaction holding the pool's row; update it if changed."""
-        import time
-
         from sqlalchemy import text, update
         from sqlalchemy.exc import SQLAlchemyError
 

@@ -51,7 +51,8 @@ test-services: $(STAMP)
 	bash scripts/system-deps.sh
 	$(BIN)/python -m pytest -q --tb=short -m services tests/services
 
-# `make up` with Airflow's metadata in a private PostgreSQL (apt-get install postgresql).
+# `make up` with Airflow's metadata in a private PostgreSQL (apt-get install postgresql), and
+# two workers sharing the node pool through one (RELAY_NODE_POOL_URL).
 test-postgres: $(STAMP)
 	bash scripts/system-deps.sh
 	$(BIN)/python -m pytest -q --tb=short -m postgres tests/services

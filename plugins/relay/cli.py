@@ -11,6 +11,7 @@ from typing import Any
 
 from relay import settings
 from relay.cli_services import add_commands
+from relay.pool_store import PoolStoreError
 from relay.yamlsource import ConfigError
 
 DEMO_SPEC = settings.jobs_dir() / "demo.yaml"
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return int(args.func(args))
-    except ConfigError as err:
+    except (ConfigError, PoolStoreError) as err:  # bad input, or the node pool's database
         print(err, file=sys.stderr)
         return 2
 

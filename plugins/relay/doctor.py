@@ -283,6 +283,23 @@ def check_clocks(max_skew_seconds: float, tracking_uri: str | None = None,
     return [mlflow, airflow]
 
 
+def check_node_pool() -> Check:
+    """Read the node pool where the settings keep it (``RELAY_NODE_POOL_URL`` or nodes.json)."""
+    from relay.pool_store import FileStore, PoolStoreError, from_settings
+
+    try:
+        store = from_settings()
+        with store.locked() as state:
+            found = f"{len(state['quarantines'])} quarantine(s), {len(state['leases'])} lease(s)"
+    except PoolStoreError as err:
+        return Check("node pool", Status.FAIL, str(err))
+    if isinstance(store, FileStore):
+        return Check("node pool", Status.OK, f"{store.describe()}: {found} (seen by this "
+                     "machine only; set RELAY_NODE_POOL_URL for the Celery or Kubernetes "
+                     "executor)")
+    return Check("node pool", Status.OK, f"{store.describe()}: {found}")
+
+
 def run_checks(*, gpus: int = 0, max_skew_seconds: float = 2.0, tracking_uri: str | None = None,
                airflow_db: str | None = None,
                allreduce: Callable[[str], Check] = check_allreduce) -> list[Check]:
@@ -297,6 +314,7 @@ def run_checks(*, gpus: int = 0, max_skew_seconds: float = 2.0, tracking_uri: st
         checks.append(Check("nccl all-reduce", Status.SKIP, "needs 2 GPUs and NCCL"))
     checks += [check_master_addr(), check_socket_interfaces()]
     checks += check_clocks(max_skew_seconds, tracking_uri, airflow_db)
+    checks.append(check_node_pool())
     return checks
 
 

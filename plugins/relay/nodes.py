@@ -5,17 +5,17 @@ attempt ends or the lease expires, so two DAG runs never train on one node at
 once; a task killed without cleaning up frees its nodes when its DAG run's next
 attempt leases again, or after :data:`LEASE_SECONDS`.
 
-State lives in one JSON file (``$RELAY_HOME/nodes.json``) changed only under an
-exclusive ``flock`` and replaced atomically, so it survives Airflow restarts
-and two segments deciding at once cannot lose each other's quarantines.
+State lives in a :mod:`relay.pool_store`: by default one JSON file
+(``$RELAY_HOME/nodes.json``) changed only under an exclusive ``flock``; with
+``RELAY_NODE_POOL_URL`` one row of a database every Airflow worker reaches,
+changed only in a transaction that locks it. Either way it survives Airflow
+restarts and two segments deciding at once cannot lose each other's quarantines.
 Simulated local nodes come from ``RELAY_NODES``; on Kubernetes the same
 quarantine becomes a node taint.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
 import os
 import time
@@ -25,8 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from relay import settings
-from relay_train.heartbeat import write_atomically
+from relay.pool_store import FileStore, PoolStore, from_settings
 
 log = logging.getLogger(__name__)
 
@@ -64,37 +63,20 @@ def inventory() -> list[str]:
 class NodePool:
     """Quarantine, release and select nodes; safe across processes."""
 
-    def __init__(self, state_file: Path | None = None, nodes: list[str] | None = None) -> None:
-        self.state_file = state_file or settings.relay_home() / "nodes.json"
+    def __init__(self, state_file: Path | None = None, nodes: list[str] | None = None,
+                 store: PoolStore | None = None) -> None:
+        """Use ``store``, else the file ``state_file``, else what the settings name
+        (``RELAY_NODE_POOL_URL``, or ``$RELAY_HOME/nodes.json``)."""
+        if store is None:
+            store = FileStore(state_file) if state_file is not None else from_settings()
+        self.store = store
         self.nodes = nodes if nodes is not None else inventory()
 
     @contextmanager
     def _locked(self) -> Iterator[dict[str, Any]]:
-        self.state_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.state_file.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                state = json.loads(self.state_file.read_text())
-            except FileNotFoundError:
-                state = {"quarantines": {}}
-            except ValueError as exc:
-                raise RuntimeError(
-                    f"{self.state_file}: expected the node pool's JSON state, found unreadable "
-                    f"content ({exc}). Fix or delete the file; only quarantines are lost."
-                ) from exc
-            if not isinstance(state, dict) or not isinstance(state.get("quarantines"), dict):
-                raise RuntimeError(
-                    f"{self.state_file}: expected a JSON object with a `quarantines` mapping, "
-                    f"found {type(state).__name__} without one. Fix or delete the file; only "
-                    "quarantines are lost."
-                )
-            if not isinstance(state.get("leases"), dict):
-                state["leases"] = {}
-            before = json.dumps(state, sort_keys=True)
+        """Yield the pool's state locked against every other decider; store it if changed."""
+        with self.store.locked() as state:
             yield state
-            if json.dumps(state, sort_keys=True) != before:
-                write_atomically(self.state_file, json.dumps(state, indent=2, sort_keys=True),
-                                 durable=True)
 
     def quarantines(self, now: float | None = None) -> dict[str, Quarantine]:
         """Return the quarantines in force at ``now``."""

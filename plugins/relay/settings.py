@@ -38,3 +38,12 @@ def mlflow_artifact_root() -> Path:
 def jobs_dir() -> Path:
     """Return the folder of job specs that the DAG file turns into DAGs."""
     return Path(os.environ.get("RELAY_JOBS_DIR", REPO_ROOT / "dags" / "jobs"))
+
+
+NODE_POOL_URL_ENV = "RELAY_NODE_POOL_URL"
+
+
+def node_pool_url() -> str | None:
+    """Return the SQLAlchemy URL of the database holding the node pool, or None for the
+    default: ``$RELAY_HOME/nodes.json``, which only processes on this machine see."""
+    return os.environ.get(NODE_POOL_URL_ENV, "").strip() or None

@@ -1,9 +1,16 @@
-"""Unit tests for the node pool: quarantine with expiry, selection, persistence, locking, CLI."""
+"""Unit tests for the node pool: quarantine with expiry, selection, persistence, locking, CLI.
+
+Every behaviour test runs twice: on the default store (``$RELAY_HOME/nodes.json``) and on
+the SQL store (``RELAY_NODE_POOL_URL``) over a real SQLite file. The PostgreSQL store, with
+two workers that share no disk, is tested in ``tests/services/test_node_pool_postgres.py``.
+"""
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import sqlite3
 import time
 from pathlib import Path
 
@@ -11,29 +18,90 @@ import pytest
 
 from relay.cli import main
 from relay.nodes import DEFAULT_NODES, NodePool, NotEnoughNodesError, inventory
+from relay.pool_store import POOL_NAME, TABLE_NAME, FileStore, PoolStore, SqlStore
 
 NODES = ["n1", "n2", "n3"]
+BACKENDS = ["file", "sqlite"]
+
+
+class Backend:
+    """One store for a test: make pools on it, read what it holds, spoil it."""
+
+    def __init__(self, kind: str, root: Path) -> None:
+        self.kind = kind
+        self.file = root / "state" / "nodes.json"
+        self.db = root / "shared" / "pool.db"
+        self.url = f"sqlite:///{self.db}"
+
+    def store(self) -> PoolStore:
+        if self.kind == "file":
+            return FileStore(self.file)
+        self.db.parent.mkdir(parents=True, exist_ok=True)
+        return SqlStore(self.url)
+
+    def pool(self, nodes: list[str] | None = None) -> NodePool:
+        return NodePool(nodes=list(nodes or NODES), store=self.store())
+
+    def raw(self) -> str | None:
+        """Return the stored text of the state, or None if nothing was stored."""
+        if self.kind == "file":
+            return self.file.read_text() if self.file.exists() else None
+        if not self.db.exists():
+            return None
+        with sqlite3.connect(self.db) as conn:
+            try:
+                row = conn.execute(f"SELECT state FROM {TABLE_NAME} WHERE pool = ?",
+                                   (POOL_NAME,)).fetchone()
+            except sqlite3.OperationalError:  # no table yet
+                return None
+        return None if row is None else row[0]
+
+    def stored(self) -> dict | None:
+        raw = self.raw()
+        return None if raw is None else json.loads(raw)
+
+    def spoil(self, content: str) -> None:
+        """Replace the stored state with ``content``, as a person with an editor might."""
+        if self.kind == "file":
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            self.file.write_text(content)
+            return
+        self.pool().healthy()  # creates the table and the row
+        with sqlite3.connect(self.db) as conn:
+            conn.execute(f"UPDATE {TABLE_NAME} SET state = ? WHERE pool = ?", (content, POOL_NAME))
+
+    @property
+    def fix(self) -> str:
+        return "Fix or delete the file" if self.kind == "file" else "Fix or delete that row"
+
+    @property
+    def where(self) -> str:
+        return str(self.file) if self.kind == "file" else f"{TABLE_NAME} (pool 'default') of"
+
+
+EMPTY = {"quarantines": {}, "leases": {}}
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    return Backend(request.param, tmp_path)
 
 
 @pytest.fixture
-def state_file(tmp_path: Path) -> Path:
-    return tmp_path / "state" / "nodes.json"
-
-
-@pytest.fixture
-def pool(state_file: Path) -> NodePool:
-    return NodePool(state_file=state_file, nodes=list(NODES))
+def pool(backend: Backend) -> NodePool:
+    return backend.pool()
 
 
 # -- quarantine, release, healthy, select -----------------------------------------------------
 
 
-def test_fresh_pool_is_all_healthy_and_writes_nothing(pool: NodePool) -> None:
+def test_fresh_pool_is_all_healthy_and_writes_nothing(pool: NodePool, backend: Backend) -> None:
     assert pool.healthy() == NODES
     assert pool.quarantines() == {}
     assert pool.select(3) == NODES
     assert pool.select(2) == ["n1", "n2"]
-    assert not pool.state_file.exists()  # reading does not create state
+    # Reading stores nothing (the SQL store creates its table and an empty row once).
+    assert backend.stored() in ((None,) if backend.kind == "file" else ({"quarantines": {}},))
 
 
 def test_quarantine_keeps_a_node_out_until_released(pool: NodePool) -> None:
@@ -107,72 +175,93 @@ def test_select_gives_up_after_wait_up_to(pool: NodePool) -> None:
     assert 0.25 < time.monotonic() - start < 3.0
 
 
-def test_state_survives_a_restart(pool: NodePool, state_file: Path) -> None:
+def test_state_survives_a_restart(pool: NodePool, backend: Backend) -> None:
     q = pool.quarantine("n1", 600, reason="crash", by="rules.crash")
-    again = NodePool(state_file=state_file, nodes=list(NODES))
+    again = backend.pool()
     assert again.quarantines() == {"n1": q}
     assert again.healthy() == ["n2", "n3"]
-    assert json.loads(state_file.read_text())["quarantines"]["n1"]["reason"] == "crash"
+    assert backend.stored()["quarantines"]["n1"]["reason"] == "crash"
 
 
-def test_unknown_node_is_rejected(pool: NodePool, state_file: Path) -> None:
+def test_unknown_node_is_rejected(pool: NodePool, backend: Backend) -> None:
     with pytest.raises(ValueError, match=r"node 'n9': expected one of \['n1', 'n2', 'n3'\]"):
         pool.quarantine("n9", 60, reason="x", by="test")
-    assert not state_file.exists()
+    assert backend.stored() is None
 
 
 @pytest.mark.parametrize("content", ["{not json", "", "\x00\x01garbage"])
-def test_corrupt_state_file_is_reported_and_kept(
-    pool: NodePool, state_file: Path, content: str
+def test_corrupt_state_is_reported_and_kept(
+    pool: NodePool, backend: Backend, content: str
 ) -> None:
-    state_file.parent.mkdir(parents=True)
-    state_file.write_text(content)
+    backend.spoil(content)
     for call in (lambda: pool.quarantine("n1", 60, reason="x", by="test"),
                  lambda: pool.release("n1"), pool.healthy, lambda: pool.select(1)):
         with pytest.raises(RuntimeError) as info:
             call()
         text = str(info.value)
-        assert str(state_file) in text
-        assert "Fix or delete the file" in text
-    assert state_file.read_text() == content  # never overwritten
+        assert backend.where in text
+        assert backend.fix in text
+    assert backend.raw() == content  # never overwritten
 
 
 @pytest.mark.parametrize("content", ["{}", "[]"])
-def test_state_file_of_the_wrong_shape_is_reported(
-    pool: NodePool, state_file: Path, content: str
+def test_state_of_the_wrong_shape_is_reported(
+    pool: NodePool, backend: Backend, content: str
 ) -> None:
-    state_file.parent.mkdir(parents=True)
-    state_file.write_text(content)
-    with pytest.raises(RuntimeError, match="Fix or delete the file"):
+    backend.spoil(content)
+    with pytest.raises(RuntimeError, match=backend.fix):
         pool.healthy()
 
 
-def _quarantine_in_child(state_file: str, nodes: list[str], node: str,
+def _quarantine_in_child(backend: Backend, nodes: list[str], node: str,
                          barrier: multiprocessing.synchronize.Barrier) -> None:
-    pool = NodePool(state_file=Path(state_file), nodes=nodes)
+    pool = backend.pool(nodes)
     barrier.wait(timeout=20)
-    for i in range(10):  # each write replaces the whole file: a lost update would show
+    for i in range(10):  # each write replaces the whole state: a lost update would show
         pool.quarantine(node, 3600 + i, reason=f"by {node}", by="test")
 
 
-def test_concurrent_quarantines_lose_no_update(tmp_path: Path) -> None:
-    nodes = [f"n{i}" for i in range(8)]
-    state_file = tmp_path / "nodes.json"
+def _lease_in_child(backend: Backend, nodes: list[str], worker: int,
+                    barrier: multiprocessing.synchronize.Barrier) -> None:
+    pool = backend.pool(nodes)
+    barrier.wait(timeout=20)
+    for i in range(4):  # a new DAG run each time: its lease must never take another's node
+        pool.select(1, holder=f"w{worker}/run-{i}")
+
+
+def _run_children(target: object, backend: Backend, nodes: list[str], count: int) -> None:
     ctx = multiprocessing.get_context("fork")
-    barrier = ctx.Barrier(len(nodes))
-    procs = [ctx.Process(target=_quarantine_in_child, args=(str(state_file), nodes, n, barrier))
-             for n in nodes]
+    barrier = ctx.Barrier(count)
+    procs = [ctx.Process(target=target, args=(backend, nodes, arg, barrier))
+             for arg in (nodes if target is _quarantine_in_child else range(count))]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=30)
-    assert [p.exitcode for p in procs] == [0] * len(nodes)
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0] * count
 
-    held = NodePool(state_file=state_file, nodes=nodes).quarantines()
+
+def test_concurrent_quarantines_lose_no_update(backend: Backend) -> None:
+    nodes = [f"n{i}" for i in range(8)]
+    _run_children(_quarantine_in_child, backend, nodes, len(nodes))
+
+    held = backend.pool(nodes).quarantines()
     assert set(held) == set(nodes)
     for node, q in held.items():
         assert q.reason == f"by {node}"
         assert q.until == pytest.approx(q.since + 3609)
+
+
+def test_concurrent_leases_never_share_a_node(backend: Backend) -> None:
+    nodes = [f"n{i:02}" for i in range(26)]
+    backend.pool(nodes).quarantine("n00", 600, reason="bad NIC", by="test")
+    _run_children(_lease_in_child, backend, nodes, 6)
+
+    leases = backend.pool(nodes).leases()
+    holders = sorted(lease["holder"] for lease in leases.values())
+    # 24 leases, one per DAG run: a lost update would drop one, a shared node would merge two.
+    assert holders == sorted(f"w{w}/run-{i}" for w in range(6) for i in range(4))
+    assert "n00" not in leases  # the quarantine is honoured by every process
 
 
 # -- inventory ---------------------------------------------------------------------------------
@@ -188,10 +277,15 @@ def test_inventory_reads_relay_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- `relay nodes ...` -------------------------------------------------------------------------
 
 
-@pytest.fixture
-def cli_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+@pytest.fixture(params=BACKENDS)
+def cli_home(request: pytest.FixtureRequest, tmp_path: Path,
+             monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("RELAY_HOME", str(tmp_path))
     monkeypatch.setenv("RELAY_NODES", "n1,n2,n3")
+    if request.param == "sqlite":
+        monkeypatch.setenv("RELAY_NODE_POOL_URL", f"sqlite:///{tmp_path / 'pool.db'}")
+    else:
+        monkeypatch.delenv("RELAY_NODE_POOL_URL", raising=False)
     return tmp_path
 
 
@@ -205,10 +299,12 @@ def test_cli_nodes_list_quarantine_release(
 
     assert main(["nodes", "quarantine", "n2", "--for", "30m", "--reason", "flaky NIC"]) == 0
     assert capsys.readouterr().out.startswith("n2 quarantined until ")
-    held = NodePool(state_file=cli_home / "nodes.json", nodes=list(NODES)).quarantines()
+    held = NodePool(nodes=list(NODES)).quarantines()
     assert set(held) == {"n2"}
     assert held["n2"].until - held["n2"].since == pytest.approx(1800)
     assert held["n2"].reason == "flaky NIC"
+    # The state is where the settings say: nodes.json only without RELAY_NODE_POOL_URL.
+    assert (cli_home / "nodes.json").exists() is (os.environ.get("RELAY_NODE_POOL_URL") is None)
 
     assert main(["nodes", "list"]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
@@ -220,12 +316,12 @@ def test_cli_nodes_list_quarantine_release(
     assert capsys.readouterr().out.strip() == "n2 released"
     assert main(["nodes", "release", "n2"]) == 0
     assert capsys.readouterr().out.strip() == "n2 was not quarantined"
-    assert NodePool(state_file=cli_home / "nodes.json", nodes=list(NODES)).healthy() == NODES
+    assert NodePool(nodes=list(NODES)).healthy() == NODES
 
 
 def test_cli_nodes_quarantine_defaults_to_one_hour(cli_home: Path) -> None:
     assert main(["nodes", "quarantine", "n1"]) == 0
-    q = NodePool(state_file=cli_home / "nodes.json", nodes=list(NODES)).quarantines()["n1"]
+    q = NodePool(nodes=list(NODES)).quarantines()["n1"]
     assert q.until - q.since == pytest.approx(3600)
     assert q.reason == "quarantined by hand"
 

@@ -43,6 +43,7 @@ segment_boundary: restart
 CRASH = {"kind": "crash", "segment": 0, "step": 20, "rank": 1, "attempt": 1}
 
 
+@pytest.mark.slow  # ~60 s: `make test-slow` (CI runs it), keeping `make test` near 10 min
 def test_auto_interval_is_chosen_recorded_and_used_per_attempt(
     relay_home: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

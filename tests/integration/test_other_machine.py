@@ -91,6 +91,7 @@ def _decision(lineage: Lineage, run: Any, where: Path) -> dict[str, Any]:  # noq
     return json.loads(Path(path).read_text())
 
 
+@pytest.mark.slow  # ~60 s: `make test-slow` (CI runs it), keeping `make test` near 10 min
 def test_execute_complete_without_the_folder_execute_wrote_decides_quarantines_and_retries(
     relay_home: Path, tmp_path: Path
 ) -> None:

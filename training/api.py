@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relay_train.boundary import BoundaryKeeper
+from relay_train.boundary import PUBLISH_WAIT_SECONDS, BoundaryKeeper
 from relay_train.chaos import ChaosMonkey
 from relay_train.checkpoint import Checkpointer, load_verified, restore_rng, snapshot_state
 from relay_train.device import RankDevice, setup_rank_device, wait_for_compute
@@ -301,7 +301,8 @@ class Session:
                 return
             self._follow_adoption(step)
             if self.rank == 0 and step in self.cfg.boundaries and step > self.start_step:
-                self._bounds.record(step, self._stall, time.perf_counter() - resumed)
+                agreed = time.perf_counter() - resumed
+                self._bounds.record(step, self._stall, agreed, self._await_published(step))
             stop_at = self._drain.stop_at()
             if stop_at is not None and step >= stop_at:
                 log.warning("rank %d drained at step %d", self.rank, step)
@@ -313,6 +314,15 @@ class Session:
             self._injected = self._chaos.delay(step, self._natural.value or 0.0)
             yield step
             step += 1
+
+    def _await_published(self, step: int) -> float:
+        """Rank 0, at a boundary: wait (bounded) until its checkpoint is in MLflow; return
+        how long that took (see relay_train.boundary)."""
+        started = time.perf_counter()
+        if not self._publisher().flush(PUBLISH_WAIT_SECONDS):
+            log.warning("step %d: the boundary checkpoint is not in MLflow after %.0fs; "
+                        "training on", step, PUBLISH_WAIT_SECONDS)
+        return time.perf_counter() - started
 
     def _await_owner(self, step: int) -> None:
         """Rank 0, at a later segment's end: wait (bounded) for that segment's task to adopt

@@ -15,6 +15,11 @@ this is also the job's last step, so every segment has an attempt of its own,
 however fast its steps are. Without an adoption in time the checkpoint goes to
 the earlier attempt's run.
 
+Rank 0 goes past a boundary only once its checkpoint is in MLflow (waiting at most
+:data:`PUBLISH_WAIT_SECONDS`): a node that freezes just after the boundary, while
+that upload is still running, would otherwise leave the finished segment without
+its checkpoint, and its task could only fail and relaunch the same segment.
+
 Every rank must stop at the same step, so the limit only changes at the limit
 itself, where the ranks agree: rank 0 reads ``adopt.json`` (waiting for it at
 most ``adopt_wait_seconds`` in all when nobody has adopted the workload yet) and
@@ -41,6 +46,7 @@ from relay_train.launch import ADOPT_FILE, BOUNDARIES_FILE, LaunchConfig
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.05
+PUBLISH_WAIT_SECONDS = 30.0  # an MLflow outage stalls a boundary this long at most
 
 
 @dataclass(frozen=True)
@@ -171,13 +177,15 @@ class BoundaryKeeper:
                 return self.limit
             time.sleep(POLL_SECONDS)
 
-    def record(self, step: int, stall: float, agreed: float) -> None:
+    def record(self, step: int, stall: float, agreed: float, published: float = 0.0) -> None:
         """Rank 0: append what crossing the boundary at ``step`` cost the training loop
-        (``agreed`` plus any wait for a late adoption before its checkpoint)."""
+        (``agreed`` plus any wait for a late adoption before its checkpoint; ``published``:
+        the wait until the boundary checkpoint was in MLflow)."""
         if self._waited is not None and self._waited[0] == step:
             agreed += self._waited[1]
         entry = {"step": step, "at": time.time(), "checkpoint_stall": round(stall, 4),
-                 "agree": round(agreed, 4), "loop_cost": round(stall + agreed, 4),
+                 "agree": round(agreed, 4), "publish": round(published, 4),
+                 "loop_cost": round(stall + agreed + published, 4),
                  "adopted_by": None if self.adoption is None else
                  {"segment": self.adoption.segment, "attempt": self.adoption.attempt}}
         with (self.cfg.root / BOUNDARIES_FILE).open("a") as out:

@@ -173,6 +173,15 @@ class Checkpointer:
             self._error = exc
             raise
 
+    def flush(self, timeout_seconds: float) -> bool:
+        """Wait (at most ``timeout_seconds``) until the work queued so far is done; return
+        whether it is (a failure counts as done: :meth:`close` re-raises it)."""
+        if not self._async or self._closed:
+            return True
+        done = threading.Event()
+        self.submit(done.set)
+        return done.wait(timeout_seconds)
+
     def close(self, timeout_seconds: float = 300.0) -> None:
         """Wait until every queued checkpoint is published; re-raise a failure."""
         self._closed = True

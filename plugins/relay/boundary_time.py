@@ -73,7 +73,8 @@ def _adopted(before: Path, after: Path, step: int) -> dict[str, Any]:
                     "scheduling": task.get("task_started_at", seen["done_at"]) - seen["done_at"],
                     "adoption": adopted["adopted_at"] - task.get("task_started_at",
                                                                  seen["done_at"])}
-    parts = {"checkpoint_stall": entry.get("checkpoint_stall"), "agree": entry.get("agree")}
+    parts = {"checkpoint_stall": entry.get("checkpoint_stall"), "agree": entry.get("agree"),
+             "publish": entry.get("publish", 0.0 if entry else None)}
     return {"kind": "adopt", "parts": parts, "total": entry.get("loop_cost"),
             "handover": handover, "adopted_at_step": adopted.get("at_step")}
 

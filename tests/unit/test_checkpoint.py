@@ -407,3 +407,20 @@ def test_manifest_from_json_raises_value_error_on_junk(text: str) -> None:
 def test_manifest_from_json_raises_value_error_on_non_object_json(text: str) -> None:
     with pytest.raises(ValueError):
         CheckpointManifest.from_json(text)
+
+
+def test_flush_waits_until_the_checkpoints_queued_so_far_are_published(
+    tmp_path: Path, closing: list
+) -> None:
+    """A boundary waits for its checkpoint to be in MLflow before training past it."""
+    model, optimizer = make_model()
+    gate = threading.Event()
+    sink = FolderSink(tmp_path / "sink", gate_at_step=30, gate=gate)
+    checkpointer = Checkpointer(sink, tmp_path / "staging", job="j", world_size=1, parent=None)
+    closing.append(checkpointer)
+    checkpointer.save(model, optimizer, 30, {})
+    assert checkpointer.flush(0.3) is False  # the upload of step 30 still runs
+    assert [m.step for _p, m in sink.published] == []
+    gate.set()
+    assert checkpointer.flush(10.0) is True
+    assert [m.step for _p, m in sink.published] == [30]

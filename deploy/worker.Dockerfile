@@ -17,7 +17,9 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /opt/relay
 RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0 \
  && pip install --no-cache-dir mlflow==3.17.2 tenacity==9.2.1
-COPY training ./training
+# The worker package is imported as `relay_train` (pyproject's package-dir maps it to
+# training/): copy it under that name, so `python -m relay_train.agent` finds it.
+COPY training ./relay_train
 
 # A numeric non-root user: the pods set runAsNonRoot, which the kubelet checks by UID.
 RUN useradd --uid 50000 --no-create-home --shell /usr/sbin/nologin relay

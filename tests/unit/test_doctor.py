@@ -108,7 +108,7 @@ def test_two_fake_gpus_add_an_nccl_allreduce(fake_cuda: None, tmp_path: Path) ->
         ran.append(backend)
         return Check(f"{backend} all-reduce", Status.OK, "recorded, not run")
 
-    doctor.run_checks(allreduce=allreduce, tracking_uri="sqlite:///x.db",
+    doctor.run_checks(allreduce=allreduce, tracking_uri=f"sqlite:///{tmp_path / 'x.db'}",
                       airflow_db=f"sqlite:///{tmp_path / 'none.db'}")
     assert ran == ["gloo", "nccl"]
 

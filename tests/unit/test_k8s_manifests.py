@@ -112,3 +112,29 @@ def test_rbac_grants_only_what_the_launcher_uses() -> None:
         ("", "nodes"): {"get", "list", "patch"},
         ("coordination.k8s.io", "leases"): {"get"},
     }
+
+
+def test_the_worker_image_lays_out_the_package_its_pod_command_imports(tmp_path: Path) -> None:
+    """No Docker engine here: lay the image's files out as worker.Dockerfile's WORKDIR,
+    PYTHONPATH and COPY lines say, then ask a bare interpreter (no site-packages, so not
+    this checkout's editable install) where `python -m relay_train.agent` would come from."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    from relay.settings import REPO_ROOT
+
+    text = (REPO_ROOT / "deploy" / "worker.Dockerfile").read_text()
+    workdir = re.search(r"^WORKDIR\s+(\S+)", text, re.M).group(1)  # type: ignore[union-attr]
+    pythonpath = re.search(r"PYTHONPATH=(\S+)", text).group(1)  # type: ignore[union-attr]
+    image = tmp_path / "image"
+    for source, dest in re.findall(r"^COPY\s+(?!--)(\S+)\s+(\S+)", text, re.M):
+        target = image / (dest if dest.startswith("/") else f"{workdir}/{dest}").lstrip("/")
+        shutil.copytree(REPO_ROOT / source, target)
+    found = subprocess.run(
+        [sys.executable, "-S", "-c", "import importlib.util as u; "
+         "s = u.find_spec('relay_train.agent'); print(s.origin if s else '')"],
+        env={"PYTHONPATH": str(image / pythonpath.lstrip("/"))}, capture_output=True,
+        text=True, check=False, cwd=tmp_path)
+    assert found.stdout.strip() == str(image / "opt/relay/relay_train/agent.py"), found.stderr

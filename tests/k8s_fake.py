@@ -83,6 +83,7 @@ class FakeApiServer:
         self.lock = threading.Condition()
         self.frozen_nodes: set[str] = set()  # kubelet not acting: pods never finish terminating
         self.conflicts: dict[str, int] = {}  # node -> how many PATCHes to refuse with 409 first
+        self.forbid_node_patch = False  # RBAC without `nodes patch`: PATCH is a 403
         self.slow_nodes: dict[str, float] = {}  # node -> seconds its kubelet takes to stop a pod
         self.watches: list[str] = []  # the resources watched, in order
         self.verbs: set[tuple[str, str, str]] = set()  # (API group, resource, RBAC verb) used
@@ -232,6 +233,10 @@ class FakeApiServer:
             node = self.objects.get(("nodes", None, name))
             if node is None:
                 return 404, _status(404, "NotFound", f'nodes "{name}" not found')
+            if self.forbid_node_patch:
+                return 403, _status(403, "Forbidden", f'nodes "{name}" is forbidden: User '
+                                    '"system:serviceaccount:default:relay" cannot patch '
+                                    'resource "nodes" in API group "" at the cluster scope')
             wanted = (patch.get("metadata") or {}).get("resourceVersion")
             if self.conflicts.get(name):
                 self.conflicts[name] -= 1

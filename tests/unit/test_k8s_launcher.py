@@ -480,3 +480,19 @@ def test_the_segment_trigger_watches_a_job_and_fires_node_unresponsive(
     assert event["fault"]["kind"] == "node_unresponsive"
     assert (event["fault"]["culprit_node"], event["fault"]["evidence"]["host"]) == (
         "pod-0", "gpu-3")
+
+
+def test_taints_forbidden_by_rbac_leave_the_affinity_and_warn(
+    fake: FakeApiServer, tmp_path: Path, node_pool: NodePool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """taint_quarantine on without ClusterRole relay-node-tainter bound: a 403 must neither
+    fail the launch nor the recording of a fault's decision."""
+    launcher = make_launcher(fake, tmp_path, taint_quarantine=True)
+    node_pool.quarantine("gpu-1", 60, reason="test", by="test")
+    fake.forbid_node_patch = True
+
+    with caplog.at_level("WARNING"):
+        launcher.enforce_quarantines(node_pool.quarantines())
+
+    assert "taints" not in fake.get("nodes", "gpu-1", None)["spec"]
+    assert "relay-node-tainter" in caplog.text

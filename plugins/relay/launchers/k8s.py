@@ -408,11 +408,21 @@ class KubernetesLauncher:
         if not self.settings.taint_quarantine:
             return
         now = time.time()
-        for node in self._call(self.core.list_node).items:
-            quarantine = held.get(node.metadata.name)
-            want = quarantine_taint(quarantine.until) if quarantine and quarantine.active(now) \
-                else None
-            self._set_taint(node, want)
+        try:
+            for node in self._call(self.core.list_node).items:
+                quarantine = held.get(node.metadata.name)
+                want = quarantine_taint(quarantine.until) \
+                    if quarantine and quarantine.active(now) else None
+                self._set_taint(node, want)
+        except ApiException as exc:
+            if exc.status != 403:
+                raise
+            # The nodeAffinity NotIn of every attempt still keeps quarantined nodes out.
+            log.warning("taint_quarantine is on, but Relay may not list or patch nodes (403 "
+                        "Forbidden: %s). Quarantines are still enforced by nodeAffinity; to "
+                        "taint nodes too, bind ClusterRole relay-node-tainter "
+                        "(deploy/rbac.yaml) to Relay's service account, or set "
+                        "kubernetes.taint_quarantine: false", exc.reason)
 
     def _set_taint(self, node: Any, want: dict[str, Any] | None) -> None:  # noqa: ANN401
         """Make ``want`` the node's only Relay taint; retry on a concurrent change (409)."""

@@ -42,6 +42,7 @@ from relay_train.launch import LaunchConfig
 
 KEY = "relay_attempt"
 FAULTS_KEY = "relay_faults"
+OBSERVED_KEY = "relay_observed"
 FILE = "journal.json"
 LAUNCHED, HANDLING, RECORDED = "launched", "handling", "recorded"
 
@@ -88,6 +89,30 @@ def note_fault(context: Mapping[str, Any], attempt_dir: Path, kind: FaultKind) -
                != str(attempt_dir)] if isinstance(found, list) else []
     store.set(FAULTS_KEY, [*earlier, {"attempt_dir": str(attempt_dir), "kind": kind.value,
                                       "at": time.time()}])
+
+
+def note_observation(context: Mapping[str, Any], attempt_dir: Path,
+                     record: Mapping[str, Any]) -> None:
+    """Keep an observe-mode record of ``attempt_dir`` where every worker sees it."""
+    store = _store(context)
+    if store is None:
+        return  # the attempt folder's observed-NNN.json files are the record
+    found = store.get(OBSERVED_KEY)
+    earlier = [o for o in found if isinstance(o, dict)] if isinstance(found, list) else []
+    store.set(OBSERVED_KEY, [*earlier, {"attempt_dir": str(attempt_dir), "record": record}])
+
+
+def observations(context: Mapping[str, Any] | None,
+                 attempt_dir: Path) -> list[dict[str, Any]] | None:
+    """Return the observe-mode records the task state store keeps for ``attempt_dir``,
+    oldest first (None without a store: the attempt folder's files are the record)."""
+    store = _store(context or {})
+    if store is None:
+        return None
+    found = store.get(OBSERVED_KEY)
+    return [dict(o["record"]) for o in found if isinstance(o, dict)
+            and o.get("attempt_dir") == str(attempt_dir) and isinstance(o.get("record"), dict)
+            ] if isinstance(found, list) else []
 
 
 def fault_history(context: Mapping[str, Any], segment_dir: Path,

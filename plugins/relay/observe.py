@@ -1,7 +1,9 @@
 """Observe mode: record and notify the decision Relay would make, and leave the job alone.
 
-A fault whose rule observes is recorded in the attempt folder at once
-(``observed-NNN.json``: fault, decision, notification) and logged to the
+A fault whose rule observes is recorded at once in the attempt folder
+(``observed-NNN.json``: fault, decision, notification) and in the task state
+store (``relay.journal``: so the next watcher and the worker that ends the
+attempt know it, whichever machine they run on), and logged to the
 attempt's MLflow run when the attempt ends (``observed/NNN.json`` and the
 ``relay.observed`` tag); MLflow is not touched while the ranks run, since a
 frozen rank may hold the tracking store's lock. The watcher then goes on
@@ -47,26 +49,33 @@ def record_observation(attempt_dir: Path, fault: Fault, decision: Decision,
     return record
 
 
-def observations(attempt_dir: Path) -> list[dict[str, Any]]:
-    """Return the attempt's observation records, oldest first (unreadable ones skipped)."""
-    found = []
+def observations(attempt_dir: Path,
+                 stored: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Return the attempt's observation records, oldest first: ``stored`` (what the task
+    state store keeps, seen by every worker) and this machine's files it lacks."""
+    found = list(stored or [])
+    known = {json.dumps(r.get("fault"), sort_keys=True, default=str) for r in found}
     for path in sorted(attempt_dir.glob(OBSERVED_GLOB)):
         try:
-            found.append(json.loads(path.read_text()))
+            record = json.loads(path.read_text())
         except (OSError, ValueError):
             log.warning("Unreadable observation %s; skipped", path)
+            continue
+        if json.dumps(record.get("fault"), sort_keys=True, default=str) not in known:
+            found.append(record)
     return found
 
 
-def watched_kinds(attempt_dir: Path) -> list[str]:
+def watched_kinds(attempt_dir: Path, stored: list[dict[str, Any]] | None = None) -> list[str]:
     """Return the fault kinds still watched: all but those observed in this attempt."""
-    seen = {r["fault"]["kind"] for r in observations(attempt_dir) if "fault" in r}
+    seen = {r["fault"]["kind"] for r in observations(attempt_dir, stored) if "fault" in r}
     return [k.value for k in FaultKind if k.value not in seen or k in ENDS_ATTEMPT]
 
 
-def log_observations(lineage: Any, run_id: str, attempt_dir: Path) -> None:  # noqa: ANN401
+def log_observations(lineage: Any, run_id: str, attempt_dir: Path,  # noqa: ANN401
+                     stored: list[dict[str, Any]] | None = None) -> None:
     """Log the attempt's observations to its MLflow run (when the attempt has ended)."""
-    records = observations(attempt_dir)
+    records = observations(attempt_dir, stored)
     for number, record in enumerate(records, start=1):
         lineage.log_json(run_id, f"observed/{number:03d}.json", record)
     if records:

@@ -32,9 +32,12 @@ def best_effort(what: str, work: Callable[[], T]) -> T | None:
 
 
 def record_fault(lineage: Any, run_id: str, attempt_dir: Path,  # noqa: ANN401
-                 record: Mapping[str, Any], tags: Mapping[str, str]) -> None:
-    """Log the attempt's observations, fault and decision, and close its run as a fault."""
-    best_effort("log the observations", lambda: log_observations(lineage, run_id, attempt_dir))
+                 record: Mapping[str, Any], tags: Mapping[str, str],
+                 observed: list[dict[str, Any]] | None = None) -> None:
+    """Log the attempt's observations (``observed``: those the task state store keeps),
+    fault and decision, and close its run as a fault."""
+    best_effort("log the observations",
+                lambda: log_observations(lineage, run_id, attempt_dir, observed))
     best_effort("log fault.json", lambda: lineage.log_json(run_id, "fault.json", record["fault"]))
     best_effort("log decision.json", lambda: lineage.log_json(run_id, "decision.json", record))
     best_effort("close the attempt run", lambda: lineage.finish_run(run_id, "fault", tags))

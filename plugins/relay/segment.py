@@ -284,8 +284,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         if status == "completed":
             survivors = launcher.stop(attempt_dir)
             adopt.let_go(attempt_dir)
-            best_effort("log the observations",
-                        lambda: log_observations(lineage, cfg.run_id, record_dir))
+            self._log_observations(lineage, cfg.run_id, record_dir)
             if not survivors:
                 lineage.finish_run(cfg.run_id, "completed")
                 adopt.note_boundary(record_dir, event.get("at"), woke)
@@ -306,6 +305,13 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         return self._on_fault(context, Fault.from_event(event["fault"]), attempt_dir, cfg, lineage,
                               launcher, woke, refused=event.get("refused"), record_dir=record_dir)
 
+    def _log_observations(self, lineage: Any, run_id: str, record_dir: Path) -> None:  # noqa: ANN401
+        """Log the attempt's observe-mode records (the task state store's, and this
+        machine's files) to its MLflow run."""
+        observed = journal.observations(self._task_context, record_dir)
+        best_effort("log the observations",
+                    lambda: log_observations(lineage, run_id, record_dir, observed))
+
     def _handed_over(self, event: dict[str, Any], record_dir: Path, workload: Path,
                      cfg: LaunchConfig, lineage: Any, launcher: Launcher,  # noqa: ANN401
                      woke: float, parent: str) -> dict[str, Any]:
@@ -321,8 +327,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
                 f"Segment {self.segment}: every rank passed step {step}, but its checkpoint "
                 f"was not in MLflow within {timeout:g}s (detection.checkpoint_timeout); the "
                 "workload was stopped and the retry resumes from the latest checkpoint")
-        best_effort("log the observations",
-                    lambda: log_observations(lineage, cfg.run_id, record_dir))
+        self._log_observations(lineage, cfg.run_id, record_dir)
         lineage.finish_run(cfg.run_id, "completed", {"relay.handed_over_at_step": str(step)})
         self._complete_resume_time(record_dir, lineage)
         adopt.note_boundary(record_dir, event.get("at"), woke)

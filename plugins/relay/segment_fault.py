@@ -187,8 +187,7 @@ class FaultHandling:
             raise SegmentFaultError(message, decision)
         raise AirflowFailException(message)
 
-    @staticmethod
-    def _record(record: dict[str, Any], record_dir: Path, cfg: LaunchConfig,
+    def _record(self, record: dict[str, Any], record_dir: Path, cfg: LaunchConfig,
                 lineage: Any, fault: Fault, decision: Decision,  # noqa: ANN401
                 evidence: Evidence | None, clock: resume_time.ResumeClock) -> None:
         """Write the decision next to the attempt's logs (for whoever is on call) and in
@@ -203,7 +202,7 @@ class FaultHandling:
             "relay.culprit_node": str(fault.culprit_node),
             "relay.lost_steps": str(record["lost_steps"]),
             "relay.culprit_rank": str(fault.culprit_rank),
-        })
+        }, journal.observations(self._task_context, record_dir))
         clock.mark("record", time.time())  # the retry's task completes the breakdown
         record["time_to_resume"] = clock.to_dict()
         write_atomically(record_dir / "decision.json", json.dumps(record, indent=2, default=str),
@@ -281,10 +280,13 @@ class FaultHandling:
         message = "OBSERVE MODE (not applied): " + _fault_message(self.segment, fault, decision,
                                                                   None)
         record = record_observation(record_dir, fault, decision, policy, message)
+        journal.note_observation(context, record_dir, record)
+        observed = journal.observations(context, record_dir)
         state = launcher.status(attempt_dir).state
         if state is LaunchState.RUNNING and fault.kind not in ENDS_ATTEMPT:
             workload = launch_record.config_of(attempt_dir)
-            self._watch(attempt_dir, workload, policy, launcher, kinds=watched_kinds(record_dir),
+            self._watch(attempt_dir, workload, policy, launcher,
+                        kinds=watched_kinds(record_dir, observed),
                         boundary=adopt.watch_boundary(cfg, workload))
         if state is LaunchState.SUCCEEDED:
             return self._complete(context, {"status": "completed",
@@ -300,7 +302,7 @@ class FaultHandling:
             "relay.rule": decision.rule, "relay.policy_sha256": decision.policy_sha256,
             "relay.mode": "observe", "relay.culprit_node": str(fault.culprit_node),
             "relay.culprit_rank": str(fault.culprit_rank),
-        })
+        }, observed)
         raise AirflowFailException(message)
 
     @staticmethod

@@ -192,3 +192,26 @@ def test_a_retry_elsewhere_stops_what_a_killed_try_launched(tmp_path: Path) -> N
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_an_observation_made_on_one_worker_is_known_to_the_next(tmp_path: Path) -> None:
+    """Observe mode: the watcher that goes on (and the worker that ends the attempt) may
+    run on another machine: the observed kind stays off, and its record is logged once."""
+    from relay.observe import observations, watched_kinds
+
+    context = {"task_state_store": Store()}
+    here, there = tmp_path / "a" / "try-1", tmp_path / "b" / "try-1"
+    here.mkdir(parents=True)
+    there.mkdir(parents=True)
+    record = {"fault": {"kind": "straggler", "detected_at": 1.0}, "mode": "observe"}
+    (here / "observed-001.json").write_text(json.dumps(record))  # what record_observation wrote
+    journal.note_observation(context, here, record)
+
+    stored = journal.observations(context, here)
+    assert stored == [record]
+    assert observations(here, stored) == [record]  # the folder's copy is not counted twice
+    assert journal.observations(context, there) == []  # another attempt: not its record
+    other = {"task_state_store": context["task_state_store"]}
+    assert "straggler" not in watched_kinds(there, journal.observations(other, here))
+    assert "straggler" in watched_kinds(there, journal.observations(other, there))
+    assert journal.observations({}, here) is None  # no store: the folder's files are the record

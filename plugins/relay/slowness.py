@@ -8,7 +8,8 @@ training every rank waits for the slowest at each collective, so a rank whose
 compute time is ``r`` x the others' median makes the job spend ``1 - 1/r`` of each
 second waiting on it: ~97% for a 40x straggler, ~38% for a 1.6x one. The rule adds
 that up over the polls a rank stays above ``ratio`` (the time the job has lost to
-it) and fires once it reaches ``lost_seconds`` - after ~1 s for a 40x straggler,
+it, credited as its steps finish, so frozen figures of a stalled job add nothing) and
+fires once it reaches ``lost_seconds`` - after ~1 s for a 40x straggler,
 ~2.7 s for a 1.6x one - but only after :data:`MIN_SLOW_STEPS` distinct steps have
 been seen over the ratio, so one jittery step (carried for a while by the rank's
 smoothed compute time) is not enough. ``sustained`` stays the upper bound: a rank
@@ -80,9 +81,9 @@ class StragglerRule:
         if run is None:
             run = self._runs[beat.rank] = _SlowRun(last_seen=now, last_step=beat.step)
             return run
-        run.lost += (1.0 - 1.0 / ratio) * (now - run.last_seen)
-        run.last_seen = now
-        if beat.step != run.last_step:
+        if beat.step != run.last_step:  # credited as steps finish: a stalled job loses
+            run.lost += (1.0 - 1.0 / ratio) * (now - run.last_seen)  # nothing to a straggler
+            run.last_seen = now
             run.steps += 1
             run.last_step = beat.step
         return run

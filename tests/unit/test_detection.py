@@ -462,6 +462,21 @@ def test_straggler_that_recovers_resets_the_clock() -> None:
     assert_fault(fault, FaultKind.STRAGGLER, 3, "node-b")
 
 
+def test_a_stalled_jobs_frozen_figures_cost_nothing() -> None:
+    """A 3x rank for a few steps, then every rank stops stepping (a hang on its way): the
+    records still show 3x until the ranks drop out of the judged set, but no time is lost
+    to a straggler while nobody steps, so the budget does not fill on stale figures."""
+    slow_steps = MIN_SLOW_STEPS
+    rising = fire_window(3.0)[0]
+    assert (slow_steps - 1) * INTERVAL < rising, "not yet due when the steps stop"
+    frozen_for = CFG.hang_timeout / 2  # how long a rank that stopped stepping is still judged
+    found = first_fault(
+        Detector(CFG), polls(T0, (slow_steps - 1) * INTERVAL + frozen_for),
+        lambda now, i: straggling(now, min(i, slow_steps - 1), {3: 3.0}),
+    )
+    assert found is None, found[1].describe() if found else ""
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_single_jittery_steps_raise_no_straggler(seed: int) -> None:
     """Every rank's steps vary by 20%, and 1 record in 20 carries one step 2-6x as slow."""

@@ -4,16 +4,22 @@ Both judge only ranks that are stepping (the detector's ``_active``) and keep th
 little state "sustained" and "baseline" need.
 
 **Straggler: how long to wait depends on what the slowness costs.** In data-parallel
-training every rank waits for the slowest at each collective, so a rank whose
-compute time is ``r`` x the others' median makes the job spend ``1 - 1/r`` of each
-second waiting on it: ~97% for a 40x straggler, ~38% for a 1.6x one. The rule adds
-that up over the polls a rank stays above ``ratio`` (the time the job has lost to
-it, credited as its steps finish, so frozen figures of a stalled job add nothing) and
-fires once it reaches ``lost_seconds`` - after ~1 s for a 40x straggler,
-~2.7 s for a 1.6x one - but only after :data:`MIN_SLOW_STEPS` distinct steps have
-been seen over the ratio, so one jittery step (carried for a while by the rank's
-smoothed compute time) is not enough. ``sustained`` stays the upper bound: a rank
-over ``ratio`` that long always fires, as it did before ``lost_seconds`` existed.
+training every rank waits for the slowest at each collective, so each step a rank
+finishes with ``extra`` seconds more compute than the others' median costs the job
+``extra`` seconds. The rule adds that up (excess compute x steps finished, at most
+the time that passed) over the polls a rank stays above ``ratio`` and fires once
+the job has lost ``lost_seconds`` - but only after :data:`MIN_SLOW_STEPS` distinct
+steps have been seen over the ratio, so one jittery step (carried for a while by
+the rank's smoothed compute time) is not enough. ``sustained`` stays the upper
+bound: a rank over ``ratio`` that long always fires, as it did before
+``lost_seconds`` existed.
+
+When compute is the whole step, a rank at ``r`` x the others' compute costs the
+job ``1 - 1/r`` of each second: a 40x straggler ~97% (called after ~1 s), a 1.6x
+one ~38% (~2.7 s). Where the collective or the input pipeline takes most of the
+step, the same ratio costs less and the rule waits longer - up to ``sustained`` -
+instead of assuming the worst. Time is credited only as steps finish, so the
+frozen figures of a stalled job (a hang on its way) add nothing.
 """
 
 from __future__ import annotations
@@ -76,16 +82,16 @@ class StragglerRule:
         self._held = Sustained()
         self._runs: dict[int, _SlowRun] = {}
 
-    def _track(self, beat: Heartbeat, ratio: float, now: float) -> _SlowRun:
+    def _track(self, beat: Heartbeat, extra: float, now: float) -> _SlowRun:
         run = self._runs.get(beat.rank)
         if run is None:
             run = self._runs[beat.rank] = _SlowRun(last_seen=now, last_step=beat.step)
             return run
-        if beat.step != run.last_step:  # credited as steps finish: a stalled job loses
-            run.lost += (1.0 - 1.0 / ratio) * (now - run.last_seen)  # nothing to a straggler
-            run.last_seen = now
+        if beat.step > run.last_step:  # each finished step kept the others waiting ``extra`` s
+            run.lost += min(extra * (beat.step - run.last_step), now - run.last_seen)
             run.steps += 1
-            run.last_step = beat.step
+        if beat.step != run.last_step:
+            run.last_seen, run.last_step = now, beat.step
         return run
 
     def _due(self, run: _SlowRun, held: float) -> bool:
@@ -99,10 +105,11 @@ class StragglerRule:
         if len(active) < 2:
             return None
         times = sorted(b.compute_seconds or 0.0 for b in active)
-        ratios = {}
+        ratios, extra = {}, {}
         for beat in active:
             others = median_without(times, beat.compute_seconds or 0.0)
             ratios[beat.rank] = (beat.compute_seconds or 0.0) / others if others > 0 else 0.0
+            extra[beat.rank] = (beat.compute_seconds or 0.0) - others
         over = [b for b in active if ratios[b.rank] > self.rule.ratio]
         due: list[tuple[float, float]] = []  # (lost, held) of each rank whose run is due
         for beat in active:
@@ -110,7 +117,7 @@ class StragglerRule:
             if beat not in over:
                 self._runs.pop(beat.rank, None)
                 continue
-            run = self._track(beat, ratios[beat.rank], now)
+            run = self._track(beat, extra[beat.rank], now)
             if self._due(run, held):
                 due.append((run.lost, held))
         if not due:

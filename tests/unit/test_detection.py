@@ -372,16 +372,20 @@ def first_fault(
 
 
 def fire_window(factor: float, rule: StragglerDetection = STRAGGLER) -> tuple[float, float]:
-    """Return when a lasting ``factor`` x straggler may fire, from its first slow poll.
+    """Return when a lasting ``factor`` x straggler of :func:`straggling` may fire, from its
+    first slow poll.
 
-    The job loses ``1 - 1/factor`` of each second to it: the rule fires at the first poll
-    after that adds up to ``lost_seconds`` and MIN_SLOW_STEPS slow steps were seen (one
-    step a poll here), and by ``sustained`` at the latest.
+    Each poll it finishes one step with ``0.2 x (factor - 1)`` s more compute than the
+    others, which the job loses (at most the poll's INTERVAL): the rule fires at the
+    first poll at which that adds up to ``lost_seconds`` and MIN_SLOW_STEPS slow steps
+    were seen, and by ``sustained`` at the latest.
     """
     if rule.lost_seconds is None:
         return rule.sustained, rule.sustained
-    earliest = max(rule.lost_seconds / (1.0 - 1.0 / factor), (MIN_SLOW_STEPS - 1) * INTERVAL)
-    return min(earliest, rule.sustained), min(earliest + INTERVAL, rule.sustained)
+    per_poll = min(0.2 * (factor - 1.0), INTERVAL)
+    polls_needed = max(math.ceil(rule.lost_seconds / per_poll - 1e-9), MIN_SLOW_STEPS - 1)
+    earliest = min(polls_needed * INTERVAL, rule.sustained)
+    return earliest, earliest
 
 
 NO_BUDGET = STRAGGLER.model_copy(update={"lost_seconds": None})
@@ -424,6 +428,24 @@ def test_a_40x_straggler_fires_well_before_sustained_and_before_a_1_6x_one() -> 
         assert found is not None
         fired[factor] = found[0] - T0
     assert fired[40.0] <= STRAGGLER.sustained / 2 < fired[1.6] <= STRAGGLER.sustained
+
+
+def test_the_same_ratio_costs_less_when_compute_is_a_small_part_of_the_step() -> None:
+    """3x the others' compute, one step a poll: 0.2 s of compute costs the job 0.4 s a step,
+    20 ms of compute (a step mostly spent in the collective) only 40 ms: called at sustained."""
+    fired = {}
+    for compute in (0.2, 0.02):
+        def beats(now: float, i: int, compute: float = compute) -> list[Heartbeat]:
+            return [hb(r, now, phase=COMPUTE if (i + r) % 2 == 0 else COLLECTIVE, step=10 + i,
+                       in_phase=0.1, compute=compute * (3.0 if r == 3 else 1.0)) for r in RANKS]
+
+        found = first_fault(Detector(CFG), polls(T0, 3 * STRAGGLER.sustained), beats)
+        assert found is not None
+        fired[compute] = found[0] - T0
+        assert_fault(found[1], FaultKind.STRAGGLER, 3, "node-b", "3.0x")
+    assert fired[0.2] == pytest.approx(fire_window(3.0)[0])
+    assert fired[0.2] < STRAGGLER.sustained
+    assert fired[0.02] == pytest.approx(STRAGGLER.sustained)
 
 
 def test_a_slower_rank_takes_the_blame_from_a_mildly_slow_one() -> None:

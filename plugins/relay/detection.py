@@ -5,20 +5,20 @@ heartbeats, the launcher's status, the clock) and it answers with a
 :class:`~relay.faults.Fault` or ``None``. The only state it keeps is what
 "sustained" and "baseline" need; losing it (a triggerer restart) only delays
 those two rules. Rules are checked in a fixed order, most specific first, so
-one fault is reported once, under its most useful name.
+one fault is reported once, under its most useful name. The straggler and
+throughput rules live in :mod:`relay.slowness`.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
-import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from relay.faults import Fault, FaultKind, classify_exit, only_secondary_exits
 from relay.launchers.base import UNRESPONSIVE, LaunchState, LaunchStatus
 from relay.policy import Detection
+from relay.slowness import StragglerRule, ThroughputRule
 from relay.steptime import HangLimit, StepTimes
 from relay_train.heartbeat import Heartbeat, Phase
 
@@ -48,49 +48,23 @@ class Observation:
         return next((n for n, ranks in self.node_ranks.items() if rank in ranks), None)
 
 
-def _median_without(ordered: list[float], value: float) -> float:
-    """Return the median of ``ordered`` (sorted) with one occurrence of ``value`` left out.
-
-    O(log n) per rank instead of a fresh median each time: with 1,024 ranks that is
-    the difference between a cheap poll and a quadratic one.
-    """
-    i = bisect.bisect_left(ordered, value)
-    n = len(ordered) - 1
-
-    def at(k: int) -> float:  # the k-th element of ``ordered`` without index i
-        return ordered[k if k < i else k + 1]
-
-    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
-
-
-@dataclass
-class _Sustained:
-    since: dict[object, float] = field(default_factory=dict)
-
-    def hold(self, key: object, condition: bool, now: float) -> float:
-        """Return for how long ``condition`` has held for ``key`` (0 when it does not)."""
-        if not condition:
-            self.since.pop(key, None)
-            return 0.0
-        return now - self.since.setdefault(key, now)
-
-
 class Detector:
     """Classify faults from observations, per the policy's detection thresholds."""
 
     def __init__(self, detection: Detection, enabled: frozenset[FaultKind] | None = None) -> None:
         self.cfg = detection
         self.enabled = enabled if enabled is not None else frozenset(FaultKind)
-        self._straggler = _Sustained()
-        self._slow = _Sustained()
-        self._baseline_samples: list[float] = []
-        self._baseline_started: float | None = None
-        self._first_step: int | None = None
+        self._straggler = StragglerRule(detection.straggler) if detection.straggler else None
+        self._throughput = ThroughputRule(detection.throughput) if detection.throughput else None
         self._stepped: dict[int, tuple[int, float]] = {}  # rank -> (step, when it was reached)
         self._secondary_since: float | None = None
         self._watching_since: float | None = None  # this detector's first observation
         self._steps = StepTimes()  # for a hang threshold derived from the job's step time
-        self.baseline: float | None = None
+
+    @property
+    def baseline(self) -> float | None:
+        """Return the job's measured throughput baseline (samples/s), once known."""
+        return self._throughput.baseline if self._throughput else None
 
     def check(self, obs: Observation) -> Fault | None:
         """Return the fault these observations show, if any."""
@@ -110,7 +84,7 @@ class Detector:
             ({FaultKind.NODE_UNRESPONSIVE, FaultKind.RANK_UNRESPONSIVE}, self._stale),
             ({FaultKind.HANG}, self._hang),
             ({FaultKind.STRAGGLER}, self._stragglers),
-            ({FaultKind.THROUGHPUT_DEGRADED}, self._throughput),
+            ({FaultKind.THROUGHPUT_DEGRADED}, self._throughput_degraded),
         )
         for kinds, rule in rules:
             if kinds & self.enabled:
@@ -354,59 +328,11 @@ class Detector:
         ]
 
     def _stragglers(self, obs: Observation) -> Fault | None:
-        rule = self.cfg.straggler
-        active = [b for b in self._active(obs) if b.compute_seconds]
-        if rule is None or len(active) < 2:
+        if self._straggler is None:
             return None
-        times = sorted(b.compute_seconds or 0.0 for b in active)
-        ratios = {}
-        for beat in active:
-            others = _median_without(times, beat.compute_seconds or 0.0)
-            ratios[beat.rank] = (beat.compute_seconds or 0.0) / others if others > 0 else 0.0
-        over = [b for b in active if ratios[b.rank] > rule.ratio]
-        fired = 0.0
-        for beat in active:
-            held = self._straggler.hold(beat.rank, beat in over, obs.now)
-            fired = max(fired, held)
-        if fired < rule.sustained:
-            return None
-        # The job has had a straggler long enough. Blame the rank holding it back now, the
-        # slowest: a mildly slow rank (its own background work) may have been over the ratio
-        # longer, but a much slower one that turned up since sets every step's pace.
-        beat = max(over, key=lambda b: (b.compute_seconds or 0.0, -b.rank))
-        others = _median_without(times, beat.compute_seconds or 0.0)
-        ratio = ratios[beat.rank]
-        return Fault(FaultKind.STRAGGLER, beat.rank, beat.node,
-                     {"summary": f"compute time {beat.compute_seconds:.3f}s per step is "
-                      f"{ratio:.1f}x the other ranks' median {others:.3f}s; a rank has been "
-                      f"over {rule.ratio:g}x for {fired:.1f}s (sustained {rule.sustained:g}s)",
-                      "compute_seconds": {b.rank: round(b.compute_seconds or 0.0, 4)
-                                          for b in active},
-                      "ratio": round(ratio, 2)}, obs.now)
+        return self._straggler.check(self._active(obs), obs.now)
 
-    def _throughput(self, obs: Observation) -> Fault | None:
-        rule = self.cfg.throughput
-        active = [b for b in self._active(obs) if b.samples_per_second]
-        if rule is None or not active or len(active) < len(obs.heartbeats):
+    def _throughput_degraded(self, obs: Observation) -> Fault | None:
+        if self._throughput is None:
             return None
-        steps = min(b.step for b in active)
-        if self._first_step is None:
-            self._first_step = steps
-        if steps < self._first_step + rule.warmup_steps:
-            return None
-        rate = min(b.samples_per_second or 0.0 for b in active)
-        if self.baseline is None:
-            self._baseline_started = self._baseline_started or obs.now
-            self._baseline_samples.append(rate)
-            if obs.now - self._baseline_started >= rule.baseline:
-                self.baseline = statistics.median(self._baseline_samples)
-            return None
-        held = self._slow.hold("job", rate < rule.floor * self.baseline, obs.now)
-        if held < rule.sustained:
-            return None
-        return Fault(FaultKind.THROUGHPUT_DEGRADED, None, None,
-                     {"summary": f"job throughput {rate:.0f} samples/s is "
-                      f"{rate / self.baseline:.0%} of its baseline {self.baseline:.0f} for "
-                      f"{held:.1f}s (floor {rule.floor:.0%}, sustained {rule.sustained:g}s)",
-                      "samples_per_second": round(rate, 1), "baseline": round(self.baseline, 1)},
-                     obs.now)
+        return self._throughput.check(self._active(obs), len(obs.heartbeats), obs.now)

@@ -7,6 +7,7 @@ from relay.faults import RESCUABLE, FaultKind
 from relay.notify import redact
 from relay.policy import Detection, LoadedPolicy
 from relay.rules import JOB_WIDE, Action, Escalation, Mode, Rule
+from relay.slowness import MIN_SLOW_STEPS
 from relay.spec import JobSpec
 from relay.unattended import BOUND_MARGIN_SECONDS
 
@@ -27,7 +28,6 @@ def humanize(seconds: float) -> str:
 
 def fault_sentence(kind: FaultKind, d: Detection) -> str:
     """Return what the fault is and how the watcher recognises it."""
-    straggler = d.straggler
     throughput = d.throughput
     return {
         FaultKind.HANG: "a rank stalls (hang): it stays in its compute step for more than "
@@ -36,11 +36,7 @@ def fault_sentence(kind: FaultKind, d: Detection) -> str:
         f"for {humanize(d.heartbeat_timeout)} while its node still answers",
         FaultKind.NODE_UNRESPONSIVE: "a node stops answering (node_unresponsive): every rank on "
         f"it and its agent are silent for {humanize(d.heartbeat_timeout)} or more",
-        FaultKind.STRAGGLER: (
-            "one rank is slow (straggler): its compute time per step stays above "
-            f"{straggler.ratio:g}x the other ranks' for {humanize(straggler.sustained)}"
-            if straggler else "one rank is slow (straggler): not watched by this policy"
-        ),
+        FaultKind.STRAGGLER: _straggler_sentence(d),
         FaultKind.THROUGHPUT_DEGRADED: (
             "the whole job slows down (throughput_degraded): samples per second stay below "
             f"{throughput.floor:.0%} of the job's own baseline for "
@@ -58,13 +54,29 @@ def fault_sentence(kind: FaultKind, d: Detection) -> str:
     }[kind]
 
 
+def _straggler_sentence(d: Detection) -> str:
+    """Return how a straggler is recognised: by the time it costs, at the latest when sustained."""
+    rule = d.straggler
+    if rule is None:
+        return "one rank is slow (straggler): not watched by this policy"
+    over = (f"one rank is slow (straggler): its compute time per step stays above "
+            f"{rule.ratio:g}x the other ranks'")
+    if rule.lost_seconds is None:
+        return f"{over} for {humanize(rule.sustained)}"
+    return (f"{over} for as long as it takes the job to lose {humanize(rule.lost_seconds)} "
+            "waiting for it (every rank waits for it at each step, so the slower the rank, the "
+            f"sooner; at least {MIN_SLOW_STEPS} slow steps in a row), or for "
+            f"{humanize(rule.sustained)} at most")
+
+
 def _hang_threshold(d: Detection) -> str:
     """Return the hang threshold in words: as written, or how it is derived."""
     derive = d.derive_hang_timeout
     if derive is None:
         return humanize(d.hang_timeout)
     return (f"a threshold DERIVED from the job's own steps - one heartbeat interval plus "
-            f"{derive.safety_factor:g} x the slowest step seen, at least {humanize(derive.min)} "
+            f"{derive.safety_factor:g} x the job's 95th-percentile step time (checkpoint pauses "
+            f"left out), at least {humanize(derive.min)} "
             f"and at most {humanize(d.hang_timeout)} ({humanize(d.hang_timeout)} until "
             f"{derive.warmup_steps} steps are seen, and when every rank is stuck at once) -")
 

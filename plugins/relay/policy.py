@@ -11,10 +11,16 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from relay.rules import Escalation, Mode, NodeRules, Rules
-from relay.yamlsource import ConfigError, Duration, load_yaml_with_lines, validate_model
+from relay.yamlsource import (
+    ConfigError,
+    Duration,
+    FieldValueError,
+    load_yaml_with_lines,
+    validate_model,
+)
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _DURATIONS = (
@@ -24,12 +30,33 @@ _DURATIONS = (
 
 
 class StragglerDetection(BaseModel):
-    """A rank is a straggler when its compute time stays above ratio x the others' median."""
+    """A rank is a straggler when its compute time stays above ratio x the others' median.
+
+    It fires once the job has lost ``lost_seconds`` waiting on the rank (a much slower
+    rank costs more per second, so it is called sooner; see ``relay.slowness``), and at
+    the latest after ``sustained``. ``lost_seconds: null``: ``sustained`` alone.
+    """
 
     model_config = _FROZEN
 
     ratio: float = Field(1.5, gt=1.0)
     sustained: Duration = 3.0
+    lost_seconds: Duration | None = 1.0
+
+    @field_validator("lost_seconds", mode="after")
+    @classmethod
+    def _below_sustained(cls, seconds: float | None, info: ValidationInfo) -> float | None:
+        sustained = info.data.get("sustained")
+        if seconds is None or sustained is None:
+            return seconds
+        if not 0 < seconds < sustained:
+            raise FieldValueError(
+                f"a duration > 0 and below sustained ({sustained:g}s), such as 1s", seconds,
+                "set lost_seconds below sustained, e.g. "
+                f"lost_seconds: {min(1.0, sustained / 3):.2g}s "
+                "(the job's time lost to a slow rank never exceeds how long it was slow), or "
+                "null to wait the whole sustained time", shown=f"{seconds:g}s")
+        return seconds
 
 
 class ThroughputDetection(BaseModel):
@@ -46,8 +73,9 @@ class ThroughputDetection(BaseModel):
 class HangFromStepTime(BaseModel):
     """Derive the hang threshold from the job's own steps (``relay.steptime``), bounded.
 
-    threshold = heartbeat_interval + safety_factor x the slowest step seen, held
-    within [min, hang_timeout]; hang_timeout applies until warmup_steps are seen.
+    threshold = heartbeat_interval + safety_factor x the p95 step time (checkpoint
+    intervals left out), held within [min, hang_timeout]; hang_timeout applies until
+    warmup_steps are seen.
     """
 
     model_config = _FROZEN
@@ -104,10 +132,12 @@ FIXES = {
     "detection.hang_timeout": "set it above the slowest normal step, e.g. hang_timeout: 3s",
     "detection.startup_timeout": "allow for importing torch, e.g. startup_timeout: 2m",
     "detection.derive_hang_timeout.safety_factor": "use a factor of at least 2 over the "
-    "slowest step, e.g. safety_factor: 10",
+    "p95 step time, e.g. safety_factor: 10",
     "detection.derive_hang_timeout.min": "set the shortest threshold a derivation may pick, "
     "above a heartbeat interval plus a poll, e.g. min: 1.5s",
     "detection.straggler.ratio": "use a ratio above 1, e.g. ratio: 1.5 (50% slower)",
+    "detection.straggler.lost_seconds": "set how long the job may wait on a slow rank before it "
+    "is called a straggler, below sustained, e.g. lost_seconds: 1s (null: sustained alone)",
     "detection.throughput.floor": "use a fraction of the baseline, e.g. floor: 0.6",
     **{
         f"rules.{kind}": f"say what happens on {kind}, e.g. {kind}: "

@@ -19,7 +19,8 @@ import pytest
 from relay.detection import AGENT_STATUS_INTERVAL_SECONDS, Detector, Observation
 from relay.faults import Fault, FaultKind
 from relay.launchers.local import LaunchState, LaunchStatus, NodeStatus
-from relay.policy import Detection
+from relay.policy import Detection, StragglerDetection
+from relay.slowness import MIN_SLOW_STEPS
 from relay_train.heartbeat import Heartbeat, HeartbeatWriter, Phase, read_heartbeats
 
 NODE_RANKS = {"node-a": [0, 1], "node-b": [2, 3]}
@@ -370,25 +371,87 @@ def first_fault(
     return None
 
 
-def test_straggler_fires_only_once_sustained() -> None:
-    detector = Detector(CFG)
+def fire_window(factor: float, rule: StragglerDetection = STRAGGLER) -> tuple[float, float]:
+    """Return when a lasting ``factor`` x straggler of :func:`straggling` may fire, from its
+    first slow poll.
+
+    Each poll it finishes one step with ``0.2 x (factor - 1)`` s more compute than the
+    others, which the job loses (at most the poll's INTERVAL): the rule fires at the
+    first poll at which that adds up to ``lost_seconds`` and MIN_SLOW_STEPS slow steps
+    were seen, and by ``sustained`` at the latest.
+    """
+    if rule.lost_seconds is None:
+        return rule.sustained, rule.sustained
+    per_poll = min(0.2 * (factor - 1.0), INTERVAL)
+    polls_needed = max(math.ceil(rule.lost_seconds / per_poll - 1e-9), MIN_SLOW_STEPS - 1)
+    earliest = min(polls_needed * INTERVAL, rule.sustained)
+    return earliest, earliest
+
+
+NO_BUDGET = STRAGGLER.model_copy(update={"lost_seconds": None})
+
+
+@pytest.mark.parametrize(("factor", "rule"), [
+    pytest.param(40.0, STRAGGLER, id="40x"),
+    pytest.param(3.0, STRAGGLER, id="3x"),
+    pytest.param(2.0, STRAGGLER, id="2x"),
+    pytest.param(1.6, STRAGGLER, id="1.6x"),
+    pytest.param(40.0, NO_BUDGET, id="40x-lost_seconds-null"),
+    pytest.param(1.6, NO_BUDGET, id="1.6x-lost_seconds-null"),
+])
+def test_straggler_fires_once_it_has_cost_lost_seconds_or_sustained(
+    factor: float, rule: StragglerDetection
+) -> None:
+    detector = Detector(CFG.model_copy(update={"straggler": rule}))
     found = first_fault(
-        detector, polls(T0, 3 * STRAGGLER.sustained), lambda now, i: straggling(now, i, {3: 2.0})
+        detector, polls(T0, 3 * rule.sustained), lambda now, i: straggling(now, i, {3: factor})
     )
     assert found is not None
     when, fault = found
-    assert when - T0 == pytest.approx(STRAGGLER.sustained)
-    assert_fault(
-        fault, FaultKind.STRAGGLER, 3, "node-b", "2.0x", f"sustained {STRAGGLER.sustained:g}s"
-    )
-    assert fault.evidence["ratio"] == 2.0
-    assert fault.evidence["compute_seconds"][3] == pytest.approx(0.4)
+    earliest, latest = fire_window(factor, rule)
+    assert earliest - 1e-9 <= when - T0 <= latest + 1e-9
+    assert_fault(fault, FaultKind.STRAGGLER, 3, "node-b", f"{factor:.1f}x",
+                 f"sustained {rule.sustained:g}s")
+    assert fault.evidence["ratio"] == factor
+    assert fault.evidence["compute_seconds"][3] == pytest.approx(0.2 * factor)
+    if when - T0 < rule.sustained:  # fired on its cost: the job had lost the budget
+        assert rule.lost_seconds is not None
+        assert fault.evidence["lost_seconds"] >= rule.lost_seconds - 1e-9
+        assert f"lost_seconds {rule.lost_seconds:g}s" in fault.evidence["summary"]
+
+
+def test_a_40x_straggler_fires_well_before_sustained_and_before_a_1_6x_one() -> None:
+    fired = {}
+    for factor in (40.0, 1.6):
+        found = first_fault(Detector(CFG), polls(T0, 3 * STRAGGLER.sustained),
+                            lambda now, i, f=factor: straggling(now, i, {3: f}))
+        assert found is not None
+        fired[factor] = found[0] - T0
+    assert fired[40.0] <= STRAGGLER.sustained / 2 < fired[1.6] <= STRAGGLER.sustained
+
+
+def test_the_same_ratio_costs_less_when_compute_is_a_small_part_of_the_step() -> None:
+    """3x the others' compute, one step a poll: 0.2 s of compute costs the job 0.4 s a step,
+    20 ms of compute (a step mostly spent in the collective) only 40 ms: called at sustained."""
+    fired = {}
+    for compute in (0.2, 0.02):
+        def beats(now: float, i: int, compute: float = compute) -> list[Heartbeat]:
+            return [hb(r, now, phase=COMPUTE if (i + r) % 2 == 0 else COLLECTIVE, step=10 + i,
+                       in_phase=0.1, compute=compute * (3.0 if r == 3 else 1.0)) for r in RANKS]
+
+        found = first_fault(Detector(CFG), polls(T0, 3 * STRAGGLER.sustained), beats)
+        assert found is not None
+        fired[compute] = found[0] - T0
+        assert_fault(found[1], FaultKind.STRAGGLER, 3, "node-b", "3.0x")
+    assert fired[0.2] == pytest.approx(fire_window(3.0)[0])
+    assert fired[0.2] < STRAGGLER.sustained
+    assert fired[0.02] == pytest.approx(STRAGGLER.sustained)
 
 
 def test_a_slower_rank_takes_the_blame_from_a_mildly_slow_one() -> None:
     """Rank 0 runs 1.8x (background work) when rank 3 turns 40x: the job waits for rank 3."""
     detector = Detector(CFG)
-    mild = polls(T0, STRAGGLER.sustained - INTERVAL)
+    mild = polls(T0, fire_window(1.8)[0] - 2 * INTERVAL)  # rank 0: not yet due on its own
     for i, now in enumerate(mild):
         assert detector.check(observe(now, straggling(now, i, {0: 1.8}))) is None
     onset = mild[-1] + INTERVAL
@@ -403,7 +466,7 @@ def test_a_slower_rank_takes_the_blame_from_a_mildly_slow_one() -> None:
 
 def test_straggler_that_recovers_resets_the_clock() -> None:
     detector = Detector(CFG)
-    almost = STRAGGLER.sustained - INTERVAL
+    almost = fire_window(2.0)[0] - INTERVAL
     slow = polls(T0, almost)
     for i, now in enumerate(slow):
         assert detector.check(observe(now, straggling(now, i, {3: 2.0}))) is None
@@ -416,8 +479,56 @@ def test_straggler_that_recovers_resets_the_clock() -> None:
     )
     assert found is not None
     when, fault = found
-    assert when - again == pytest.approx(STRAGGLER.sustained)
+    earliest, latest = fire_window(2.0)
+    assert earliest - 1e-9 <= when - again <= latest + 1e-9, "the lost time starts again at 0"
     assert_fault(fault, FaultKind.STRAGGLER, 3, "node-b")
+
+
+def test_a_stalled_jobs_frozen_figures_cost_nothing() -> None:
+    """A 3x rank for a few steps, then every rank stops stepping (a hang on its way): the
+    records still show 3x until the ranks drop out of the judged set, but no time is lost
+    to a straggler while nobody steps, so the budget does not fill on stale figures."""
+    slow_steps = MIN_SLOW_STEPS
+    rising = fire_window(3.0)[0]
+    assert (slow_steps - 1) * INTERVAL < rising, "not yet due when the steps stop"
+    frozen_for = CFG.hang_timeout / 2  # how long a rank that stopped stepping is still judged
+    found = first_fault(
+        Detector(CFG), polls(T0, (slow_steps - 1) * INTERVAL + frozen_for),
+        lambda now, i: straggling(now, min(i, slow_steps - 1), {3: 3.0}),
+    )
+    assert found is None, found[1].describe() if found else ""
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_single_jittery_steps_raise_no_straggler(seed: int) -> None:
+    """Every rank's steps vary by 20%, and 1 record in 20 carries one step 2-6x as slow."""
+    rng = random.Random(seed)
+
+    def jittery(now: float, i: int) -> list[Heartbeat]:
+        spikes = {r: rng.uniform(2.0, 6.0) if rng.random() < 0.05 else rng.uniform(0.8, 1.2)
+                  for r in RANKS}
+        return straggling(now, i, spikes)
+
+    found = first_fault(Detector(CFG), polls(T0, 120.0), jittery)
+    assert found is None, found[1].describe() if found else ""
+
+
+@pytest.mark.parametrize("lag_polls", [0, 1], ids=["together", "one-poll-apart"])
+def test_every_rank_slowing_down_at_once_is_throughput_not_a_straggler(lag_polls: int) -> None:
+    assert THROUGHPUT is not None
+    detector = Detector(CFG)
+    slow_from = THROUGHPUT.warmup_steps + int(THROUGHPUT.baseline / INTERVAL) + 4
+    fault = None
+    for i, now in enumerate(polls(T0, 60.0)):
+        factor = {r: 3.0 if i >= slow_from + (lag_polls if r else 0) else 1.0 for r in RANKS}
+        beats = straggling(now, i, factor)
+        for b in beats:
+            b.samples_per_second = 1000.0 / max(factor.values())
+        fault = detector.check(observe(now, beats))
+        if fault is not None:
+            break
+    assert fault is not None and fault.kind is FaultKind.THROUGHPUT_DEGRADED, (
+        fault.describe() if fault else "no fault")
 
 
 @pytest.mark.parametrize(
@@ -699,7 +810,8 @@ def test_crash_wins_over_a_stale_heartbeat() -> None:
 
 
 def test_nan_wins_over_straggler() -> None:
-    plain, poisoned = Detector(CFG), Detector(CFG)
+    cfg = CFG.model_copy(update={"straggler": NO_BUDGET})  # fires at sustained, exactly
+    plain, poisoned = Detector(cfg), Detector(cfg)
     times = polls(T0, STRAGGLER.sustained)
     for i, now in enumerate(times[:-1]):
         for detector in (plain, poisoned):
@@ -803,7 +915,7 @@ def test_describe_names_kind_and_culprit(fault: Fault, expected: str) -> None:
 
 
 def test_median_without_equals_the_median_of_the_others() -> None:
-    from relay.detection import _median_without
+    from relay.slowness import median_without as _median_without
 
     rng = random.Random(7)
     for n in range(2, 14):
@@ -860,3 +972,16 @@ def test_unheard_ranks_of_a_node_whose_agent_answers_are_no_node_fault() -> None
         is None  # their heartbeats may be late; past startup_timeout: a launch failure
     fault = detector.check(observe(later, [hb(r, later) for r in (2, 3)]))
     assert_fault(fault, FaultKind.LAUNCH_FAILURE, 0, "node-a", "no heartbeat")
+
+
+def test_policy_explain_says_what_a_straggler_costs_before_it_is_called_one() -> None:
+    from relay.explain import fault_sentence, humanize
+
+    assert STRAGGLER.lost_seconds is not None
+    budget = fault_sentence(FaultKind.STRAGGLER, CFG)
+    assert f"lose {humanize(STRAGGLER.lost_seconds)} waiting for it" in budget
+    assert "the slower the rank, the sooner" in budget
+    assert f"at least {MIN_SLOW_STEPS} slow steps" in budget
+    assert f"{humanize(STRAGGLER.sustained)} at most" in budget
+    plain = fault_sentence(FaultKind.STRAGGLER, CFG.model_copy(update={"straggler": NO_BUDGET}))
+    assert "lose" not in plain and f"for {humanize(STRAGGLER.sustained)}" in plain

@@ -187,7 +187,8 @@ def test_a_retry_elsewhere_stops_what_a_killed_try_launched(tmp_path: Path) -> N
         (attempt / HANDLE_FILE).unlink()
         journal.write({}, attempt.parent, journal.LAUNCHED, attempt_dir=str(attempt),
                       **{launch_record.KEY: record})
-        assert journal.stop_launched({}, attempt.parent, LocalLauncher(), "sqlite:///x.db") == []
+        assert journal.stop_launched({}, attempt.parent, LocalLauncher(),
+                                     f"sqlite:///{tmp_path / 'x.db'}") == []
         assert proc.wait(timeout=30) is not None
     finally:
         if proc.poll() is None:

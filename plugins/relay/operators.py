@@ -46,6 +46,10 @@ def _end_run(spec: JobSpec, dag_run_id: str) -> None:
     handing_over = launcher if adopt.enabled(spec, launcher) else None
     for root in adopt.end_run(run_dir, _lease_holder(spec.dag_id, dag_run_id), handing_over):
         log.warning("Stopped the workload %s: nothing may outlive its DAG run", root)
+    try:  # lift the taints of quarantines that ended since the last launch (Kubernetes)
+        launcher.enforce_quarantines(NodePool().quarantines())
+    except Exception:  # noqa: BLE001 - the run's result stands; the next launch tries again
+        log.exception("Could not bring the nodes' quarantine taints up to date")
 
 
 class RelayOperator(BaseOperator):

@@ -496,3 +496,24 @@ def test_taints_forbidden_by_rbac_leave_the_affinity_and_warn(
 
     assert "taints" not in fake.get("nodes", "gpu-1", None)["spec"]
     assert "relay-node-tainter" in caplog.text
+
+
+def test_the_end_of_a_dag_run_lifts_the_taint_of_a_quarantine_that_ended(
+    fake: FakeApiServer, tmp_path: Path, node_pool: NodePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kubernetes has no expiring taint: Relay lifts it, at a launch, a quarantine, and
+    the end of every DAG run (finalize), so an idle Relay leaves no node NoSchedule long."""
+    from relay import launchers, operators
+    from relay.settings import REPO_ROOT
+    from relay.spec import load_job_spec
+
+    launcher = make_launcher(fake, tmp_path, taint_quarantine=True)
+    node_pool.quarantine("gpu-1", 60, reason="test", by="test")
+    launcher.enforce_quarantines(node_pool.quarantines())
+    assert fake.get("nodes", "gpu-1", None)["spec"]["taints"]
+    node_pool.release("gpu-1")  # ended (or released by hand) while nothing launched
+
+    monkeypatch.setattr(launchers, "launcher_for", lambda spec: launcher)
+    operators._end_run(load_job_spec(REPO_ROOT / "dags" / "jobs" / "demo.yaml"), "run-1")
+
+    assert fake.get("nodes", "gpu-1", None)["spec"]["taints"] == []

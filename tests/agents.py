@@ -69,7 +69,7 @@ class ServedAttempt:
             state = report.record["state"] if report else "starting"
             nodes[name] = NodeStatus(name, state, last_seen=report.received_at if report else None)
         return LaunchStatus(overall_state(nodes), nodes, dict(channel.beats),
-                            list(channel.refused))
+                            list(channel.refused), set(channel.crossed))
 
     def close(self) -> None:
         for server in self.servers.values():

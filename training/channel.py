@@ -7,7 +7,9 @@ its launcher gave it (127.0.0.1 locally, the pod's address on Kubernetes):
 - ``GET /v1/status``: its attempt, its state, its ranks' exit codes and log tails, and
   every local rank's heartbeat with its ``age_seconds`` (and ``phase_age_seconds``)
   measured on this node's clock against the rank's own record, so Relay can place
-  it on its own clock (``received_at - age``) whatever this node's clock says;
+  it on its own clock (``received_at - age``) whatever this node's clock says; and,
+  from the node hosting rank 0, the last segment boundaries rank 0 recorded crossing
+  (``crossed``: steps, from its ``boundaries.jsonl``; see :mod:`relay_train.boundary`);
 - ``POST /v1/stop``, ``/v1/drain`` (``stop_at``), ``/v1/rescue`` (``rank``),
   ``/v1/stacks`` (``id``), ``/v1/stacks/signal`` (``id``): requests, which the agent
   hands to its ranks on node-local disk (the files :mod:`relay_train.rescue` and
@@ -47,7 +49,7 @@ from relay_train.evidence import (
 )
 from relay_train.evidence import REQUEST_FILE as STACKS_REQUEST
 from relay_train.heartbeat import node_clock, read_heartbeats, write_atomically
-from relay_train.launch import DRAIN_FILE
+from relay_train.launch import BOUNDARIES_FILE, DRAIN_FILE
 from relay_train.rescue import ACK_FILE, DONE_FILE, RESCUE_DIR
 from relay_train.rescue import REQUEST_FILE as RESCUE_REQUEST
 
@@ -56,6 +58,7 @@ log = logging.getLogger("relay_train.channel")
 AGENT_PORT = 29401  # on Kubernetes: every pod's agent listens here (locally: a free port)
 API = "/v1"
 MAX_BODY_BYTES = 64 * 1024
+CROSSED_REPORTED = 16  # the last boundary crossings a status answer carries (Relay keeps all)
 
 
 class Served(Protocol):
@@ -86,6 +89,23 @@ def heartbeat_report(directory: Path, ranks: list[int], now: float) -> list[dict
         record["phase_age_seconds"] = now - beat.phase_started_at
         report.append(record)
     return report
+
+
+def crossed_report(root: Path, ranks: list[int], last: int = CROSSED_REPORTED) -> list[int]:
+    """Return the last segment boundaries rank 0 recorded crossing (only its node has any)."""
+    if 0 not in ranks:
+        return []
+    try:
+        lines = (root / BOUNDARIES_FILE).read_text().splitlines()
+    except OSError:
+        return []
+    steps = []
+    for line in lines:
+        try:
+            steps.append(int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a line being written
+    return steps[-last:]
 
 
 class AgentServer:
@@ -218,7 +238,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _status(self, _query: dict[str, Any]) -> dict[str, Any]:
         now = node_clock()
         beats = heartbeat_report(self.agent.root / "heartbeats", self.agent.ranks, now)
-        return {**self.agent.status_record(), "heartbeats": beats}
+        crossed = crossed_report(self.agent.root, self.agent.ranks)
+        return {**self.agent.status_record(), "heartbeats": beats, "crossed": crossed}
 
     def _stop(self, body: dict[str, Any]) -> dict[str, Any]:
         self.agent.request_stop(str(body.get("reason") or "Relay asked over the channel"))

@@ -44,7 +44,6 @@ from relay_train.chaos import CHAOS_LOG
 from relay_train.heartbeat import read_heartbeats, write_atomically
 from relay_train.launch import (
     ADOPT_FILE,
-    BOUNDARIES_FILE,
     FIRST_STEP_FILE,
     LAUNCH_FILE,
     LaunchConfig,
@@ -105,27 +104,6 @@ def watch_boundary(view: LaunchConfig, workload: LaunchConfig) -> int | None:
     if workload.run_on_to is None or not workload.boundaries:
         return None
     return view.end_step if view.end_step < max(workload.boundaries) else None
-
-
-def crossed(workload: Path, step: int) -> bool:
-    """Return whether the workload's rank 0 recorded crossing the boundary at ``step``.
-
-    It records it after the boundary checkpoint was handed to its publisher, at the
-    next step's start, which DDP's collectives reach only once every rank finished the
-    steps before: proof that the segment's steps are done, where heartbeats may lag by
-    an interval (a rank that died or froze just after the boundary keeps an older one).
-    """
-    try:
-        lines = (workload / BOUNDARIES_FILE).read_text().splitlines()
-    except OSError:
-        return False
-    for line in lines:
-        try:
-            if json.loads(line).get("step") == step:
-                return True
-        except ValueError:
-            continue  # a line being written
-    return False
 
 
 def live_workload(run_dir: Path, index: int, launcher: Launcher) -> Path | None:

@@ -10,6 +10,10 @@ places the beat on Relay's clock as ``received_at - age`` (and the same for the
 phase start), so a node whose wall clock is off raises no false alarm. An
 agent's ``last_seen`` is when Relay last heard from it, on Relay's clock.
 
+Boundaries: the agent of the node hosting rank 0 reports the last segment boundaries
+rank 0 recorded crossing; the channel keeps every one it heard of
+(:attr:`AgentChannel.crossed`), so a silent agent's last word still counts.
+
 Fencing: every request names the attempt; a reply from an agent serving another
 attempt (a 409, or a body naming another attempt) is refused: nothing in it is
 used, a warning is logged and the refusal is kept in :attr:`AgentChannel.refused`
@@ -55,6 +59,7 @@ class NodeReport:
     received_at: float
     record: dict[str, Any]
     heartbeats: dict[int, Heartbeat] = field(default_factory=dict)
+    crossed: set[int] = field(default_factory=set)  # boundaries rank 0 recorded crossing
 
 
 def place_on_our_clock(record: dict[str, Any], received_at: float) -> Heartbeat:
@@ -74,6 +79,7 @@ class AgentChannel:
         self.refused: list[dict[str, Any]] = []
         self.reports: dict[str, NodeReport] = {}
         self.beats: dict[int, Heartbeat] = {}
+        self.crossed: set[int] = set()  # every boundary rank 0 was heard to have crossed
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, Future[NodeReport | None]] = {}
         self.silent: set[str] = set()  # nodes known not to answer (a frozen node): not asked
@@ -209,6 +215,7 @@ class AgentChannel:
             if report is not None and (known is None or report.received_at > known.received_at):
                 self.reports[node] = report
                 self.beats.update(report.heartbeats)
+                self.crossed |= report.crossed
         return replies
 
     def close(self) -> None:
@@ -234,7 +241,13 @@ class AgentChannel:
                 log.debug("Skipping a bad heartbeat from %s: %s", node, exc)
                 continue
             beats[beat.rank] = beat
-        return NodeReport(node, received_at, record, beats)
+        crossed = set()
+        for step in record.get("crossed") or []:
+            try:
+                crossed.add(int(step))
+            except (TypeError, ValueError):
+                log.debug("Skipping a bad boundary step from %s: %r", node, step)
+        return NodeReport(node, received_at, record, beats, crossed)
 
     def last_seen(self, node: str) -> float | None:
         """Return when ``node``'s agent last answered, on Relay's clock."""

@@ -19,7 +19,6 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from relay.adopt import crossed
 from relay.detection import Detector, Observation
 from relay.faults import FaultKind
 from relay.launchers import Launcher, LaunchState, launcher_from
@@ -115,12 +114,17 @@ class SegmentWatchTrigger(BaseTrigger):
 
     def passed_boundary(self, obs: Observation) -> bool:
         """Return whether every rank has trained past ``boundary_step`` (the workload goes on):
-        their heartbeats say so, or rank 0's record of crossing it (heartbeats lag)."""
+        their heartbeats say so, or rank 0's record of crossing it, which its node's agent
+        reports over the channel. Rank 0 records it at the next step's start, once the
+        boundary checkpoint is with its publisher, which DDP's collectives reach only after
+        every rank finished the steps before: proof, where heartbeats lag by an interval
+        (a rank that died or froze just after the boundary keeps an older one)."""
         if self.boundary_step is None:
             return False
         ranks = [r for ranks in self.node_ranks.values() for r in ranks]
         return all(r in obs.heartbeats and obs.heartbeats[r].step >= self.boundary_step
-                   for r in ranks) or crossed(Path(self.attempt_dir), self.boundary_step)
+                   for r in ranks) or (obs.launch is not None
+                                       and self.boundary_step in obs.launch.crossed)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Poll until there is one thing to report, then report it."""

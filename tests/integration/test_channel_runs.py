@@ -10,6 +10,7 @@ at the old agent, as a reused pod IP would).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -113,6 +114,28 @@ def test_the_watcher_evidence_and_rescue_read_no_file_of_the_attempt(
     # Relay itself wrote from the channel's answers (the rescued file, to hash it).
     relay_side = {"handle.json"}
     assert {r for r in audit.reads if not r.startswith(RESCUED)} <= relay_side, audit.reads
+    assert not audit.listed, audit.listed
+
+
+def test_a_watcher_at_a_segment_boundary_reads_no_file_of_the_attempt(
+    store: Store, tmp_path: Path
+) -> None:
+    # segment_boundary: adopt. The workload trains on past its segment's end (step 40), and
+    # its watcher completes once every rank is past it or rank 0 recorded crossing it: that
+    # record comes over the channel, from the agent of rank 0's node.
+    cfg = dataclasses.replace(launch_config(store, tmp_path / "attempt", steps=40),
+                              boundaries=[40, 100_000], run_on_to=100_000)
+    audit = FileAudit(cfg.root)
+    launcher = LocalLauncher()
+    with launched(cfg) as root:
+        audit.on = True
+        event = watch(cfg, Detection(straggler={"ratio": 50}), timeout=180, boundary_step=40)
+        crossed = _wait("rank 0's crossing, over the channel",
+                        lambda: launcher.status(root).crossed, timeout=60)
+        audit.on = False
+    assert event["status"] == "completed" and event["boundary_step"] == 40, event
+    assert crossed == {40}
+    assert audit.reads <= {"handle.json"}, audit.reads  # the local launcher's launch record
     assert not audit.listed, audit.listed
 
 

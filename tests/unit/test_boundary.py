@@ -293,18 +293,23 @@ def test_rank_0s_record_of_crossing_the_boundary_counts_where_heartbeats_lag(
     tmp_path: Path,
 ) -> None:
     # A rank that crashed or froze just after the boundary keeps a heartbeat from before
-    # it: the fault belongs to the next segment, whose task adopts and handles it.
+    # it: the fault belongs to the next segment, whose task adopts and handles it. Rank 0's
+    # record comes over the channel (LaunchStatus.crossed); the watcher reads no file.
     trigger = SegmentWatchTrigger(str(tmp_path), {"node-a": [0], "node-b": [1]},
                                   boundary_step=60)
-    obs = Observation(now=time.time(), launched_at=0.0,
-                      heartbeats={0: _beat(0, 58), 1: _beat(1, 64)},
-                      node_ranks=trigger.node_ranks, heartbeat_interval=0.5)
-    assert trigger.passed_boundary(obs) is False
-    (tmp_path / BOUNDARIES_FILE).write_text(json.dumps({"step": 30}) + "\n")
-    assert trigger.passed_boundary(obs) is False  # an earlier boundary
-    with (tmp_path / BOUNDARIES_FILE).open("a") as out:
-        out.write(json.dumps({"step": 60, "agree": 0.0}) + "\n" + '{"step": 9')
-    assert trigger.passed_boundary(obs) is True
+    (tmp_path / BOUNDARIES_FILE).write_text(json.dumps({"step": 60}) + "\n")  # not read
+
+    def observe(crossed: set[int] | None) -> Observation:
+        launch = None if crossed is None else LaunchStatus(LaunchState.RUNNING, {},
+                                                            crossed=crossed)
+        return Observation(now=time.time(), launched_at=0.0,
+                           heartbeats={0: _beat(0, 58), 1: _beat(1, 64)},
+                           node_ranks=trigger.node_ranks, heartbeat_interval=0.5, launch=launch)
+
+    assert trigger.passed_boundary(observe(None)) is False
+    assert trigger.passed_boundary(observe(set())) is False
+    assert trigger.passed_boundary(observe({30})) is False  # an earlier boundary
+    assert trigger.passed_boundary(observe({30, 60})) is True
 
 
 def test_a_restart_boundary_breaks_down_into_parts_that_add_up(tmp_path: Path) -> None:

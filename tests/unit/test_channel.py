@@ -30,7 +30,7 @@ from relay_train.heartbeat import (
     clock_skew,
     read_heartbeats,
 )
-from relay_train.launch import DRAIN_FILE
+from relay_train.launch import BOUNDARIES_FILE, DRAIN_FILE
 
 NODES = {"node-a": [0, 1], "node-b": [2, 3]}
 
@@ -159,6 +159,30 @@ def test_a_silent_agent_costs_one_short_timeout_and_keeps_its_last_word(
     assert sorted(status.heartbeats) == [0, 1, 2, 3]  # node-b's last beats, aging on our clock
 
 
+def test_rank_0s_node_reports_the_boundaries_it_crossed_and_relay_keeps_them(
+    root: Path, agents: ServedAttempt
+) -> None:
+    # Rank 0 appends to boundaries.jsonl in the attempt folder (here shared by both served
+    # nodes, as on one machine): only the agent of its node reports it, the last few steps.
+    lines = [json.dumps({"step": s, "loop_cost": 0.1}) for s in range(10, 210, 10)]
+    (root / BOUNDARIES_FILE).write_text("\n".join(lines) + '\n{"step": 2')  # one half-written
+    channel = agents.channel(root)
+    replies = channel.poll()
+    assert replies["node-a"] is not None and replies["node-b"] is not None
+    assert replies["node-a"].record["crossed"] == list(range(50, 210, 10))  # the last 16
+    assert replies["node-b"].record["crossed"] == []  # rank 0 is not on node-b
+    assert agents.status(root).crossed == set(range(50, 210, 10))
+    agents.servers["node-a"].close()  # silent from now on: its last word still counts
+    (root / BOUNDARIES_FILE).unlink()
+    assert agents.status(root).crossed == set(range(50, 210, 10))
+
+
+def test_a_node_without_a_boundary_record_reports_none(root: Path, agents: ServedAttempt) -> None:
+    status = agents.status(root)
+    assert status.crossed == set()
+    assert all(r.record["crossed"] == [] for r in agents.channel(root).reports.values())
+
+
 def test_an_unreachable_address_is_not_an_answer() -> None:
     channel = AgentChannel("a/b/segment-000/try-1", {"node-a": "http://127.0.0.1:9"})
     assert channel.poll() == {"node-a": None}
@@ -217,7 +241,9 @@ def test_the_kubernetes_launcher_reads_pods_agents_over_the_channel(
             writer = HeartbeatWriter(cfg.root / "heartbeats", rank, f"pod-{rank // 2}", 1.0)
             writer.beat(step=65)
             writer.flush_now()
+        (cfg.root / BOUNDARIES_FILE).write_text(json.dumps({"step": 60}) + "\n")
         running = launcher.status(cfg.root)
+        assert running.crossed == {60}  # from pod-0's agent, which hosts rank 0
         assert sorted(running.heartbeats) == [0, 1, 2, 3]
         assert {b.step for b in running.heartbeats.values()} == {65}
         assert all(n.last_seen is not None for n in running.nodes.values())

@@ -71,12 +71,13 @@ async def _first_event(trigger: SegmentWatchTrigger, timeout: float) -> dict[str
     return await asyncio.wait_for(first(), timeout)
 
 
-def watch(cfg: LaunchConfig, detection: Detection, timeout: float) -> dict[str, Any]:
+def watch(cfg: LaunchConfig, detection: Detection, timeout: float,
+          boundary_step: int | None = None) -> dict[str, Any]:
     """Run the real segment watcher on a launch until its first event."""
     trigger = SegmentWatchTrigger(
         attempt_dir=cfg.attempt_dir, node_ranks=node_ranks(cfg),
         detection=detection.model_dump(), heartbeat_interval_seconds=cfg.heartbeat_interval_seconds,
-        poll_interval_seconds=detection.poll_interval,
+        poll_interval_seconds=detection.poll_interval, boundary_step=boundary_step,
     )
     try:
         return asyncio.run(_first_event(trigger, timeout))

@@ -14,8 +14,9 @@ Lifecycle of one attempt, as a launcher reports it (:class:`LaunchState`)::
 Everything Relay learns from a running attempt, and everything it asks of it,
 goes over the network to the node agents (:meth:`Launcher.channel`, see
 :mod:`relay.channel`): :meth:`Launcher.status` carries the ranks' heartbeats,
-already placed on Relay's clock, and the messages refused from agents of
-another attempt. No launcher reads a file a node wrote.
+already placed on Relay's clock, the segment boundaries rank 0 recorded
+crossing, and the messages refused from agents of another attempt. No
+launcher reads a file a node wrote.
 
 Per node, :class:`NodeStatus` says ``starting``, ``running``, ``succeeded``,
 ``failed`` or ``unresponsive`` (the platform says the node stopped answering:
@@ -72,6 +73,7 @@ class LaunchStatus:
     nodes: dict[str, NodeStatus]
     heartbeats: dict[int, Heartbeat] = field(default_factory=dict)  # on Relay's clock
     refused: list[dict[str, Any]] = field(default_factory=list)  # messages of stale attempts
+    crossed: set[int] = field(default_factory=set)  # boundaries rank 0 recorded crossing
 
     def errors(self) -> dict[int, str]:
         """Return the end of each failed rank's log (its own error message)."""

@@ -272,7 +272,7 @@ class KubernetesLauncher:
                 if node.state not in ("succeeded", "failed"):
                     node.state, node.detail = "failed", failure
         return LaunchStatus(overall_state(nodes), nodes, dict(channel.beats),
-                            list(channel.refused))
+                            list(channel.refused), set(channel.crossed))
 
     def agent_url(self, key: AttemptKey, index: int) -> str:
         """Return where the agent of pod ``index`` answers (its headless-Service DNS name)."""

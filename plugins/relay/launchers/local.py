@@ -295,7 +295,7 @@ class LocalLauncher:
             nodes[node] = NodeStatus(node, state, codes, detail, report.received_at,
                                      errors=errors)
         return LaunchStatus(overall_state(nodes), nodes, dict(channel.beats),
-                            list(channel.refused))
+                            list(channel.refused), set(channel.crossed))
 
     def heartbeats(self, root: Path) -> dict[int, Any]:
         """Return the ranks' latest heartbeats (on Relay's clock), asking the agents now."""

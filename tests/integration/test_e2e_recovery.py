@@ -77,6 +77,7 @@ def clean_run(
     return _final_state(lineage, clean, tmp_path_factory.mktemp("clean"))
 
 
+@pytest.mark.slow  # ~80 s with its clean-run fixture: `make test-slow` (CI runs it)
 def test_crashed_and_retried_run_equals_uninterrupted_run_bit_for_bit(
     airflow_job: dict[str, str], relay_home: Path, tmp_path: Path, clean_run: dict[str, Any]
 ) -> None:

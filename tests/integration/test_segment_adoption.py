@@ -86,6 +86,7 @@ def restarted(env: dict[str, str], relay_home: Path,
     return final_state(Lineage.from_settings(), parent, tmp_path_factory.mktemp("r"), [90, 30])
 
 
+@pytest.mark.slow  # ~80 s with its clean-run fixture: `make test-slow` (CI runs it)
 def test_one_workload_trains_every_segment_and_lineage_stays_true(
     env: dict[str, str], relay_home: Path, tmp_path: Path, restarted: dict[str, Any],
 ) -> None:

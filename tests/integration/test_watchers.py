@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -33,7 +34,13 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
 
 # hang, node and crash are exercised end to end elsewhere (the Airflow recovery tests and
 # `relay chaos` below); these are the kinds only this test injects for real.
-ONLY_HERE = [s for s in SCENARIOS if s.name in ("rank", "straggler", "throughput", "nan", "launch")]
+# The straggler at 3x, not the benchmark's 2x: on the tiny model a rank's compute is a few
+# ms of each step, and at 2x its measured ratio flickers around the 1.5x threshold, which
+# restarts the rule's clock (detection took 3-53 s in `relay bench detect`). This test is
+# about the classification and its culprit; how fast a 2x straggler is seen is the bench's.
+ONLY_HERE = [dataclasses.replace(s, fault={**s.fault, "factor": 3.0}) if s.name == "straggler"
+             else s for s in SCENARIOS
+             if s.name in ("rank", "straggler", "throughput", "nan", "launch")]
 
 
 @pytest.mark.parametrize("scenario", ONLY_HERE, ids=[s.name for s in ONLY_HERE])

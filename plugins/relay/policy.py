@@ -45,17 +45,14 @@ class StragglerDetection(BaseModel):
 
     @field_validator("lost_seconds", mode="after")
     @classmethod
-    def _below_sustained(cls, seconds: float | None, info: ValidationInfo) -> float | None:
-        sustained = info.data.get("sustained")
-        if seconds is None or sustained is None:
-            return seconds
-        if not 0 < seconds < sustained:
+    def _positive(cls, seconds: float | None, info: ValidationInfo) -> float | None:
+        # At or above sustained it simply never fires first (sustained does): allowed, so a
+        # policy that shortens sustained below the 1 s default needs no lost_seconds of its own.
+        if seconds is not None and seconds <= 0:
             raise FieldValueError(
-                f"a duration > 0 and below sustained ({sustained:g}s), such as 1s", seconds,
-                "set lost_seconds below sustained, e.g. "
-                f"lost_seconds: {min(1.0, sustained / 3):.2g}s "
-                "(the job's time lost to a slow rank never exceeds how long it was slow), or "
-                "null to wait the whole sustained time", shown=f"{seconds:g}s")
+                "a duration > 0, such as 1s", seconds,
+                "set lost_seconds above 0, e.g. lost_seconds: 1s, or null to wait the whole "
+                "sustained time", shown=f"{seconds:g}s")
         return seconds
 
 
@@ -137,7 +134,7 @@ FIXES = {
     "above a heartbeat interval plus a poll, e.g. min: 1.5s",
     "detection.straggler.ratio": "use a ratio above 1, e.g. ratio: 1.5 (50% slower)",
     "detection.straggler.lost_seconds": "set how long the job may wait on a slow rank before it "
-    "is called a straggler, below sustained, e.g. lost_seconds: 1s (null: sustained alone)",
+    "is called a straggler, above 0, e.g. lost_seconds: 1s (null: sustained alone)",
     "detection.throughput.floor": "use a fraction of the baseline, e.g. floor: 0.6",
     **{
         f"rules.{kind}": f"say what happens on {kind}, e.g. {kind}: "

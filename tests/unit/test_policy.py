@@ -141,11 +141,8 @@ BAD = [
     pytest.param("straggler:\n  ratio: 0.5", "ratio", "detection.straggler.ratio",
                  ["> 1", "0.5"], "ratio: 1.5", id="straggler-ratio-below-1"),
     pytest.param("straggler:\n  sustained: 3s\n  lost_seconds: 0s", "lost_seconds",
-                 "detection.straggler.lost_seconds", ["below sustained (3s)", "0s"],
+                 "detection.straggler.lost_seconds", ["a duration > 0", "0s"],
                  "lost_seconds: 1s", id="straggler-lost-seconds-0"),
-    pytest.param("straggler:\n  sustained: 3s\n  lost_seconds: 5s", "lost_seconds",
-                 "detection.straggler.lost_seconds", ["below sustained (3s)", "5s"],
-                 "set lost_seconds below sustained", id="straggler-lost-seconds-over-sustained"),
     pytest.param("straggler:\n  lost_seconds: a while", "lost_seconds",
                  "detection.straggler.lost_seconds", ["a duration such as", "'a while'"],
                  "lost_seconds", id="straggler-lost-seconds-unparseable"),
@@ -233,3 +230,13 @@ def test_null_straggler_section_turns_the_rule_off(tmp_path: Path, null: str) ->
 def test_empty_detection_section_uses_defaults(tmp_path: Path) -> None:
     det = load_policy(write(tmp_path, "version: 1\ndetection: {}\n" + RULES)).policy.detection
     assert det == Detection()
+
+
+def test_a_sustained_below_the_default_lost_seconds_survives_the_watchers_round_trip() -> None:
+    """The trigger carries the detection section as a dict and validates it again: a
+    policy with straggler.sustained 1s (below the 1 s lost_seconds default) must load."""
+    from relay.policy import Detection, StragglerDetection
+
+    detection = Detection(straggler=StragglerDetection(sustained=1.0))
+    assert Detection.model_validate(detection.model_dump()) == detection
+    assert StragglerDetection(sustained=3.0, lost_seconds=5.0).lost_seconds == 5.0

@@ -48,6 +48,11 @@ class Observation:
         return next((n for n, ranks in self.node_ranks.items() if rank in ranks), None)
 
 
+def _past_startup(obs: Observation) -> bool:
+    """Return whether any rank got past start-up (then every rank rendezvoused)."""
+    return any(b.phase != Phase.STARTING.value for b in obs.heartbeats.values())
+
+
 class Detector:
     """Classify faults from observations, per the policy's detection thresholds."""
 
@@ -124,7 +129,7 @@ class Detector:
         waited = obs.now - obs.launched_at
         if waited <= self.cfg.startup_timeout:
             return None
-        stepping = any(b.phase != Phase.STARTING.value for b in obs.heartbeats.values())
+        stepping = _past_startup(obs)
         for rank in obs.expected_ranks:
             beat = obs.heartbeats.get(rank)
             node = obs.node_of(rank)
@@ -206,7 +211,7 @@ class Detector:
         since = self._watching_since
         if obs.launch is None or since is None or obs.now - since <= limit:
             return set()
-        if not any(b.phase != Phase.STARTING.value for b in obs.heartbeats.values()):
+        if not _past_startup(obs):
             return set()
         return {r for r in obs.expected_ranks if r not in obs.heartbeats}
 

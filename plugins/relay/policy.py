@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from relay.rules import Escalation, Mode, NodeRules, Rules
 from relay.yamlsource import (
@@ -45,7 +45,7 @@ class StragglerDetection(BaseModel):
 
     @field_validator("lost_seconds", mode="after")
     @classmethod
-    def _positive(cls, seconds: float | None, info: ValidationInfo) -> float | None:
+    def _positive(cls, seconds: float | None) -> float | None:
         # At or above sustained it simply never fires first (sustained does): allowed, so a
         # policy that shortens sustained below the 1 s default needs no lost_seconds of its own.
         if seconds is not None and seconds <= 0:

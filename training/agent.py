@@ -22,10 +22,14 @@ import argparse
 import logging
 import multiprocessing
 import os
+import queue
 import signal
+import stat
 import sys
+import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,18 @@ log = logging.getLogger("relay_train.agent")
 
 TERM_GRACE_SECONDS = 5.0
 LOCAL_BIND = "127.0.0.1"
+STANDBY_FORK_WAIT_SECONDS = 2.0  # the channel's wait for the main thread to fork a standby
+
+
+@dataclass
+class StandbyAsk:
+    """Relay's request for a standby forked from this agent (``NodeAgent.request_standby``)."""
+
+    directory: Path
+    ttl: float
+    linger: float
+    done: threading.Event = field(default_factory=threading.Event)
+    pid: int | None = None
 
 
 class NodeAgent:
@@ -64,6 +80,7 @@ class NodeAgent:
         self._error_tails: dict[int, str] = {}
         self._address = (bind, cfg.agent_ports.get(node, 0) if port is None else port)
         self.server: AgentServer | None = None
+        self._standby_asks: queue.SimpleQueue[StandbyAsk] = queue.SimpleQueue()
 
     def preload(self) -> float:
         """Import what the ranks need, once, before forking them; return the seconds it took."""
@@ -124,6 +141,49 @@ class NodeAgent:
         if not self.stopping:
             log.warning("stop requested: %s", reason)
         self.stopping = True
+
+    def request_standby(self, directory: Path, ttl: float, linger: float) -> int | None:
+        """Fork a standby for this node's next attempt; return its PID (None: not now).
+
+        Called from the channel's thread; the main thread forks (it holds no lock
+        between its polls), within ``STANDBY_FORK_WAIT_SECONDS``. The standby is this
+        agent's copy: preloaded already, so it is ready at once instead of importing
+        the training stack again while Relay winds down the faulty attempt.
+        """
+        if self.stopping:
+            return None
+        ask = StandbyAsk(directory, ttl, linger)
+        self._standby_asks.put(ask)
+        ask.done.wait(STANDBY_FORK_WAIT_SECONDS)
+        return ask.pid
+
+    def _fork_standbys(self) -> None:
+        """Answer the standby requests waiting (main thread only)."""
+        while True:
+            try:
+                ask = self._standby_asks.get_nowait()
+            except queue.Empty:
+                return
+            if not self.stopping:
+                ask.pid = self._fork_standby(ask)
+            ask.done.set()
+
+    def _fork_standby(self, ask: StandbyAsk) -> int:
+        """Fork; in the child, leave this attempt and wait as a standby; return the child's PID."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid:
+            log.info("forked a standby for %s's next attempt as pid %d in %s", self.node, pid,
+                     ask.directory)
+            return pid
+        code = 1
+        try:
+            code = _become_standby(self.node, ask)
+        except BaseException:  # noqa: BLE001 - the child must never return into the agent
+            traceback.print_exc()
+        finally:
+            os._exit(code)
 
     def _errors(self, procs: dict[int, BaseProcess]) -> dict[str, str]:
         """Return the last lines of each failed rank's log: the script's own error."""
@@ -191,6 +251,7 @@ class NodeAgent:
                 self.stop_ranks(f"rank(s) failed with exit codes {failed}")
             if all(p.exitcode is not None for p in self.procs.values()):
                 break
+            self._fork_standbys()
             time.sleep(0.1)
         ok = all(p.exitcode == 0 for p in self.procs.values())
         self.set_state("succeeded" if ok else "failed")
@@ -201,6 +262,7 @@ class NodeAgent:
         """Keep answering (the final state) until Relay stops us or ``linger_seconds`` pass."""
         deadline = time.monotonic() + self.linger_seconds
         while not self.stopping and time.monotonic() < deadline:
+            self._fork_standbys()
             time.sleep(0.1)
 
     def _on_term(self, _signum: int, _frame: object) -> None:
@@ -260,6 +322,42 @@ def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
     worker.exit_now(code)
 
 
+def _become_standby(node: str, ask: StandbyAsk) -> int:
+    """In a child forked from a node's agent: drop the attempt, then run as a standby.
+
+    The child leaves the attempt's process group (stopping the attempt must not stop
+    it), closes every socket it inherited (the attempt's channel, a request being
+    answered) and forgets the attempt's ranks (not its children).
+    """
+    os.setsid()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _close_inherited_sockets()
+    multiprocessing.process._children.clear()  # type: ignore[attr-defined]  # the parent's ranks
+    ask.directory.mkdir(parents=True, exist_ok=True)
+    _redirect_output(ask.directory / f"{node}.log")
+    return run_standby(ask.directory, node, ask.ttl, ask.linger)
+
+
+def _close_inherited_sockets() -> None:
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.close(fd)
+        except OSError:
+            continue  # the listing's own descriptor, already closed
+
+
+def _redirect_output(path: Path) -> None:
+    """Send this process's stdout and stderr to ``path`` (appended)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def run_standby(directory: Path, node: str, ttl_seconds: float, linger_seconds: float = 0.0) -> int:
     """Preload, wait to be claimed (see relay_train.standby), then run as the node's agent."""
     started = time.perf_counter()
@@ -274,12 +372,7 @@ def run_standby(directory: Path, node: str, ttl_seconds: float, linger_seconds: 
         return 0
     cfg = LaunchConfig.read(launch)
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    fd = os.open(cfg.log_dir / f"agent-{node}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    _redirect_output(cfg.log_dir / f"agent-{node}.log")
     if node not in cfg.nodes:
         log.error("node %s: expected one of %s in %s", node, cfg.nodes, launch)
         return 2

@@ -15,6 +15,10 @@ its launcher gave it (127.0.0.1 locally, the pod's address on Kubernetes):
   hands to its ranks on node-local disk (the files :mod:`relay_train.rescue` and
   :mod:`relay_train.evidence` watch);
 - ``GET /v1/rescue``, ``/v1/rescue/file``, ``/v1/stacks``: the ranks' answers;
+- ``POST /v1/standby`` (``directory``, ``ttl``, ``linger``): fork a standby agent for this
+  node's next attempt (see :mod:`relay_train.standby`): a copy of this agent, already
+  preloaded, that leaves this attempt's process group and waits in ``directory``;
+  answers its ``pid``;
 - ``POST /v1/claim`` (``by``): who acts on this attempt's fault (Relay's
   ``execute_complete`` or its warden, maybe on different machines). The agent
   grants the first claimer and names it to every later one (``granted``,
@@ -75,6 +79,10 @@ class Served(Protocol):
 
     def request_stop(self, reason: str) -> None:
         """Stop the ranks and end, as on SIGTERM."""
+        ...
+
+    def request_standby(self, directory: Path, ttl: float, linger: float) -> int | None:
+        """Fork a preloaded standby for the node's next attempt; return its PID."""
         ...
 
 
@@ -211,7 +219,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         route = {f"{API}/stop": self._stop, f"{API}/drain": self._drain,
                  f"{API}/rescue": self._rescue, f"{API}/stacks": self._ask_stacks,
-                 f"{API}/stacks/signal": self._signal_stacks, f"{API}/claim": self._claim}
+                 f"{API}/stacks/signal": self._signal_stacks, f"{API}/claim": self._claim,
+                 f"{API}/standby": self._standby}
         handler = route.get(url.path)
         if handler is None:
             self._reply(404, {"error": f"no such path {url.path}"})
@@ -244,6 +253,16 @@ class _Handler(BaseHTTPRequestHandler):
     def _stop(self, body: dict[str, Any]) -> dict[str, Any]:
         self.agent.request_stop(str(body.get("reason") or "Relay asked over the channel"))
         return {"stopping": True}
+
+    def _standby(self, body: dict[str, Any]) -> dict[str, Any]:
+        directory = Path(str(body["directory"]))
+        if not directory.is_absolute():
+            raise ValueError(f"standby: expected an absolute directory, found {directory}")
+        pid = self.agent.request_standby(directory, float(body["ttl"]),
+                                         float(body.get("linger") or 0.0))
+        if pid is None:
+            raise OSError("this agent cannot fork a standby now (it is stopping)")
+        return {"pid": pid}
 
     def _claim(self, body: dict[str, Any]) -> dict[str, Any]:
         by = body["by"]

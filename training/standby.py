@@ -2,9 +2,12 @@
 
 When Relay decides to retry a segment, it starts a standby agent on each node
 the retry will use while it is still stopping the faulty attempt, publishing
-the rescued state and waiting out the backoff. The standby imports the
-training stack meanwhile (seconds of CPU on a loaded host), so when the retry
-launches, it only forks its ranks. A standby nobody claims within
+the rescued state and waiting out the backoff, so that when the retry launches,
+it only forks its ranks. A node the faulty attempt ran on, whose agent still
+answers, gets a copy of that agent, forked on Relay's request over the channel
+(``POST /v1/standby``): it is preloaded already, so it is ready at once. Any
+other node gets a new process, which imports the training stack meanwhile
+(seconds of CPU on a loaded host). A standby nobody claims within
 ``STANDBY_TTL_SECONDS`` leaves by itself.
 
 The handshake, all in one folder per segment, ``<node>`` being the node name:

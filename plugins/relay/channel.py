@@ -163,10 +163,11 @@ class AgentChannel:
             return None
         return reply if isinstance(reply, dict) else None
 
-    def call_quietly(self, node: str, what: str, timeout: float) -> dict[str, Any] | None:
+    def call_quietly(self, node: str, what: str, timeout: float,
+                     **body: Any) -> dict[str, Any] | None:  # noqa: ANN401
         """POST ``what`` with a short ``timeout``; None if not heard (or a stale agent)."""
         try:
-            reply = self.call(node, what, body={}, timeout=timeout)
+            reply = self.call(node, what, body=body, timeout=timeout)
         except StaleAgentError:
             return None
         return reply if isinstance(reply, dict) else None

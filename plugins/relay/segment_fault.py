@@ -100,14 +100,16 @@ class FaultHandling:
                 raise AirflowFailException(message)
 
     def _prestart(self, spec: JobSpec, decision: Decision, seg_dir: Path, holder: str,
-                  launcher: Launcher) -> None:
-        """Have the retry's node agents preload while this attempt is wound down."""
+                  launcher: Launcher, attempt_dir: Path) -> None:
+        """Have the retry's node agents preload while this attempt is wound down (the
+        agents of ``attempt_dir`` that still answer hand on copies of themselves)."""
         out = {decision.quarantine_node} if decision.quarantine_node else set()
         nodes = [n for n in NodePool().available(holder) if n not in out][: spec.nodes]
         if len(nodes) == spec.nodes:  # else the retry waits for nodes: nothing to warm up
             # They wait out the backoff too, and leave by themselves if the retry never comes.
             ttl = decision.backoff_seconds + STANDBY_TTL_SECONDS
-            launcher.prestart(seg_dir / STANDBY_DIR, launcher.slots(nodes), ttl)
+            launcher.prestart(seg_dir / STANDBY_DIR, launcher.slots(nodes), ttl,
+                              source=attempt_dir)
 
     def _on_fault(self, context: Any, fault: Fault, attempt_dir: Path,  # noqa: ANN401
                   cfg: LaunchConfig, lineage: Any,  # noqa: ANN401
@@ -143,11 +145,12 @@ class FaultHandling:
                       fault=fault.to_event()["fault"],
                       **{launch_record.KEY: launch_record.build(
                           launch_record.config_of(attempt_dir, cfg), launcher)})
+        launcher.channel(attempt_dir).mark_silent(silent(fault, cfg)[0])
         if decision.retry:
             self._prestart(spec, decision, record_dir.parent,
-                           _lease_holder(spec.dag_id, context["dag_run"].run_id), launcher)
+                           _lease_holder(spec.dag_id, context["dag_run"].run_id), launcher,
+                           attempt_dir)
         clock.mark("decide", time.time())
-        launcher.channel(attempt_dir).mark_silent(silent(fault, cfg)[0])
         beats = launcher.status(attempt_dir).heartbeats  # over the channel, not from files
         progress = max((b.step for b in beats.values()), default=cfg.start_step)
         evidence, drained, rescued = self._save_state(attempt_dir, cfg, fault, decision,

@@ -47,3 +47,50 @@ def test_a_launch_takes_the_preloaded_standbys_and_stops_the_rest(tmp_path: Path
         assert time.monotonic() < deadline, workload_processes(tmp_path)
         time.sleep(0.1)
     assert list(standby.glob("*.standby")) == []
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.slow
+def test_the_agents_of_a_stopped_attempt_hand_on_preloaded_copies(tmp_path: Path) -> None:
+    """A retry's standby on a node the faulty attempt used is forked from that node's agent:
+    it survives the attempt's stop and takes the next launch without preloading again."""
+    store = Store(tmp_path / "mlflow")
+    standby = tmp_path / "segment" / "standby"
+    launcher = LocalLauncher()
+    first = launch_config(store, tmp_path / "segment" / "try-1", steps=10**6)
+    root = launcher.launch(first)
+    try:
+        deadline = time.monotonic() + 120
+        while not (root / "first_step.json").exists():  # the agents run and answer
+            assert time.monotonic() < deadline, "the first attempt never stepped"
+            time.sleep(0.1)
+        agents = {n: h["pid"] for n, h in launcher.handle(root)["nodes"].items()}
+        launcher.prestart(standby, ["node-a", "node-b", "node-c"], source=root)
+        pids = {n: json.loads(standby_file(standby, n).read_text())["pid"]
+                for n in ("node-a", "node-b", "node-c")}
+        for node in ("node-a", "node-b"):  # copies of the attempt's agents...
+            assert _parent(pids[node]) == agents[node]
+            assert group_members(pids[node]) and pids[node] not in group_members(agents[node])
+        assert _parent(pids["node-c"]) != agents.get("node-c")  # ...a node it lacked: new
+    finally:
+        assert launcher.stop(root, grace_seconds=2.0) == []
+    assert all(group_members(pids[n]) for n in ("node-a", "node-b")), "the stop took them"
+    cfg = launch_config(store, tmp_path / "segment" / "try-2", steps=20)
+    root = launcher.launch(cfg, standby_dir=standby)
+    try:
+        event = watch(cfg, Detection(), timeout=180)
+    finally:
+        launcher.stop(root, grace_seconds=2.0)
+    assert event["status"] == "completed", event
+    handle = json.loads((root / "handle.json").read_text())["nodes"]
+    for node in ("node-a", "node-b"):
+        assert handle[node]["pid"] == pids[node]
+        agent_log = (root / "logs" / f"agent-{node}.log").read_text()
+        assert "took over" in agent_log, agent_log
+    deadline = time.monotonic() + 30
+    while group_members(pids["node-c"]) or workload_processes(tmp_path):
+        assert time.monotonic() < deadline, workload_processes(tmp_path)
+        time.sleep(0.1)

@@ -147,8 +147,10 @@ class Launcher(Protocol):
         """Stop every attempt of a segment (e.g. one left behind by a killed task)."""
         ...
 
-    def prestart(self, directory: Path, nodes: list[str], ttl_seconds: float) -> None:
-        """Warm up agents for the next attempt on ``nodes`` while this one is wound down."""
+    def prestart(self, directory: Path, nodes: list[str], ttl_seconds: float,
+                 source: Path | None = None) -> None:
+        """Warm up agents for the next attempt on ``nodes`` while ``source`` (the attempt
+        being wound down, if any) is stopped."""
         ...
 
     def enforce_quarantines(self, held: dict[str, Quarantine]) -> None:

@@ -399,7 +399,8 @@ class KubernetesLauncher:
                     if not left:
                         break
 
-    def prestart(self, directory: Path, nodes: list[str], ttl_seconds: float) -> None:
+    def prestart(self, directory: Path, nodes: list[str], ttl_seconds: float,
+                 source: Path | None = None) -> None:
         """Do nothing: pods are not pre-created; kubelets keep the image (IfNotPresent)."""
         log.info("No standby pods on Kubernetes; the next attempt's pods start cold")
 

@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 HANDLE_FILE = "handle.json"
 STOP_GRACE_SECONDS = 5.0
 STANDBY_DIR = "standby"  # in a segment's folder: agents preloading for its next attempt
+STANDBY_ASK_TIMEOUT_SECONDS = 3.0  # a fork answers within the agent's own 2 s wait
 STANDBY_WAIT_SECONDS = 10.0  # a standby still preloading is worth waiting for this long
 # An agent whose ranks ended keeps answering (its final state) until stopped, at most this long.
 LINGER_SECONDS = 600.0
@@ -178,24 +179,45 @@ class LocalLauncher:
         return root
 
     def prestart(
-        self, directory: Path, nodes: list[str], ttl_seconds: float = STANDBY_TTL_SECONDS
+        self, directory: Path, nodes: list[str], ttl_seconds: float = STANDBY_TTL_SECONDS,
+        source: Path | None = None,
     ) -> None:
-        """Start a standby agent for each node, to preload while a retry is prepared."""
+        """Have a standby agent wait preloaded on each node, for a retry being prepared.
+
+        A node of the ``source`` attempt whose agent answers gets a copy of that agent
+        (forked, preloaded already); any other node a new process that preloads.
+        """
         directory.mkdir(parents=True, exist_ok=True)
         for node in nodes:
             if _standby_pid(directory, node) is not None:
                 continue
-            with (directory / f"{node}.log").open("ab") as out:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "relay_train.agent", "--standby", str(directory),
-                     "--node", node, "--ttl", str(ttl_seconds), "--linger", str(LINGER_SECONDS)],
-                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    cwd=directory, start_new_session=True,
-                )
+            pid = self._fork_standby(source, node, directory, ttl_seconds) if source else None
+            how = "forked from the agent of the faulty attempt (preloaded)"
+            if pid is None:
+                how = "started"
+                with (directory / f"{node}.log").open("ab") as out:
+                    pid = subprocess.Popen(
+                        [sys.executable, "-m", "relay_train.agent", "--standby", str(directory),
+                         "--node", node, "--ttl", str(ttl_seconds),
+                         "--linger", str(LINGER_SECONDS)],
+                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        cwd=directory, start_new_session=True,
+                    ).pid
             write_atomically(standby_file(directory, node), json.dumps(
-                {"pid": proc.pid, "started": pids.start_time(proc.pid),
-                 "started_at": time.time()}))
-            log.info("Started a standby agent for %s as pid %d", node, proc.pid)
+                {"pid": pid, "started": pids.start_time(pid), "started_at": time.time()}))
+            log.info("Standby agent for %s: pid %d, %s", node, pid, how)
+
+    def _fork_standby(self, source: Path, node: str, directory: Path,
+                      ttl_seconds: float) -> int | None:
+        """Ask ``source``'s agent on ``node`` to fork a standby; return its PID if it did."""
+        channel = self.channel(source)
+        if node not in channel.addresses or node in channel.silent:
+            return None
+        reply = channel.call_quietly(node, "standby", STANDBY_ASK_TIMEOUT_SECONDS,
+                                     directory=str(directory), ttl=ttl_seconds,
+                                     linger=LINGER_SECONDS)
+        pid = (reply or {}).get("pid")
+        return pid if isinstance(pid, int) and pid > 0 else None
 
     @staticmethod
     def _claim(

@@ -228,6 +228,8 @@ class NodeAgent:
     def _supervise(self) -> int:
         if not self.preloaded:
             log.info("preloaded the training stack in %.2fs", self.preload())
+        else:  # a standby: add what it left out (MLflow, on a light one); else nothing to do
+            self.preload()
         if self.stopping:
             self.set_state("failed")
             self._serve()  # to say so
@@ -358,11 +360,16 @@ def _redirect_output(path: Path) -> None:
     os.close(fd)
 
 
-def run_standby(directory: Path, node: str, ttl_seconds: float, linger_seconds: float = 0.0) -> int:
-    """Preload, wait to be claimed (see relay_train.standby), then run as the node's agent."""
+def run_standby(directory: Path, node: str, ttl_seconds: float, linger_seconds: float = 0.0,
+                light: bool = False) -> int:
+    """Preload, wait to be claimed (see relay_train.standby), then run as the node's agent.
+
+    ``light``: leave MLflow out (a node that neither hosts rank 0 nor fetches a resume
+    checkpoint never needs it; the launch imports it if it turns out otherwise).
+    """
     started = time.perf_counter()
-    # It may turn out to host rank 0; the entrypoint is not known yet: preload the example's.
-    preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=True)
+    # The entrypoint is not known yet: preload the example's.
+    preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=not light)
     preloaded = time.perf_counter() - started
     announce_ready(directory, node, preloaded)
     log.info("standby for %s: preloaded in %.2fs; waiting to be claimed", node, preloaded)
@@ -386,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launch", type=Path, help="the attempt's launch file")
     parser.add_argument("--standby", type=Path,
                         help="preload, then wait in this folder for a launcher to claim it")
+    parser.add_argument("--light", action="store_true",
+                        help="with --standby: preload without MLflow (imported at launch if "
+                        "this node turns out to need it)")
     parser.add_argument("--ttl", type=float, default=STANDBY_TTL_SECONDS,
                         help="a standby nobody claims within this many seconds leaves")
     parser.add_argument("--bind", default=LOCAL_BIND,
@@ -413,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     if args.standby is not None:
-        return run_standby(args.standby, args.node, args.ttl, args.linger)
+        return run_standby(args.standby, args.node, args.ttl, args.linger, args.light)
     if args.launch is None:
         parser.error("expected --launch FILE or --standby DIR")
     cfg = LaunchConfig.read(args.launch)

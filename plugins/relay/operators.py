@@ -20,6 +20,7 @@ from relay.nodes import NodePool
 from relay.paths import safe_name
 from relay.policy import LoadedPolicy, load_policy
 from relay.spec import JobSpec, load_job_spec
+from relay_train.standby import STANDBY_TTL_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class PreflightOperator(RelayOperator):
             chaos = chaos_faults(context["dag_run"].conf, spec, Path(self.spec_file))
         except ChaosConfError as exc:
             raise AirflowFailException(str(exc)) from exc
+        self._prestart_first_segment(spec, context["dag_run"].run_id)
         lineage = lineage_store()
         nodes = NodePool().healthy()
         params = {
@@ -115,6 +117,27 @@ class PreflightOperator(RelayOperator):
             log.warning("Only %d healthy node(s) for %d needed: segments will follow the "
                         "policy's nodes.when_too_few", len(nodes), spec.nodes)
         return parent
+
+
+    @staticmethod
+    def _prestart_first_segment(spec: JobSpec, dag_run_id: str) -> None:
+        """Have the first segment's node agents preload meanwhile (MLflow, Airflow's hop).
+
+        The nodes are the ones its lease will pick unless the pool changes first; a
+        standby the launch does not claim is stopped by it. Only rank 0's node preloads
+        MLflow: a segment that starts at step 0 needs it nowhere else.
+        """
+        from relay.launchers import launcher_for
+        from relay.launchers.local import STANDBY_DIR
+        from relay.segment_fault import _lease_holder
+
+        nodes = NodePool().available(_lease_holder(spec.dag_id, dag_run_id))[: spec.nodes]
+        if len(nodes) < spec.nodes:
+            return  # the segment waits for nodes (or fails): nothing to warm up
+        launcher = launcher_for(spec)
+        slots = launcher.slots(nodes)
+        launcher.prestart(segment_dir(spec, dag_run_id, 0) / STANDBY_DIR, slots,
+                          STANDBY_TTL_SECONDS, light=slots[1:])
 
 
 class FinalizeOperator(RelayOperator):

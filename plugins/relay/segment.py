@@ -17,7 +17,7 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
 
-from relay import adopt, journal, launch_record, resume_time, testhooks, unattended
+from relay import adopt, journal, launch_record, resume_time, spare, testhooks, unattended
 from relay.chaosconf import ChaosConfError, chaos_faults
 from relay.faults import Fault
 from relay.interval import interval_for
@@ -33,6 +33,7 @@ from relay.segment_fault import FaultHandling, _lease_holder
 from relay.spec import JobSpec
 from relay.triggers import SegmentWatchTrigger
 from relay_train.launch import LAUNCH_FILE, LaunchConfig
+from relay_train.standby import STANDBY_TTL_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -229,9 +230,21 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
                 launcher=launcher.config(), boundary_step=boundary,
                 unattended=unattended.plan(policy.policy, history, policy.sha256),
                 launch_record=launch_record.build(cfg, launcher),
+                spare=self._spare(cfg, launcher),
             ),
             method_name="execute_complete",
         )
+
+    def _spare(self, cfg: LaunchConfig, launcher: Launcher) -> dict[str, Any] | None:
+        """Return the standby the watcher warms if a node stops answering (relay.spare): on
+        the first free node, in this segment's standby folder, where its retry looks."""
+        spec = self.spec()
+        run_id = self._task_context["dag_run"].run_id
+        taken = set(cfg.nodes)
+        free = [n for n in launcher.slots(NodePool().available(_lease_holder(spec.dag_id, run_id)))
+                if n not in taken]
+        directory = segment_dir(spec, run_id, self.segment) / STANDBY_DIR
+        return spare.plan(directory, free, STANDBY_TTL_SECONDS)
 
     # -- decide --------------------------------------------------------------------
 

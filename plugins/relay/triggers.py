@@ -19,6 +19,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from relay import spare
 from relay.detection import Detector, Observation
 from relay.faults import FaultKind
 from relay.launchers import Launcher, LaunchState, launcher_from
@@ -78,8 +79,10 @@ class SegmentWatchTrigger(BaseTrigger):
         unattended: dict[str, str] | None = None,
         boundary_step: int | None = None,
         launch_record: dict[str, Any] | None = None,
+        spare: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        self.spare = spare  # the standby to warm if a node stops answering (relay.spare)
         # The attempt's launch config and handle (relay.launch_record): the watcher finds the
         # attempt through it, and hands it back in its event (another machine may resume).
         self.launch_record = launch_record
@@ -109,6 +112,7 @@ class SegmentWatchTrigger(BaseTrigger):
                 "unattended": self.unattended,
                 "boundary_step": self.boundary_step,
                 "launch_record": self.launch_record,
+                "spare": self.spare,
             },
         )
 
@@ -136,11 +140,16 @@ class SegmentWatchTrigger(BaseTrigger):
             launcher = launcher_from(self.launcher)  # one per run: it remembers lease renewals
             if self.launch_record:
                 launcher.attach(root, dict(self.launch_record.get("handle") or {}))
+            spare_plan = self.spare
             while True:
                 obs = await asyncio.to_thread(
                     observe_attempt, root, self.node_ranks, self.heartbeat_interval_seconds,
                     launcher,
                 )
+                if spare_plan and (quiet := spare.silent_nodes(
+                        obs.launch, spare.suspect_after(detector.cfg.poll_interval))):
+                    await asyncio.to_thread(spare.warm, spare_plan, launcher, quiet)
+                    spare_plan = None  # once per attempt
                 # Messages refused from agents of another attempt go with the event.
                 refused = {"refused": obs.launch.refused} if obs.launch and obs.launch.refused \
                     else {}

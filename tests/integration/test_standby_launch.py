@@ -94,3 +94,51 @@ def test_the_agents_of_a_stopped_attempt_hand_on_preloaded_copies(tmp_path: Path
     while group_members(pids["node-c"]) or workload_processes(tmp_path):
         assert time.monotonic() < deadline, workload_processes(tmp_path)
         time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_the_watcher_warms_a_spare_before_it_calls_a_frozen_node(tmp_path: Path) -> None:
+    """A node that stops answering: the standby of the node its retry takes starts preloading
+    at the first sign (a missed poll), before the fault is called."""
+    import asyncio
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    from relay import spare
+    from relay.bench.common import _first_event, node_ranks
+    from relay.triggers import SegmentWatchTrigger
+
+    store = Store(tmp_path / "mlflow")
+    standby = tmp_path / "segment" / "standby"
+    launcher = LocalLauncher()
+    cfg = launch_config(store, tmp_path / "segment" / "try-1", steps=10**6)
+    root = launcher.launch(cfg)
+    detection = Detection()
+    trigger = SegmentWatchTrigger(
+        attempt_dir=cfg.attempt_dir, node_ranks=node_ranks(cfg),
+        detection=detection.model_dump(), heartbeat_interval_seconds=cfg.heartbeat_interval_seconds,
+        poll_interval_seconds=detection.poll_interval,
+        spare=spare.plan(standby, ["node-c"], 60.0))
+    try:
+        deadline = time.monotonic() + 120
+        while not (root / "first_step.json").exists():
+            assert time.monotonic() < deadline, "the attempt never stepped"
+            time.sleep(0.1)
+        with ThreadPoolExecutor(1) as pool:  # the watcher hears both nodes, then one freezes
+            watching = pool.submit(asyncio.run, _first_event(trigger, 120))
+            time.sleep(3)
+            assert not watching.done(), watching.result()
+            launcher.signal_node(root, "node-b", signal.SIGSTOP)
+            event = watching.result()
+    finally:
+        launcher.signal_node(root, "node-b", signal.SIGCONT)
+        launcher.stop(root, grace_seconds=2.0)
+    assert event["fault"]["kind"] == "node_unresponsive", event
+    record = json.loads(standby_file(standby, "node-c").read_text())
+    assert record["started_at"] < event["fault"]["detected_at"]
+    assert list(standby.glob("node-[ab].standby")) == []  # only the spare
+    LocalLauncher.release_standbys(standby)
+    deadline = time.monotonic() + 30
+    while group_members(record["pid"]) or workload_processes(tmp_path):
+        assert time.monotonic() < deadline, workload_processes(tmp_path)
+        time.sleep(0.1)

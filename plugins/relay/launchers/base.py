@@ -148,9 +148,9 @@ class Launcher(Protocol):
         ...
 
     def prestart(self, directory: Path, nodes: list[str], ttl_seconds: float,
-                 source: Path | None = None) -> None:
+                 source: Path | None = None, light: list[str] | None = None) -> None:
         """Warm up agents for the next attempt on ``nodes`` while ``source`` (the attempt
-        being wound down, if any) is stopped."""
+        being wound down, if any) is stopped; the ``light`` nodes' without MLflow."""
         ...
 
     def enforce_quarantines(self, held: dict[str, Quarantine]) -> None:

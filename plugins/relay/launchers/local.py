@@ -180,12 +180,13 @@ class LocalLauncher:
 
     def prestart(
         self, directory: Path, nodes: list[str], ttl_seconds: float = STANDBY_TTL_SECONDS,
-        source: Path | None = None,
+        source: Path | None = None, light: list[str] | None = None,
     ) -> None:
-        """Have a standby agent wait preloaded on each node, for a retry being prepared.
+        """Have a standby agent wait preloaded on each node, for a launch being prepared.
 
         A node of the ``source`` attempt whose agent answers gets a copy of that agent
-        (forked, preloaded already); any other node a new process that preloads.
+        (forked, preloaded already); any other node a new process that preloads, without
+        MLflow on the ``light`` nodes.
         """
         directory.mkdir(parents=True, exist_ok=True)
         for node in nodes:
@@ -199,7 +200,8 @@ class LocalLauncher:
                     pid = subprocess.Popen(
                         [sys.executable, "-m", "relay_train.agent", "--standby", str(directory),
                          "--node", node, "--ttl", str(ttl_seconds),
-                         "--linger", str(LINGER_SECONDS)],
+                         "--linger", str(LINGER_SECONDS),
+                         *(["--light"] if node in (light or []) else [])],
                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                         cwd=directory, start_new_session=True,
                     ).pid

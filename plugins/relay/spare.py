@@ -1,0 +1,58 @@
+"""A spare node's agent, warmed at the first sign that a node stopped answering.
+
+A retry after a frozen node runs on a node the faulty attempt did not use, and
+that node's agent has to import the training stack first (seconds of CPU). The
+standby Relay starts when it decides (see :mod:`relay_train.standby`) begins
+that work only once the fault is confirmed (``heartbeat_timeout``). The watcher
+starts it sooner: as soon as a node's agent, heard before, misses a poll that
+its peers answer, it warms a standby on the node a retry would take (the first
+free node of the pool when the segment was watched). The retry
+claims it like any standby; if no retry comes, or the retry is given other nodes,
+the standby leaves by itself after ``ttl``. At most one per watched attempt, so
+a slow answer under load costs one preload, not one per poll.
+
+No Airflow import: the trigger runs it in the triggerer.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from relay.launchers.base import LaunchStatus
+
+log = logging.getLogger(__name__)
+
+
+def plan(directory: Path, free: list[str], ttl_seconds: float) -> dict[str, Any] | None:
+    """Return the trigger's argument: warm ``free[0]`` in ``directory`` (None: no free node)."""
+    if not free:
+        return None
+    return {"directory": str(directory), "node": free[0], "ttl": ttl_seconds}
+
+
+def suspect_after(poll_interval: float) -> float:
+    """Return how far an agent's last answer may trail its peers' before a spare is warmed:
+    one poll interval, i.e. it missed a poll they answered (answers to one poll arrive
+    together; a frozen node's trails by a whole poll, and the fault is called about two
+    polls later, each waiting out the silent agent for the channel's timeout)."""
+    return poll_interval
+
+
+def silent_nodes(status: LaunchStatus | None, after: float) -> list[str]:
+    """Return the nodes whose agents answered once, but not in the ``after`` seconds before
+    the latest answer of another node (not before now: a poll waits out a silent agent, so
+    every answer of that poll is already that old)."""
+    if status is None:
+        return []
+    heard = {n: s.last_seen for n, s in status.nodes.items() if s.last_seen is not None}
+    newest = max(heard.values(), default=0.0)
+    return sorted(n for n, t in heard.items() if newest - t >= after)
+
+
+def warm(spare: dict[str, Any], launcher: Any, silent: list[str]) -> None:  # noqa: ANN401
+    """Start the planned standby (a blocking call: run it off the event loop)."""
+    log.warning("The agent(s) of %s stopped answering: warming a standby on %s for a retry",
+                ", ".join(silent), spare["node"])
+    launcher.prestart(Path(spare["directory"]), [spare["node"]], float(spare["ttl"]))

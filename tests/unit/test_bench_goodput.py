@@ -15,6 +15,7 @@ from relay.bench.goodput import (
     GLOO_DEFAULT_TIMEOUT_SECONDS,
     Run,
     derive_default_timeout,
+    ends,
     fault_schedule,
     relay_faults,
 )
@@ -92,3 +93,16 @@ def test_ettr_is_absolute_and_zero_for_an_unfinished_run() -> None:
 def test_spread_prints_median_and_range() -> None:
     assert spread([3.0, 1.0, 2.0]) == "2.0s [1.0s-3.0s]"
     assert spread([]) == "-"
+
+
+def test_ends_says_what_went_before_the_first_step_and_after_the_last(tmp_path: Path) -> None:
+    first, last = tmp_path / "segment-000" / "try-1", tmp_path / "segment-001" / "try-1"
+    for folder in (first, last):
+        folder.mkdir(parents=True)
+    (first / "first_step.json").write_text(json.dumps({"step": 1, "at": 1012.5}))
+    (first / "result.json").write_text(json.dumps({"loop_ended_at": 1050.0}))
+    (last / "result.json").write_text(json.dumps({"loop_ended_at": 1100.0}))
+    run = Run("relay fault-free", True, wall=104.0, attempts=2, started=1000.0)
+    assert ends(run, [first, last]) == (
+        "start-up 12.5s (run start -> first step done), wind-down 4.0s (last step -> run end)")
+    assert "unknown" in ends(run, [last])  # no first step recorded

@@ -60,6 +60,18 @@ class Run:
     attempts: int
     faults: list[dict[str, Any]] = field(default_factory=list)
     note: str = ""
+    started: float = 0.0  # wall-clock time the run started
+
+
+def ends(run: Run, attempts: list[Path]) -> str:
+    """Say how much of a run's wall time went before its first step and after its last."""
+    ended = [json.loads((a / "result.json").read_text())["loop_ended_at"]
+             for a in attempts if (a / "result.json").exists()]
+    first = first_step_at(attempts[0]) if attempts else None
+    if first is None or not ended:
+        return "start-up and wind-down unknown (no first step or result.json)"
+    return (f"start-up {first - run.started:.1f}s (run start -> first step done), "
+            f"wind-down {run.started + run.wall - max(ended):.1f}s (last step -> run end)")
 
 
 def fault_schedule(steps: int) -> list[dict[str, Any]]:
@@ -131,7 +143,8 @@ def run_relay(home: Path, schedule: list[dict[str, Any]], name: str) -> tuple[Ru
     wall = time.time() - started
     runs = sorted((home / "runs" / "relay_goodput").iterdir(), key=lambda p: p.stat().st_mtime)
     attempts = sorted(runs[-1].glob("segment-*/try-*"))
-    return Run(name, code == 0, wall, len(attempts), relay_faults(attempts)), attempts
+    return Run(name, code == 0, wall, len(attempts), relay_faults(attempts),
+               started=started), attempts
 
 
 def baseline_run(name: str, run: BaselineRun) -> Run:
@@ -140,7 +153,7 @@ def baseline_run(name: str, run: BaselineRun) -> Run:
                "fault_to_resume": r.fault_to_resume, "ended_by": r.ended_by}
               for r in run.recoveries]
     return Run(name, run.ok, run.wall, run.attempts, faults,
-               note=f"nodes used: {', '.join(run.nodes_used)}")
+               note=f"nodes used: {', '.join(run.nodes_used)}", started=run.started)
 
 
 def derive_default_timeout(measured: Run, short: float) -> Run:
@@ -169,7 +182,7 @@ def one_repeat(home: Path, repeat: int, args: dict[str, Any]) -> tuple[list[Run]
     schedule, timeout = fault_schedule(args["steps"]), args["collective_timeout"]
     job = _job(args["steps"], args["every"])
     free, free_attempts = run_relay(home, [], "relay fault-free")
-    print(f"    relay fault-free: {free.wall:.1f}s", flush=True)
+    print(f"    relay fault-free: {free.wall:.1f}s; {ends(free, free_attempts)}", flush=True)
     if free_attempts:  # what each segment boundary cost (relay.boundary_time)
         for row in boundaries(free_attempts[0].parent.parent):
             print(f"      boundary {format_row(row)}", flush=True)
@@ -179,7 +192,8 @@ def one_repeat(home: Path, repeat: int, args: dict[str, Any]) -> tuple[list[Run]
     runs = [free, faulty]
     plain = baseline_run("torchrun fault-free", run_baseline(
         base / "fault-free", job, [], NODE_POOL, timeout))
-    print(f"    torchrun fault-free: {plain.wall:.1f}s", flush=True)
+    plain_attempts = sorted((base / "fault-free").glob("segment-*/try-*"))
+    print(f"    torchrun fault-free: {plain.wall:.1f}s; {ends(plain, plain_attempts)}", flush=True)
     short = baseline_run(f"torchrun, timeout {timeout:g}s", run_baseline(
         base / "faults-short", job, schedule, NODE_POOL, timeout))
     print(f"    torchrun with faults, timeout {timeout:g}s: {short.wall:.1f}s", flush=True)
@@ -194,7 +208,7 @@ def one_repeat(home: Path, repeat: int, args: dict[str, Any]) -> tuple[list[Run]
         runs.append(derive_default_timeout(short, timeout))
     # Both fault-free runs train the same loop: pool them, so one run's bad moment on a
     # shared machine does not set every ETTR of the repeat.
-    pooled = free_attempts + sorted((base / "fault-free").glob("segment-*/try-*"))
+    pooled = free_attempts + plain_attempts
     return runs, args["steps"] * seconds_per_step(pooled)
 
 

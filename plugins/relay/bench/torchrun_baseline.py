@@ -74,6 +74,7 @@ class BaselineRun:
     """What one supervised torchrun job cost."""
 
     wall: float = 0.0
+    started: float = 0.0  # wall-clock time the supervisor started the job
     ok: bool = False
     attempts: int = 0
     recoveries: list[Recovery] = field(default_factory=list)
@@ -168,7 +169,7 @@ def run_baseline(
     parent = lineage.parent_run("goodput-baseline", "baseline", job_dir.name)
     nodes, spare = list(pool[: job["nodes"]]), list(pool[job["nodes"]:])
     run = BaselineRun(nodes_used=list(nodes))
-    started = time.time()
+    started = run.started = time.time()
     for attempt in range(1, 31):
         attempt_dir = job_dir / "segment-000" / f"try-{attempt}"
         attempt_dir.mkdir(parents=True, exist_ok=True)

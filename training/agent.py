@@ -45,7 +45,7 @@ log = logging.getLogger("relay_train.agent")
 
 TERM_GRACE_SECONDS = 5.0
 LOCAL_BIND = "127.0.0.1"
-STANDBY_FORK_WAIT_SECONDS = 2.0  # the channel's wait for the main thread to fork a standby
+STANDBY_FORK_WAIT_SECONDS = 1.0  # the channel's wait for the main thread to fork a standby
 
 
 @dataclass
@@ -56,6 +56,8 @@ class StandbyAsk:
     ttl: float
     linger: float
     done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    state: str = "asked"  # then "forking" (main thread) or "withdrawn" (asker gave up)
     pid: int | None = None
 
 
@@ -154,7 +156,12 @@ class NodeAgent:
             return None
         ask = StandbyAsk(directory, ttl, linger)
         self._standby_asks.put(ask)
-        ask.done.wait(STANDBY_FORK_WAIT_SECONDS)
+        if not ask.done.wait(STANDBY_FORK_WAIT_SECONDS):
+            with ask.lock:  # too late: never fork a standby nobody recorded
+                if ask.state == "asked":
+                    ask.state = "withdrawn"
+                    return None
+            ask.done.wait()  # forking now: a fork returns at once
         return ask.pid
 
     def _fork_standbys(self) -> None:
@@ -164,7 +171,10 @@ class NodeAgent:
                 ask = self._standby_asks.get_nowait()
             except queue.Empty:
                 return
-            if not self.stopping:
+            with ask.lock:
+                go = ask.state == "asked" and not self.stopping
+                ask.state = "forking" if go else "withdrawn"
+            if go:
                 ask.pid = self._fork_standby(ask)
             ask.done.set()
 

@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 HANDLE_FILE = "handle.json"
 STOP_GRACE_SECONDS = 5.0
 STANDBY_DIR = "standby"  # in a segment's folder: agents preloading for its next attempt
-STANDBY_ASK_TIMEOUT_SECONDS = 3.0  # a fork answers within the agent's own 2 s wait
+STANDBY_ASK_TIMEOUT_SECONDS = 1.5  # a fork answers within the agent's own 1 s wait
 STANDBY_WAIT_SECONDS = 10.0  # a standby still preloading is worth waiting for this long
 # An agent whose ranks ended keeps answering (its final state) until stopped, at most this long.
 LINGER_SECONDS = 600.0

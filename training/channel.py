@@ -59,6 +59,9 @@ AGENT_PORT = 29401  # on Kubernetes: every pod's agent listens here (locally: a 
 API = "/v1"
 MAX_BODY_BYTES = 64 * 1024
 CROSSED_REPORTED = 16  # the last boundary crossings a status answer carries (Relay keeps all)
+# How often the server's loop looks for a shutdown: closing waits for it, and a stopping agent
+# closes its server before it exits (the default 0.5 s was most of a stop's wait).
+SERVE_POLL_SECONDS = 0.05
 
 
 class Served(Protocol):
@@ -117,7 +120,7 @@ class AgentServer:
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="channel",
-                                        daemon=True)
+                                        args=(SERVE_POLL_SECONDS,), daemon=True)
 
     @property
     def address(self) -> tuple[str, int]:

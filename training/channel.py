@@ -62,8 +62,10 @@ log = logging.getLogger("relay_train.channel")
 AGENT_PORT = 29401  # on Kubernetes: every pod's agent listens here (locally: a free port)
 API = "/v1"
 MAX_BODY_BYTES = 64 * 1024
-SHUTDOWN_POLL_SECONDS = 0.05
 CROSSED_REPORTED = 16  # the last boundary crossings a status answer carries (Relay keeps all)
+# How often the server's loop looks for a shutdown: closing waits for it, and a stopping agent
+# closes its server before it exits (the default 0.5 s was most of a stop's wait).
+SERVE_POLL_SECONDS = 0.05
 
 
 class Served(Protocol):
@@ -125,11 +127,8 @@ class AgentServer:
         handler = type("Handler", (_Handler,), {"agent": agent, "claim": _Claim()})
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
-        # serve_forever checks for shutdown between polls: a stopping agent waits that long
-        # (the stdlib's 0.5 s was a third of a stopped attempt's stop).
-        self._thread = threading.Thread(target=self.httpd.serve_forever,
-                                        kwargs={"poll_interval": SHUTDOWN_POLL_SECONDS},
-                                        name="channel", daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="channel",
+                                        args=(SERVE_POLL_SECONDS,), daemon=True)
 
     @property
     def address(self) -> tuple[str, int]:

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from mlflow.entities import RunStatus
+from mlflow.store.artifact.artifact_repo import ArtifactRepository
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 from mlflow.tracking import MlflowClient
 from tenacity import Retrying
 
@@ -91,6 +93,7 @@ class Lineage:
         self.artifact_root = artifact_root
         self._retrying = retrying or mlflow_retrying()
         self._client: MlflowClient | None = None
+        self._repos: dict[str, ArtifactRepository] = {}
 
     @classmethod
     def from_settings(cls) -> Lineage:
@@ -115,6 +118,16 @@ class Lineage:
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
         return self._retrying(fn, *args, **kwargs)
+
+    def _artifacts(self, run: Any) -> ArtifactRepository:  # noqa: ANN401 - an MLflow run
+        """Return the artifact store of a run already read: the client's own list and
+        download calls look the run up again (a ``get_run``) on every call, twice per
+        checkpoint when reading a chain."""
+        repo = self._repos.get(run.info.run_id)
+        if repo is None:
+            repo = get_artifact_repository(run.info.artifact_uri, tracking_uri=self.tracking_uri)
+            self._repos[run.info.run_id] = repo
+        return repo
 
     def experiment_id(self, job: str) -> str:
         """Get or create the experiment of ``job`` (with an explicit artifact location)."""
@@ -278,7 +291,7 @@ class Lineage:
         for run in self.child_runs(parent_run_id):
             rejected = {k.removeprefix(TAG_REJECTED) for k in run.data.tags
                         if k.startswith(TAG_REJECTED)}
-            for entry in self._call(self.client.list_artifacts, run.info.run_id, CHECKPOINT_ROOT):
+            for entry in self._call(self._artifacts(run).list_artifacts, CHECKPOINT_ROOT):
                 name = entry.path.rsplit("/", 1)[-1]
                 if entry.is_dir and name not in rejected:
                     by_step.setdefault(_step_of(name), []).append((run, entry.path))
@@ -301,11 +314,11 @@ class Lineage:
         run_id = run.info.run_id
         if self._refuse_fenced(run, path.rsplit("/", 1)[-1]):
             return None
-        names = {a.path.rsplit("/", 1)[-1]
-                 for a in self._call(self.client.list_artifacts, run_id, path)}
+        repo = self._artifacts(run)
+        names = {a.path.rsplit("/", 1)[-1] for a in self._call(repo.list_artifacts, path)}
         if MANIFEST_FILE not in names:
             return None  # file logged, manifest not: it does not count
-        local = self._call(self.client.download_artifacts, run_id, f"{path}/{MANIFEST_FILE}", tmp)
+        local = self._call(repo.download_artifacts, f"{path}/{MANIFEST_FILE}", tmp)
         try:
             return CheckpointManifest.from_json(Path(local).read_text())
         except ValueError as exc:

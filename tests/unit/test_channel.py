@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from relay.channel import AgentChannel
 from relay.detection import Detector, Observation
 from relay.faults import FaultKind
 from relay.policy import Detection
+from relay_train.channel import SERVE_POLL_SECONDS
 from relay_train.heartbeat import (
     ENV_CLOCK_SKEW,
     HeartbeatWriter,
@@ -300,3 +302,18 @@ def test_a_node_marked_silent_is_not_asked_again_and_keeps_its_last_word(
         assert sorted(status.heartbeats) == [0, 1, 2, 3]
     finally:
         frozen.close()
+
+
+def test_a_closing_server_notices_at_the_next_short_poll(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopping agent closes its server before it exits, and closing waits for the serve
+    loop's next look at the shutdown flag: at http.server's default (every 0.5 s) that was
+    most of the time a stop waited for the last workload's processes to go."""
+    polls: list[float] = []
+    serve = ThreadingHTTPServer.serve_forever
+    monkeypatch.setattr(ThreadingHTTPServer, "serve_forever",
+                        lambda server, poll_interval=0.5: polls.append(poll_interval)
+                        or serve(server, poll_interval))
+    served = ServedAttempt(root, {"node-a": [0]})
+    served.close()
+    assert polls == [SERVE_POLL_SECONDS] and SERVE_POLL_SECONDS <= 0.1

@@ -64,6 +64,25 @@ def _error_event(where: str, exc: BaseException) -> TriggerEvent:
     )
 
 
+# Every rank's loop has ended (its last heartbeat says done): only the exits are left to see,
+# which a short poll sees sooner. For a while only: a rank stuck on its way out is a hang.
+FINISHING_POLL_SECONDS = 0.1
+FINISHING_FOR_SECONDS = 5.0
+
+
+def finishing(obs: Observation) -> bool:
+    """Return whether every rank has left its training loop (its last heartbeat: done)."""
+    return all(r in obs.heartbeats and obs.heartbeats[r].phase == Phase.DONE
+               for r in obs.expected_ranks)
+
+
+def next_pause(poll_interval: float, finishing_since: float | None, now: float) -> float:
+    """Return how long to wait before the next poll (short while the ranks are exiting)."""
+    if finishing_since is not None and now - finishing_since < FINISHING_FOR_SECONDS:
+        return min(poll_interval, FINISHING_POLL_SECONDS)
+    return poll_interval
+
+
 class SegmentWatchTrigger(BaseTrigger):
     """Watch one segment attempt launched by Relay until it completes or faults."""
 
@@ -141,6 +160,7 @@ class SegmentWatchTrigger(BaseTrigger):
             if self.launch_record:
                 launcher.attach(root, dict(self.launch_record.get("handle") or {}))
             spare_plan = self.spare
+            finishing_since: float | None = None  # when every rank's loop was seen ended
             while True:
                 obs = await asyncio.to_thread(
                     observe_attempt, root, self.node_ranks, self.heartbeat_interval_seconds,
@@ -177,7 +197,10 @@ class SegmentWatchTrigger(BaseTrigger):
                                                 self.detection, self.launcher)
                     yield TriggerEvent(event)
                     return
-                await asyncio.sleep(self.poll_interval_seconds)
+                if finishing_since is None and finishing(obs):
+                    finishing_since = time.monotonic()
+                await asyncio.sleep(next_pause(self.poll_interval_seconds, finishing_since,
+                                               time.monotonic()))
         except Exception as exc:  # an error event, never a dead trigger
             yield TriggerEvent({**_error_event(self.attempt_dir, exc).payload, **carried})
 

@@ -15,10 +15,18 @@ import pytest
 from agents import SERVED, close_served_agents, serve  # noqa: F401 - the fixture closes them
 from airflow.triggers.base import TriggerEvent
 
+from relay import triggers
+from relay.detection import Observation
 from relay.faults import Fault, FaultKind, classify_exit
 from relay.launchers.local import HANDLE_FILE, LaunchState, LaunchStatus, LocalLauncher, NodeStatus
-from relay.triggers import SegmentWatchTrigger
-from relay_train.heartbeat import Heartbeat, heartbeat_path, write_atomically
+from relay.triggers import (
+    FINISHING_FOR_SECONDS,
+    FINISHING_POLL_SECONDS,
+    SegmentWatchTrigger,
+    finishing,
+    next_pause,
+)
+from relay_train.heartbeat import Heartbeat, Phase, heartbeat_path, write_atomically
 from relay_train.launch import attempt_id_of
 from relay_train.pids import start_time
 
@@ -295,3 +303,58 @@ def test_status_of_a_malformed_handle_is_failed_not_an_exception(tmp_path: Path)
 
     assert LocalLauncher().status(root).state is LaunchState.FAILED
     assert LocalLauncher().stop(root) == []
+
+
+def _observed(phases: dict[int, Phase]) -> Observation:
+    beats = {r: Heartbeat(rank=r, node="node-a" if r < 2 else "node-b", pid=1, step=40,
+                          phase=p.value) for r, p in phases.items()}
+    return Observation(now=time.time(), launched_at=time.time() - 60, heartbeats=beats,
+                       node_ranks=NODE_RANKS, heartbeat_interval=0.5)
+
+
+def test_the_watcher_sees_the_ranks_finishing_only_once_every_loop_ended() -> None:
+    assert finishing(_observed(dict.fromkeys(range(4), Phase.DONE)))
+    assert not finishing(_observed({0: Phase.DONE, 1: Phase.DONE, 2: Phase.DONE,
+                                    3: Phase.COMPUTE}))
+    assert not finishing(_observed({0: Phase.DONE, 1: Phase.DONE, 2: Phase.DONE}))  # 3 unheard
+
+
+def test_the_watcher_polls_briefly_faster_while_the_ranks_exit() -> None:
+    """The last segment completes when every agent reports its ranks exited; at the
+    policy's poll interval that was seen up to a whole interval late."""
+    assert next_pause(0.5, None, 100.0) == 0.5  # training: the policy's interval
+    assert next_pause(0.5, 100.0, 100.2) == FINISHING_POLL_SECONDS < 0.5
+    assert next_pause(0.05, 100.0, 100.2) == 0.05  # never slower than the policy's
+    # a rank stuck on its way out: back to the policy's interval (its hang rule decides)
+    assert next_pause(0.5, 100.0, 100.0 + FINISHING_FOR_SECONDS) == 0.5
+
+
+def test_run_polls_faster_once_every_rank_reported_its_loop_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = fabricate(
+        tmp_path / "try-1",
+        {"node-a": ("running", {0: None, 1: None}), "node-b": ("running", {2: None, 3: None})},
+    )
+    write_training_heartbeats(root, step=40)
+    for beat_file in (root / "heartbeats").iterdir():  # every loop ended, no rank exited yet
+        beat = Heartbeat.from_json(beat_file.read_text())
+        beat.phase = Phase.DONE.value
+        write_atomically(beat_file, beat.to_json())
+    pauses: list[float] = []
+    pause = triggers.next_pause
+    monkeypatch.setattr(triggers, "next_pause",
+                        lambda *args: pauses.append(pause(*args)) or pauses[-1])
+    trigger = SegmentWatchTrigger(str(root), NODE_RANKS, poll_interval_seconds=0.5)
+
+    async def scenario() -> TriggerEvent:
+        task = asyncio.create_task(first_event(trigger))
+        await asyncio.sleep(0.3)
+        write_records(root, {"node-a": ("succeeded", {0: 0, 1: 0}),
+                             "node-b": ("succeeded", {2: 0, 3: 0})})
+        return await task
+
+    event = asyncio.run(scenario())
+
+    assert event.payload["status"] == "completed"
+    assert pauses and set(pauses) == {FINISHING_POLL_SECONDS}

@@ -61,12 +61,14 @@ def _straggler_sentence(d: Detection) -> str:
         return "one rank is slow (straggler): not watched by this policy"
     over = (f"one rank is slow (straggler): its compute time per step stays above "
             f"{rule.ratio:g}x the other ranks'")
+    settle = (f", once the ranks have been stepping for {humanize(rule.sustained)} (start-up "
+              "is uneven)")
     if rule.lost_seconds is None:
-        return f"{over} for {humanize(rule.sustained)}"
+        return f"{over} for {humanize(rule.sustained)}{settle}"
     return (f"{over} for as long as it takes the job to lose {humanize(rule.lost_seconds)} "
             "waiting for it (every rank waits for it at each step, so the slower the rank, the "
             f"sooner; at least {MIN_SLOW_STEPS} slow steps in a row), or for "
-            f"{humanize(rule.sustained)} at most")
+            f"{humanize(rule.sustained)} at most{settle}")
 
 
 def _hang_threshold(d: Detection) -> str:

@@ -20,6 +20,14 @@ one ~38% (~2.7 s). Where the collective or the input pipeline takes most of the
 step, the same ratio costs less and the rule waits longer - up to ``sustained`` -
 instead of assuming the worst. Time is credited only as steps finish, so the
 frozen figures of a stalled job (a hang on its way) add nothing.
+
+**Start-up is not judged.** Nothing is counted until the ranks have been stepping
+for ``sustained`` (per watcher: an attempt, or a workload adopted at a boundary).
+The first seconds of a workload are uneven on a shared host: rank 0 opens its
+MLflow client and uploads its first checkpoint beside its steps, while the Airflow
+task that launched it is still deferring. On this 2-core machine that alone made
+rank 0 1.5x the others for a second or two, and a straggler was called 3 s into a
+fault-free run. A rank slow from its first step is called ``sustained`` later.
 """
 
 from __future__ import annotations
@@ -81,6 +89,7 @@ class StragglerRule:
         self.rule = rule
         self._held = Sustained()
         self._runs: dict[int, _SlowRun] = {}
+        self._stepping_since: float | None = None  # when two ranks were first seen stepping
 
     def _track(self, beat: Heartbeat, extra: float, now: float) -> _SlowRun:
         run = self._runs.get(beat.rank)
@@ -104,6 +113,10 @@ class StragglerRule:
         active = [b for b in active if b.compute_seconds]
         if len(active) < 2:
             return None
+        if self._stepping_since is None:
+            self._stepping_since = now
+        if now - self._stepping_since < self.rule.sustained:
+            return None  # start-up: nothing held, nothing lost yet
         times = sorted(b.compute_seconds or 0.0 for b in active)
         ratios, extra = {}, {}
         for beat in active:

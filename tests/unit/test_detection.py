@@ -371,6 +371,19 @@ def first_fault(
     return None
 
 
+def settled(cfg: Detection = CFG) -> Detector:
+    """Return a detector that watched a healthy job through the straggler rule's start-up
+    (``sustained``, in which nothing is judged) until just before T0."""
+    detector = Detector(cfg)
+    rule = cfg.straggler or STRAGGLER
+    times = polls(T0 - rule.sustained - INTERVAL, rule.sustained)
+    for i, now in enumerate(times):
+        beats = [hb(r, now, phase=COMPUTE if (i + r) % 2 == 0 else COLLECTIVE,
+                    step=10 - len(times) + i, in_phase=0.1, compute=0.2) for r in RANKS]
+        assert detector.check(observe(now, beats)) is None
+    return detector
+
+
 def fire_window(factor: float, rule: StragglerDetection = STRAGGLER) -> tuple[float, float]:
     """Return when a lasting ``factor`` x straggler of :func:`straggling` may fire, from its
     first slow poll.
@@ -402,7 +415,7 @@ NO_BUDGET = STRAGGLER.model_copy(update={"lost_seconds": None})
 def test_straggler_fires_once_it_has_cost_lost_seconds_or_sustained(
     factor: float, rule: StragglerDetection
 ) -> None:
-    detector = Detector(CFG.model_copy(update={"straggler": rule}))
+    detector = settled(CFG.model_copy(update={"straggler": rule}))
     found = first_fault(
         detector, polls(T0, 3 * rule.sustained), lambda now, i: straggling(now, i, {3: factor})
     )
@@ -423,7 +436,7 @@ def test_straggler_fires_once_it_has_cost_lost_seconds_or_sustained(
 def test_a_40x_straggler_fires_well_before_sustained_and_before_a_1_6x_one() -> None:
     fired = {}
     for factor in (40.0, 1.6):
-        found = first_fault(Detector(CFG), polls(T0, 3 * STRAGGLER.sustained),
+        found = first_fault(settled(), polls(T0, 3 * STRAGGLER.sustained),
                             lambda now, i, f=factor: straggling(now, i, {3: f}))
         assert found is not None
         fired[factor] = found[0] - T0
@@ -439,7 +452,7 @@ def test_the_same_ratio_costs_less_when_compute_is_a_small_part_of_the_step() ->
             return [hb(r, now, phase=COMPUTE if (i + r) % 2 == 0 else COLLECTIVE, step=10 + i,
                        in_phase=0.1, compute=compute * (3.0 if r == 3 else 1.0)) for r in RANKS]
 
-        found = first_fault(Detector(CFG), polls(T0, 3 * STRAGGLER.sustained), beats)
+        found = first_fault(settled(), polls(T0, 3 * STRAGGLER.sustained), beats)
         assert found is not None
         fired[compute] = found[0] - T0
         assert_fault(found[1], FaultKind.STRAGGLER, 3, "node-b", "3.0x")
@@ -811,7 +824,7 @@ def test_crash_wins_over_a_stale_heartbeat() -> None:
 
 def test_nan_wins_over_straggler() -> None:
     cfg = CFG.model_copy(update={"straggler": NO_BUDGET})  # fires at sustained, exactly
-    plain, poisoned = Detector(cfg), Detector(cfg)
+    plain, poisoned = settled(cfg), settled(cfg)
     times = polls(T0, STRAGGLER.sustained)
     for i, now in enumerate(times[:-1]):
         for detector in (plain, poisoned):
@@ -985,3 +998,15 @@ def test_policy_explain_says_what_a_straggler_costs_before_it_is_called_one() ->
     assert f"{humanize(STRAGGLER.sustained)} at most" in budget
     plain = fault_sentence(FaultKind.STRAGGLER, CFG.model_copy(update={"straggler": NO_BUDGET}))
     assert "lose" not in plain and f"for {humanize(STRAGGLER.sustained)}" in plain
+
+
+def test_no_straggler_is_called_while_the_ranks_start_stepping() -> None:
+    """Rank 0 at 1.6x from the first step (its MLflow client, its first upload): nothing
+    for ``sustained``, as the ranks settle; called on cost once that has passed."""
+    detector = Detector(CFG)
+    found = first_fault(detector, polls(T0, 3 * STRAGGLER.sustained),
+                        lambda now, i: straggling(now, i, {0: 1.6}))
+    assert found is not None
+    when, fault = found
+    assert when - T0 >= STRAGGLER.sustained + fire_window(1.6)[0] - INTERVAL
+    assert_fault(fault, FaultKind.STRAGGLER, 0, "node-a", "1.6x")

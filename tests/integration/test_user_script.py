@@ -40,6 +40,11 @@ chaos: allowed
 """
 FAULTS = [
     {"kind": "hang", "segment": 0, "step": 15, "rank": 2, "attempt": 1},
+    # The script's steps take ~20 ms: the workload trains on from the step-30 boundary for
+    # about a second before segment 1's task adopts it, and a node frozen before that is
+    # segment 0's fault (the gap; see README "Segment boundaries"). Pacing segment 1's steps
+    # (every rank alike: no straggler) puts the freeze at step 52 well after the adoption.
+    {"kind": "pace", "segment": 1, "step": 30, "seconds": 0.2},
     {"kind": "stop_node", "segment": 1, "step": 52, "node": "node-a", "attempt": 1},
     {"kind": "crash", "segment": 2, "step": 75, "rank": 1, "attempt": 1},
 ]

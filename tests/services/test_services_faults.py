@@ -25,6 +25,7 @@ from processes import workload_processes
 
 from relay import services, testhooks, unattended
 from relay.airflow_api import AirflowApi
+from relay.launchers.local import group_members
 from relay.lineage import Lineage
 from relay.nodes import NodePool
 from relay.paths import safe_name
@@ -53,9 +54,14 @@ def _wait_for(path: Path, timeout: float) -> Path:
 
 
 def _processes_of(home: Path, attempt: Path) -> list[int]:
-    """Return the attempt's agents and ranks (not its warden, whose files are there too)."""
-    return [p for p, cmd in workload_processes(home).items()
-            if str(attempt) in cmd and "relay_train." in cmd]
+    """Return the attempt's agents and ranks (not its warden): the members of the process
+    groups its launcher recorded. Not by command line: an agent may be a standby started
+    for the attempt, or forked from the previous attempt's agent, so it need not name it."""
+    try:
+        nodes = json.loads((attempt / "handle.json").read_text())["nodes"]
+    except (OSError, ValueError, KeyError):
+        return []
+    return sorted(p for ids in nodes.values() for p in group_members(int(ids["pgid"])))
 
 
 def _pool(home: Path) -> NodePool:

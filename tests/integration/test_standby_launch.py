@@ -17,6 +17,27 @@ from relay_train.standby import ready_file, standby_file
 pytestmark = pytest.mark.integration
 
 
+def _train_on_standbys(launcher: LocalLauncher, store: Store, attempt: Path,
+                       standby: Path) -> Path:
+    """Launch 20 steps on the standbys in ``standby``, watch them complete, stop; return root."""
+    cfg = launch_config(store, attempt, steps=20)
+    root = launcher.launch(cfg, standby_dir=standby)
+    try:
+        event = watch(cfg, Detection(), timeout=180)
+    finally:
+        launcher.stop(root, grace_seconds=2.0)
+    assert event["status"] == "completed", event
+    return root
+
+
+def _wait_all_gone(tmp_path: Path, pid: int) -> None:
+    """Wait until ``pid``'s group and every workload process under ``tmp_path`` are gone."""
+    deadline = time.monotonic() + 30
+    while group_members(pid) or workload_processes(tmp_path):
+        assert time.monotonic() < deadline, workload_processes(tmp_path)
+        time.sleep(0.1)
+
+
 def test_a_launch_takes_the_preloaded_standbys_and_stops_the_rest(tmp_path: Path) -> None:
     store = Store(tmp_path / "mlflow")
     standby = tmp_path / "segment" / "standby"
@@ -28,13 +49,7 @@ def test_a_launch_takes_the_preloaded_standbys_and_stops_the_rest(tmp_path: Path
     while not all(ready_file(standby, n).exists() for n in pids):
         assert time.monotonic() < deadline, "standbys never became ready"
         time.sleep(0.1)
-    cfg = launch_config(store, tmp_path / "segment" / "try-1", steps=20)
-    root = launcher.launch(cfg, standby_dir=standby)
-    try:
-        event = watch(cfg, Detection(), timeout=180)
-    finally:
-        launcher.stop(root, grace_seconds=2.0)
-    assert event["status"] == "completed", event
+    root = _train_on_standbys(launcher, store, tmp_path / "segment" / "try-1", standby)
     for node in ("node-a", "node-b"):
         agent_log = (root / "logs" / f"agent-{node}.log").read_text()
         assert "took over" in agent_log, agent_log
@@ -42,10 +57,7 @@ def test_a_launch_takes_the_preloaded_standbys_and_stops_the_rest(tmp_path: Path
     handle = json.loads((root / "handle.json").read_text())["nodes"]
     assert handle["node-a"]["pid"] == pids["node-a"]
     # node-c was not in the launch: its standby was stopped, and nothing is left behind.
-    deadline = time.monotonic() + 30
-    while group_members(pids["node-c"]) or workload_processes(tmp_path):
-        assert time.monotonic() < deadline, workload_processes(tmp_path)
-        time.sleep(0.1)
+    _wait_all_gone(tmp_path, pids["node-c"])
     assert list(standby.glob("*.standby")) == []
 
 
@@ -78,22 +90,13 @@ def test_the_agents_of_a_stopped_attempt_hand_on_preloaded_copies(tmp_path: Path
     finally:
         assert launcher.stop(root, grace_seconds=2.0) == []
     assert all(group_members(pids[n]) for n in ("node-a", "node-b")), "the stop took them"
-    cfg = launch_config(store, tmp_path / "segment" / "try-2", steps=20)
-    root = launcher.launch(cfg, standby_dir=standby)
-    try:
-        event = watch(cfg, Detection(), timeout=180)
-    finally:
-        launcher.stop(root, grace_seconds=2.0)
-    assert event["status"] == "completed", event
+    root = _train_on_standbys(launcher, store, tmp_path / "segment" / "try-2", standby)
     handle = json.loads((root / "handle.json").read_text())["nodes"]
     for node in ("node-a", "node-b"):
         assert handle[node]["pid"] == pids[node]
         agent_log = (root / "logs" / f"agent-{node}.log").read_text()
         assert "took over" in agent_log, agent_log
-    deadline = time.monotonic() + 30
-    while group_members(pids["node-c"]) or workload_processes(tmp_path):
-        assert time.monotonic() < deadline, workload_processes(tmp_path)
-        time.sleep(0.1)
+    _wait_all_gone(tmp_path, pids["node-c"])
 
 
 @pytest.mark.slow
@@ -138,7 +141,4 @@ def test_the_watcher_warms_a_spare_before_it_calls_a_frozen_node(tmp_path: Path)
     assert record["started_at"] < event["fault"]["detected_at"]
     assert list(standby.glob("node-[ab].standby")) == []  # only the spare
     LocalLauncher.release_standbys(standby)
-    deadline = time.monotonic() + 30
-    while group_members(record["pid"]) or workload_processes(tmp_path):
-        assert time.monotonic() < deadline, workload_processes(tmp_path)
-        time.sleep(0.1)
+    _wait_all_gone(tmp_path, record["pid"])

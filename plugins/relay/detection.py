@@ -256,6 +256,23 @@ class Detector:
                           "pid": beat.pid}, obs.now)
         return None
 
+    def suspects(self, obs: Observation) -> str | None:
+        """Return why a fault seems on its way though none is called yet (see relay.spare):
+        a rank in compute past half the hang threshold while another waits, or a rank
+        over the straggler ratio for more than one step. Call it after :meth:`check`."""
+        beats = [b for b in obs.heartbeats.values() if b.phase != Phase.DONE.value]
+        if FaultKind.HANG in self.enabled and any(b.phase in _WAITING for b in beats):
+            half = self.hang_limit(obs).seconds / 2
+            stalled = [b.rank for b in beats if b.phase == Phase.COMPUTE.value
+                       and obs.now - b.phase_started_at > half]
+            if stalled:
+                return f"rank {stalled[0]} in compute for over {half:.1f}s while others wait"
+        if self._straggler is not None and FaultKind.STRAGGLER in self.enabled:
+            slow = self._straggler.slow_ranks()
+            if slow:
+                return f"rank {slow[0]} over {self._straggler.rule.ratio:g}x the others' compute"
+        return None
+
     def hang_limit(self, obs: Observation) -> HangLimit:
         """Return the hang threshold in force: the policy's, or derived from the steps seen."""
         derive = self.cfg.derive_hang_timeout

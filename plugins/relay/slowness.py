@@ -103,6 +103,10 @@ class StragglerRule:
             run.last_seen, run.last_step = now, beat.step
         return run
 
+    def slow_ranks(self) -> list[int]:
+        """Return the ranks over the ratio for more than one step (a straggler on its way)."""
+        return sorted(r for r, run in self._runs.items() if run.steps >= 2)
+
     def _due(self, run: _SlowRun, held: float) -> bool:
         budget = self.rule.lost_seconds
         return held >= self.rule.sustained or (

@@ -4,9 +4,12 @@ A retry after a frozen node runs on a node the faulty attempt did not use, and
 that node's agent has to import the training stack first (seconds of CPU). The
 standby Relay starts when it decides (see :mod:`relay_train.standby`) begins
 that work only once the fault is confirmed (``heartbeat_timeout``). The watcher
-starts it sooner: as soon as a node's agent, heard before, misses a poll that
-its peers answer, it warms a standby on the node a retry would take (the first
-free node of the pool when the segment was watched). The retry
+starts it sooner, at the first sign of a fault that moves the job off a node:
+a node's agent, heard before, missing a poll its peers answer; a rank in compute
+past half the hang threshold while another waits; a rank over the straggler
+ratio for more than one step (:meth:`relay.detection.Detector.suspects`). It
+warms a standby on the node a retry would take (the first free node of the pool
+when the segment was watched). The retry
 claims it like any standby; if no retry comes, or the retry is given other nodes,
 the standby leaves by itself after ``ttl``. At most one per watched attempt, so
 a slow answer under load costs one preload, not one per poll.
@@ -51,8 +54,7 @@ def silent_nodes(status: LaunchStatus | None, after: float) -> list[str]:
     return sorted(n for n, t in heard.items() if newest - t >= after)
 
 
-def warm(spare: dict[str, Any], launcher: Any, silent: list[str]) -> None:  # noqa: ANN401
+def warm(spare: dict[str, Any], launcher: Any, why: str) -> None:  # noqa: ANN401
     """Start the planned standby (a blocking call: run it off the event loop)."""
-    log.warning("The agent(s) of %s stopped answering: warming a standby on %s for a retry",
-                ", ".join(silent), spare["node"])
+    log.warning("%s: warming a standby on %s for a retry", why, spare["node"])
     launcher.prestart(Path(spare["directory"]), [spare["node"]], float(spare["ttl"]))

@@ -166,9 +166,11 @@ class SegmentWatchTrigger(BaseTrigger):
                     observe_attempt, root, self.node_ranks, self.heartbeat_interval_seconds,
                     launcher,
                 )
-                if spare_plan and (quiet := spare.silent_nodes(
-                        obs.launch, spare.suspect_after(detector.cfg.poll_interval))):
-                    await asyncio.to_thread(spare.warm, spare_plan, launcher, quiet)
+                quiet = spare.silent_nodes(obs.launch,
+                                           spare.suspect_after(detector.cfg.poll_interval))
+                if spare_plan and quiet:
+                    await asyncio.to_thread(spare.warm, spare_plan, launcher,
+                                            f"the agent(s) of {', '.join(quiet)} stopped answering")
                     spare_plan = None  # once per attempt
                 # Messages refused from agents of another attempt go with the event.
                 refused = {"refused": obs.launch.refused} if obs.launch and obs.launch.refused \
@@ -188,6 +190,9 @@ class SegmentWatchTrigger(BaseTrigger):
                                         **carried})
                     return  # are the next segment's to watch
                 fault = detector.check(obs)
+                if fault is None and spare_plan and (why := detector.suspects(obs)):
+                    await asyncio.to_thread(spare.warm, spare_plan, launcher, why)
+                    spare_plan = None
                 if fault is not None:
                     event = {**fault.to_event(), "attempt_dir": self.attempt_dir, **refused,
                              **carried}

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from processes import workload_processes
@@ -99,12 +102,11 @@ def test_the_agents_of_a_stopped_attempt_hand_on_preloaded_copies(tmp_path: Path
     _wait_all_gone(tmp_path, pids["node-c"])
 
 
-@pytest.mark.slow
-def test_the_watcher_warms_a_spare_before_it_calls_a_frozen_node(tmp_path: Path) -> None:
-    """A node that stops answering: the standby of the node its retry takes starts preloading
-    at the first sign (a missed poll), before the fault is called."""
-    import asyncio
-    import signal
+def _watch_with_spare(tmp_path: Path, chaos: list[dict[str, Any]],
+                      freeze: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Watch an endless 4-rank launch with a spare planned on node-c; inject ``chaos`` (or,
+    3 s into the watch, freeze the node ``freeze``). Return the first event and the spare's
+    standby record."""
     from concurrent.futures import ThreadPoolExecutor
 
     from relay import spare
@@ -114,7 +116,7 @@ def test_the_watcher_warms_a_spare_before_it_calls_a_frozen_node(tmp_path: Path)
     store = Store(tmp_path / "mlflow")
     standby = tmp_path / "segment" / "standby"
     launcher = LocalLauncher()
-    cfg = launch_config(store, tmp_path / "segment" / "try-1", steps=10**6)
+    cfg = launch_config(store, tmp_path / "segment" / "try-1", steps=10**6, chaos=chaos)
     root = launcher.launch(cfg)
     detection = Detection()
     trigger = SegmentWatchTrigger(
@@ -127,18 +129,35 @@ def test_the_watcher_warms_a_spare_before_it_calls_a_frozen_node(tmp_path: Path)
         while not (root / "first_step.json").exists():
             assert time.monotonic() < deadline, "the attempt never stepped"
             time.sleep(0.1)
-        with ThreadPoolExecutor(1) as pool:  # the watcher hears both nodes, then one freezes
+        with ThreadPoolExecutor(1) as pool:
             watching = pool.submit(asyncio.run, _first_event(trigger, 120))
-            time.sleep(3)
-            assert not watching.done(), watching.result()
-            launcher.signal_node(root, "node-b", signal.SIGSTOP)
+            if freeze is not None:  # the watcher hears both nodes, then one freezes
+                time.sleep(3)
+                assert not watching.done(), watching.result()
+                launcher.signal_node(root, freeze, signal.SIGSTOP)
             event = watching.result()
     finally:
-        launcher.signal_node(root, "node-b", signal.SIGCONT)
+        if freeze is not None:
+            launcher.signal_node(root, freeze, signal.SIGCONT)
         launcher.stop(root, grace_seconds=2.0)
-    assert event["fault"]["kind"] == "node_unresponsive", event
     record = json.loads(standby_file(standby, "node-c").read_text())
-    assert record["started_at"] < event["fault"]["detected_at"]
     assert list(standby.glob("node-[ab].standby")) == []  # only the spare
     LocalLauncher.release_standbys(standby)
     _wait_all_gone(tmp_path, record["pid"])
+    return event, record
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "chaos", "freeze"), [
+    ("node_unresponsive", [], "node-b"),
+    ("hang", [{"kind": "hang", "step": 40, "rank": 1}], None),
+    ("straggler", [{"kind": "straggler", "step": 60, "rank": 2, "factor": 3.0}], None),
+], ids=["frozen-node", "hang", "straggler"])
+def test_the_watcher_warms_a_spare_before_it_calls_the_fault(
+        tmp_path: Path, kind: str, chaos: list[dict[str, Any]], freeze: str | None) -> None:
+    """The standby of the node a retry takes starts preloading at the first sign of a fault
+    (a missed poll; a rank in compute past half the hang threshold while others wait; a rank
+    over the straggler ratio for two steps), before the fault is called."""
+    event, record = _watch_with_spare(tmp_path, chaos, freeze)
+    assert event["fault"]["kind"] == kind, event
+    assert record["started_at"] < event["fault"]["detected_at"], (record, event["fault"])

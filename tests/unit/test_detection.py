@@ -1010,3 +1010,17 @@ def test_no_straggler_is_called_while_the_ranks_start_stepping() -> None:
     when, fault = found
     assert when - T0 >= STRAGGLER.sustained + fire_window(1.6)[0] - INTERVAL
     assert_fault(fault, FaultKind.STRAGGLER, 0, "node-a", "1.6x")
+
+
+def test_a_straggler_on_its_way_is_suspected_before_it_is_called() -> None:
+    detector = settled()
+    times = polls(T0, STRAGGLER.sustained)
+    suspected: tuple[float, str] | None = None
+    for i, now in enumerate(times):
+        obs = observe(now, straggling(now, i, {3: 1.6}))
+        if detector.check(obs) is not None:
+            break
+        why = detector.suspects(obs)
+        suspected = suspected or ((now, why) if why else None)
+    assert suspected is not None and suspected[0] - T0 < fire_window(1.6)[0]
+    assert suspected[1] == "rank 3 over 1.5x the others' compute"

@@ -33,3 +33,32 @@ def test_the_plan_names_the_first_free_node_or_nothing(tmp_path: Path) -> None:
         "directory": str(tmp_path), "node": "node-c", "ttl": 60.0}
     assert spare.plan(tmp_path, [], 60.0) is None
     assert spare.suspect_after(0.5) == 0.5
+
+
+def test_a_hang_on_its_way_is_suspected_before_it_is_called() -> None:
+    """Rank 1 in compute past half the hang threshold while the others wait: no fault yet,
+    but a suspicion (the watcher warms the spare a retry off rank 1's node needs)."""
+    from relay.detection import Detector, Observation
+    from relay.policy import Detection
+    from relay_train.heartbeat import Heartbeat, Phase
+
+    cfg = Detection()
+    detector = Detector(cfg)
+    now = 1_700_000_000.0
+    stuck = cfg.hang_timeout * 0.75  # the threshold before warm-up is the policy's
+
+    def beat(rank: int, phase: Phase, since: float) -> Heartbeat:
+        return Heartbeat(rank=rank, node="node-a" if rank < 2 else "node-b", pid=rank,
+                         step=50, phase=phase.value, phase_started_at=now - since,
+                         compute_seconds=0.1, wall_clock=now, seq=50)
+
+    beats = {r: beat(r, Phase.COMPUTE if r == 1 else Phase.COLLECTIVE, stuck if r == 1 else 0.5)
+             for r in range(4)}
+    obs = Observation(now=now, launched_at=now - 600, heartbeats=beats,
+                      node_ranks={"node-a": [0, 1], "node-b": [2, 3]}, heartbeat_interval=0.5)
+    assert detector.check(obs) is None
+    assert "rank 1 in compute" in (detector.suspects(obs) or "")
+    beats[1] = beat(1, Phase.COMPUTE, stuck / 3)  # a normal step: nothing suspected
+    assert Detector(cfg).suspects(Observation(
+        now=now, launched_at=now - 600, heartbeats=beats,
+        node_ranks={"node-a": [0, 1], "node-b": [2, 3]}, heartbeat_interval=0.5)) is None

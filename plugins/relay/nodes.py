@@ -122,6 +122,13 @@ class NodePool:
         leased = {n for n, lease in self.leases(now).items() if lease.get("holder") != holder}
         return [n for n in self.healthy(now) if n not in leased]
 
+    def next_lease(self, holder: str, count: int, leave_out: set[str] | None = None,
+                   ) -> list[str] | None:
+        """Return the nodes ``holder``'s next lease of ``count`` would pick unless the pool
+        changes first (those whose agents to warm up), or None if too few are free."""
+        free = [n for n in self.available(holder) if n not in (leave_out or set())]
+        return free[:count] if len(free) >= count else None
+
     def _lease(self, count: int, holder: str, seconds: float) -> list[str] | None:
         """Lease ``count`` free healthy nodes to ``holder`` in one locked step, or None."""
         now = time.time()

@@ -133,8 +133,8 @@ class PreflightOperator(RelayOperator):
         from relay.launchers.local import STANDBY_DIR
         from relay.segment_fault import _lease_holder
 
-        nodes = NodePool().available(_lease_holder(spec.dag_id, dag_run_id))[: spec.nodes]
-        if len(nodes) < spec.nodes:
+        nodes = NodePool().next_lease(_lease_holder(spec.dag_id, dag_run_id), spec.nodes)
+        if nodes is None:
             return  # the segment waits for nodes (or fails): nothing to warm up
         launcher = launcher_for(spec)
         slots = launcher.slots(nodes)

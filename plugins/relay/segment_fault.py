@@ -104,8 +104,8 @@ class FaultHandling:
         """Have the retry's node agents preload while this attempt is wound down (the
         agents of ``attempt_dir`` that still answer hand on copies of themselves)."""
         out = {decision.quarantine_node} if decision.quarantine_node else set()
-        nodes = [n for n in NodePool().available(holder) if n not in out][: spec.nodes]
-        if len(nodes) == spec.nodes:  # else the retry waits for nodes: nothing to warm up
+        nodes = NodePool().next_lease(holder, spec.nodes, out)
+        if nodes:  # else the retry waits for nodes: nothing to warm up
             # They wait out the backoff too, and leave by themselves if the retry never comes.
             ttl = decision.backoff_seconds + STANDBY_TTL_SECONDS
             launcher.prestart(seg_dir / STANDBY_DIR, launcher.slots(nodes), ttl,

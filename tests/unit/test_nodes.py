@@ -374,3 +374,10 @@ def test_an_expired_lease_frees_its_nodes(pool: NodePool) -> None:
 def test_quarantined_nodes_are_never_leased(pool: NodePool) -> None:
     pool.quarantine(NODES[0], 60, "test", by="test")
     assert NODES[0] not in pool.select(2, holder="relay_a/run-1")
+
+
+def test_next_lease_is_what_select_then_picks(pool: NodePool) -> None:
+    pool.select(1, holder="relay_a/run-1")
+    assert pool.next_lease("relay_b/run-1", 1, leave_out={NODES[1]}) == [NODES[2]]
+    assert pool.next_lease("relay_b/run-1", len(NODES)) is None  # one is leased to relay_a
+    assert pool.select(2, holder="relay_b/run-1") == pool.next_lease("relay_b/run-1", 2)

@@ -89,7 +89,7 @@ def _cmd_bench_goodput(args: argparse.Namespace) -> int:
     return bench_main(steps=args.steps, segment=args.segment, every=args.every,
                       collective_timeout=args.collective_timeout, repeats=args.repeats,
                       smoke=args.smoke, measure_default_timeout=args.measure_default_timeout,
-                      segment_boundary=args.segment_boundary)
+                      segment_boundary=args.segment_boundary, keep=args.keep)
 
 
 def _cmd_bench_watcher(args: argparse.Namespace) -> int:
@@ -375,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="160 steps, 1 repeat, 15 s timeout: checks it works, no figures")
     goodput.add_argument("--segment-boundary", choices=["adopt", "restart"], default="adopt",
                          help="Relay's job spec segment_boundary (default %(default)s)")
+    goodput.add_argument("--keep", type=Path, metavar="DIR",
+                         help="run in this new folder and keep it (every attempt's logs), "
+                         "instead of a temporary one")
     goodput.set_defaults(func=_cmd_bench_goodput)
     add_commands(sub)
     return parser

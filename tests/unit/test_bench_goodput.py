@@ -106,3 +106,13 @@ def test_ends_says_what_went_before_the_first_step_and_after_the_last(tmp_path: 
     assert ends(run, [first, last]) == (
         "start-up 12.5s (run start -> first step done), wind-down 4.0s (last step -> run end)")
     assert "unknown" in ends(run, [last])  # no first step recorded
+
+
+def test_keep_refuses_a_folder_with_files_and_names_the_fix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from relay.cli import main as cli
+
+    (tmp_path / "earlier.txt").write_text("a reader's notes")
+    assert cli(["bench", "goodput", "--keep", str(tmp_path)]) == 2
+    assert "expected a new or empty folder" in capsys.readouterr().err
+    assert (tmp_path / "earlier.txt").read_text() == "a reader's notes"  # nothing touched

@@ -28,8 +28,10 @@ seconds per step of the repeat's two fault-free runs' training loops, pooled
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -214,11 +216,17 @@ def one_repeat(home: Path, repeat: int, args: dict[str, Any]) -> tuple[list[Run]
 
 def main(steps: int = 1200, segment: int = 300, every: int = 25, collective_timeout: float = 120.0,
          repeats: int = 3, smoke: bool = False, measure_default_timeout: bool = False,
-         segment_boundary: str = "adopt") -> int:
-    """Run the repeats and print ETTR, lost steps and time to resume side by side."""
+         segment_boundary: str = "adopt", keep: Path | None = None) -> int:
+    """Run the repeats and print ETTR, lost steps and time to resume side by side;
+    ``keep``: run in this new folder and leave it (every attempt's logs) for a reader."""
     args: dict[str, Any] = {"steps": steps, "segment": segment, "every": every,
                             "collective_timeout": collective_timeout, "repeats": repeats,
                             "measure_default_timeout": measure_default_timeout}
+    if keep is not None and keep.exists() and (not keep.is_dir() or any(keep.iterdir())):
+        print(f"relay bench goodput --keep {keep}: expected a new or empty folder, found "
+              f"{'one with files in it' if keep.is_dir() else 'a file'}; name another folder",
+              file=sys.stderr)
+        return 2
     if smoke:
         args.update(SMOKE)
     schedule = fault_schedule(args["steps"])
@@ -242,8 +250,10 @@ def main(steps: int = 1200, segment: int = 300, every: int = 25, collective_time
           flush=True)
     all_runs: list[list[Run]] = []
     productive: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="relay-bench-goodput-") as tmp:
+    with (contextlib.nullcontext(str(keep)) if keep is not None
+          else tempfile.TemporaryDirectory(prefix="relay-bench-goodput-")) as tmp:
         home = Path(tmp)
+        home.mkdir(parents=True, exist_ok=True)
         jobs = home / "jobs"
         jobs.mkdir()
         (jobs / "goodput.yaml").write_text(_job_yaml(args["steps"], args["segment"],

@@ -11,9 +11,20 @@ import time
 from pathlib import Path
 
 from relay.launchers import Launcher, LaunchState, launcher_from
+from relay_train.heartbeat import Heartbeat, Phase
 
 log = logging.getLogger(__name__)
 DRAIN_LEAD_STEPS = 2
+POLL_SECONDS = 0.1
+
+
+def done(before: dict[int, Heartbeat], now: dict[int, Heartbeat]) -> bool:
+    """Return whether every rank of ``before`` now says it is done. A rank says so once it
+    has published its checkpoints (:meth:`relay_train.api.Session.close`), so the drained
+    checkpoint is complete then; waiting for the processes to exit as well (0.5-1 s here:
+    tearing down the process group and the interpreter) would only delay the stop that
+    ends them anyway."""
+    return all(r in now and now[r].phase == Phase.DONE.value for r in before)
 
 
 def drain(
@@ -36,13 +47,13 @@ def drain(
                     sorted(channel.addresses))
     deadline = time.monotonic() + timeout_seconds
     while time.monotonic() < deadline:
-        state = launcher.status(attempt_dir).state
-        if state is LaunchState.SUCCEEDED:
+        status = launcher.status(attempt_dir)
+        if status.state is LaunchState.SUCCEEDED or done(beats, status.heartbeats):
             log.info("Ranks checkpointed at step %d and stopped", stop_at)
             return stop_at
-        if state is LaunchState.FAILED:
+        if status.state is LaunchState.FAILED:
             break
-        time.sleep(0.2)
+        time.sleep(POLL_SECONDS)
     log.warning("Drain to step %d did not finish in %.0fs; the retry resumes from the last "
                 "checkpoint instead", stop_at, timeout_seconds)
     return None

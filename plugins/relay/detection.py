@@ -56,10 +56,14 @@ def _past_startup(obs: Observation) -> bool:
 class Detector:
     """Classify faults from observations, per the policy's detection thresholds."""
 
-    def __init__(self, detection: Detection, enabled: frozenset[FaultKind] | None = None) -> None:
+    def __init__(self, detection: Detection, enabled: frozenset[FaultKind] | None = None,
+                 settled: bool = False) -> None:
+        """``settled``: the ranks were past start-up before this detector looked (an
+        adopted workload): the straggler rule judges from its first observation."""
         self.cfg = detection
         self.enabled = enabled if enabled is not None else frozenset(FaultKind)
-        self._straggler = StragglerRule(detection.straggler) if detection.straggler else None
+        self._straggler = (StragglerRule(detection.straggler, settled)
+                           if detection.straggler else None)
         self._throughput = ThroughputRule(detection.throughput) if detection.throughput else None
         self._stepped: dict[int, tuple[int, float]] = {}  # rank -> (step, when it was reached)
         self._secondary_since: float | None = None

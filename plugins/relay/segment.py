@@ -207,14 +207,16 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         lineage.set_tags(run_id, {"relay.adopted_at_step": str(at)})
         resume_time.note_launch(attempt_dir, task_started, time.time())
         view = adopt.attempt_view(attempt_dir, cfg)
-        self._watch(workload, cfg, policy, launcher, boundary=adopt.watch_boundary(view, cfg))
+        self._watch(workload, cfg, policy, launcher, boundary=adopt.watch_boundary(view, cfg),
+                    settled=True)
         return True  # not reached: _watch defers
 
     def _watch(self, attempt_dir: Path, cfg: LaunchConfig, policy: LoadedPolicy,
                launcher: Launcher, kinds: list[str] | None = None,
-               boundary: int | None = None) -> None:
+               boundary: int | None = None, settled: bool = False) -> None:
         """Defer to the watcher (``kinds``: the fault kinds to watch; None: all; ``boundary``:
-        the step whose passing completes the segment while its workload trains on)."""
+        the step whose passing completes the segment while its workload trains on;
+        ``settled``: the workload was adopted, past its start-up already)."""
         node_ranks = {n: [cfg.global_rank(n, r) for r in range(cfg.ranks_per_node)]
                       for n in cfg.nodes}
         detection = policy.policy.detection
@@ -230,7 +232,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
                 launcher=launcher.config(), boundary_step=boundary,
                 unattended=unattended.plan(policy.policy, history, policy.sha256),
                 launch_record=launch_record.build(cfg, launcher),
-                spare=self._spare(cfg, launcher),
+                spare=self._spare(cfg, launcher), settled=settled,
             ),
             method_name="execute_complete",
         )

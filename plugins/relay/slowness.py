@@ -22,7 +22,10 @@ instead of assuming the worst. Time is credited only as steps finish, so the
 frozen figures of a stalled job (a hang on its way) add nothing.
 
 **Start-up is not judged.** Nothing is counted until the ranks have been stepping
-for ``sustained`` (per watcher: an attempt, or a workload adopted at a boundary).
+for ``sustained`` (per watcher), unless the watcher knows they were past start-up
+before it looked (``settled``: a workload adopted at a segment boundary, stepping
+for a whole segment already; judging its first seconds too means a straggler just
+after a boundary is not called ``sustained`` late).
 The first seconds of a workload are uneven on a shared host: rank 0 opens its
 MLflow client and uploads its first checkpoint beside its steps, while the Airflow
 task that launched it is still deferring. On this 2-core machine that alone made
@@ -33,6 +36,7 @@ fault-free run. A rank slow from its first step is called ``sustained`` later.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -85,11 +89,12 @@ class _SlowRun:
 class StragglerRule:
     """Fire when a slow rank has cost the job ``lost_seconds`` (or stayed slow ``sustained``)."""
 
-    def __init__(self, rule: StragglerDetection) -> None:
+    def __init__(self, rule: StragglerDetection, settled: bool = False) -> None:
         self.rule = rule
         self._held = Sustained()
         self._runs: dict[int, _SlowRun] = {}
-        self._stepping_since: float | None = None  # when two ranks were first seen stepping
+        # When two ranks were first seen stepping; -inf: past start-up before we looked.
+        self._stepping_since: float | None = -math.inf if settled else None
 
     def _track(self, beat: Heartbeat, extra: float, now: float) -> _SlowRun:
         run = self._runs.get(beat.rank)

@@ -99,8 +99,10 @@ class SegmentWatchTrigger(BaseTrigger):
         boundary_step: int | None = None,
         launch_record: dict[str, Any] | None = None,
         spare: dict[str, Any] | None = None,
+        settled: bool = False,
     ) -> None:
         super().__init__()
+        self.settled = settled  # an adopted workload, past start-up already (relay.slowness)
         self.spare = spare  # the standby to warm if a node stops answering (relay.spare)
         # The attempt's launch config and handle (relay.launch_record): the watcher finds the
         # attempt through it, and hands it back in its event (another machine may resume).
@@ -132,6 +134,7 @@ class SegmentWatchTrigger(BaseTrigger):
                 "boundary_step": self.boundary_step,
                 "launch_record": self.launch_record,
                 "spare": self.spare,
+                "settled": self.settled,
             },
         )
 
@@ -155,7 +158,7 @@ class SegmentWatchTrigger(BaseTrigger):
         carried = {"launch_record": self.launch_record} if self.launch_record else {}
         try:
             enabled = None if self.kinds is None else frozenset(FaultKind(k) for k in self.kinds)
-            detector = Detector(Detection.model_validate(self.detection), enabled)
+            detector = Detector(Detection.model_validate(self.detection), enabled, self.settled)
             launcher = launcher_from(self.launcher)  # one per run: it remembers lease renewals
             if self.launch_record:
                 launcher.attach(root, dict(self.launch_record.get("handle") or {}))

@@ -1012,6 +1012,17 @@ def test_no_straggler_is_called_while_the_ranks_start_stepping() -> None:
     assert_fault(fault, FaultKind.STRAGGLER, 0, "node-a", "1.6x")
 
 
+def test_an_adopted_workload_is_judged_from_the_first_poll() -> None:
+    """A watcher that adopted a workload at a segment boundary (``settled``): its ranks
+    have stepped for a whole segment, so a straggler is called on cost at once, not
+    ``sustained`` later as in a fresh workload's start-up."""
+    found = first_fault(Detector(CFG, settled=True), polls(T0, 3 * STRAGGLER.sustained),
+                        lambda now, i: straggling(now, i, {3: 3.0}))
+    assert found is not None
+    assert found[0] - T0 <= fire_window(3.0)[1] + 1e-9 < STRAGGLER.sustained
+    assert_fault(found[1], FaultKind.STRAGGLER, 3, "node-b", "3.0x")
+
+
 def test_a_straggler_on_its_way_is_suspected_before_it_is_called() -> None:
     detector = settled()
     times = polls(T0, STRAGGLER.sustained)

@@ -263,7 +263,7 @@ class Detector:
     def suspects(self, obs: Observation) -> str | None:
         """Return why a fault seems on its way though none is called yet (see relay.spare):
         a rank in compute past half the hang threshold while another waits, or a rank
-        over the straggler ratio for more than one step. Call it after :meth:`check`."""
+        half way to being called a straggler. Call it after :meth:`check`."""
         beats = [b for b in obs.heartbeats.values() if b.phase != Phase.DONE.value]
         if FaultKind.HANG in self.enabled and any(b.phase in _WAITING for b in beats):
             half = self.hang_limit(obs).seconds / 2
@@ -272,9 +272,10 @@ class Detector:
             if stalled:
                 return f"rank {stalled[0]} in compute for over {half:.1f}s while others wait"
         if self._straggler is not None and FaultKind.STRAGGLER in self.enabled:
-            slow = self._straggler.slow_ranks()
+            slow = self._straggler.slow_ranks(obs.now)
             if slow:
-                return f"rank {slow[0]} over {self._straggler.rule.ratio:g}x the others' compute"
+                return (f"rank {slow[0]} half way to a straggler (over "
+                        f"{self._straggler.rule.ratio:g}x the others' compute)")
         return None
 
     def hang_limit(self, obs: Observation) -> HangLimit:

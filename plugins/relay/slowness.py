@@ -108,9 +108,14 @@ class StragglerRule:
             run.last_seen, run.last_step = now, beat.step
         return run
 
-    def slow_ranks(self) -> list[int]:
-        """Return the ranks over the ratio for more than one step (a straggler on its way)."""
-        return sorted(r for r, run in self._runs.items() if run.steps >= 2)
+    def slow_ranks(self, now: float) -> list[int]:
+        """Return the ranks half way to being called (a straggler on its way): over the
+        ratio for MIN_SLOW_STEPS steps and half of ``lost_seconds`` lost, or for half of
+        ``sustained``. A blip of a step or two under load is not one."""
+        budget, half = self.rule.lost_seconds, self.rule.sustained / 2
+        return sorted(r for r, run in self._runs.items() if run.steps >= MIN_SLOW_STEPS and (
+            (budget is not None and run.lost >= budget / 2)
+            or now - self._held.since.get(r, now) >= half))
 
     def _due(self, run: _SlowRun, held: float) -> bool:
         budget = self.rule.lost_seconds

@@ -162,19 +162,16 @@ class SegmentWatchTrigger(BaseTrigger):
             launcher = launcher_from(self.launcher)  # one per run: it remembers lease renewals
             if self.launch_record:
                 launcher.attach(root, dict(self.launch_record.get("handle") or {}))
-            spare_plan = self.spare
+            warmer = spare.Warmer(self.spare, launcher)
             finishing_since: float | None = None  # when every rank's loop was seen ended
             while True:
                 obs = await asyncio.to_thread(
                     observe_attempt, root, self.node_ranks, self.heartbeat_interval_seconds,
                     launcher,
                 )
-                quiet = spare.silent_nodes(obs.launch,
-                                           spare.suspect_after(detector.cfg.poll_interval))
-                if spare_plan and quiet:
-                    await asyncio.to_thread(spare.warm, spare_plan, launcher,
-                                            f"the agent(s) of {', '.join(quiet)} stopped answering")
-                    spare_plan = None  # once per attempt
+                quiet = spare.silent_nodes(obs.launch, detector.cfg.poll_interval)
+                await warmer.sign(f"the agent(s) of {', '.join(quiet)} stopped answering"
+                                  if quiet else None)
                 # Messages refused from agents of another attempt go with the event.
                 refused = {"refused": obs.launch.refused} if obs.launch and obs.launch.refused \
                     else {}
@@ -193,9 +190,8 @@ class SegmentWatchTrigger(BaseTrigger):
                                         **carried})
                     return  # are the next segment's to watch
                 fault = detector.check(obs)
-                if fault is None and spare_plan and (why := detector.suspects(obs)):
-                    await asyncio.to_thread(spare.warm, spare_plan, launcher, why)
-                    spare_plan = None
+                if fault is None and warmer.due(time.monotonic()):
+                    await warmer.sign(detector.suspects(obs))
                 if fault is not None:
                     event = {**fault.to_event(), "attempt_dir": self.attempt_dir, **refused,
                              **carried}

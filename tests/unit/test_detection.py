@@ -1034,4 +1034,14 @@ def test_a_straggler_on_its_way_is_suspected_before_it_is_called() -> None:
         why = detector.suspects(obs)
         suspected = suspected or ((now, why) if why else None)
     assert suspected is not None and suspected[0] - T0 < fire_window(1.6)[0]
-    assert suspected[1] == "rank 3 over 1.5x the others' compute"
+    assert suspected[1] == "rank 3 half way to a straggler (over 1.5x the others' compute)"
+
+
+def test_a_blip_of_two_slow_steps_is_not_suspected() -> None:
+    """A rank over the ratio for two steps (a moment of contention on a shared host), then
+    back to its pace: no suspicion, so no spare is preloaded beside the training."""
+    detector = settled()
+    for i, now in enumerate(polls(T0, STRAGGLER.sustained)):
+        obs = observe(now, straggling(now, i, {3: 3.0} if i < 2 else {}))
+        assert detector.check(obs) is None
+        assert detector.suspects(obs) is None

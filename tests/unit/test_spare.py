@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from relay import spare
 from relay.launchers.base import LaunchState, LaunchStatus, NodeStatus
 
@@ -32,7 +34,6 @@ def test_the_plan_names_the_first_free_node_or_nothing(tmp_path: Path) -> None:
     assert spare.plan(tmp_path, ["node-c", "node-d"], 60.0) == {
         "directory": str(tmp_path), "node": "node-c", "ttl": 60.0}
     assert spare.plan(tmp_path, [], 60.0) is None
-    assert spare.suspect_after(0.5) == 0.5
 
 
 def test_a_hang_on_its_way_is_suspected_before_it_is_called() -> None:
@@ -62,3 +63,31 @@ def test_a_hang_on_its_way_is_suspected_before_it_is_called() -> None:
     assert Detector(cfg).suspects(Observation(
         now=now, launched_at=now - 600, heartbeats=beats,
         node_ranks={"node-a": [0, 1], "node-b": [2, 3]}, heartbeat_interval=0.5)) is None
+
+
+def test_the_warmer_keeps_one_live_spare_and_warms_again_after_its_ttl(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A sign that proved false must not leave a real fault a minute later without a spare,
+    and a sign at every poll must not preload at every poll."""
+    import asyncio
+
+    clock = [1000.0]
+    monkeypatch.setattr(spare.time, "monotonic", lambda: clock[0])
+    warmed: list[str] = []
+    monkeypatch.setattr(spare, "warm", lambda plan, launcher, why: warmed.append(why))
+    warmer = spare.Warmer(spare.plan(tmp_path, ["node-c"], 60.0), launcher=None)
+
+    async def signs(*whys: str | None) -> None:
+        for why in whys:
+            await warmer.sign(why)
+
+    asyncio.run(signs(None, "rank 3 half way to a straggler", "rank 3 half way to a straggler"))
+    assert warmed == ["rank 3 half way to a straggler"]  # once, while it may be waiting
+    clock[0] += 30.0
+    asyncio.run(signs("the agent(s) of node-b stopped answering"))
+    assert len(warmed) == 1 and not warmer.due(clock[0])
+    clock[0] += 31.5  # its ttl ran out: it left by itself
+    assert warmer.due(clock[0])
+    asyncio.run(signs("the agent(s) of node-b stopped answering"))
+    assert warmed[-1] == "the agent(s) of node-b stopped answering"
+    assert not spare.Warmer(None, launcher=None).due(clock[0])  # no free node: nothing to warm

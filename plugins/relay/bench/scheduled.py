@@ -64,6 +64,11 @@ def goal_verdict(values: list[float], goal: float = GOAL_SECONDS) -> str:
     return f"goal <= {goal:g}s: {'met' if median <= goal else 'NOT met'}"
 
 
+def figure(values: list[float]) -> str:
+    """Return one value as is, several as ``median [min-max]``."""
+    return f"{values[0]:.1f}s" if len(values) == 1 else spread(values)
+
+
 def _sec(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}s"
 
@@ -85,13 +90,14 @@ def print_run(run: Run) -> None:
 
 def print_summary(runs: list[Run]) -> None:
     """Print median [min-max] per fault kind over the repeats, then the parts' medians."""
-    print(f"\n  Over {len(runs)} repeat(s), median [min-max]; goal of issue 12: fault -> first "
-          f"productive step <= {GOAL_SECONDS:g}s with the real scheduler and triggerer")
+    over = ", median [min-max]" if len(runs) > 1 else ""
+    print(f"\n  Over {len(runs)} repeat(s){over}; goal of issue 12: fault -> first productive "
+          f"step <= {GOAL_SECONDS:g}s with the real scheduler and triggerer")
     print(f"  {'kind':18} {'fault -> first step':24} {'detected after':24} lost steps")
     for kind, found in summarise(runs).items():
         lost = "/".join(str(int(v)) for v in found["lost_steps"]) or "-"
-        print(f"  {kind:18} {spread(found['fault_to_resume']):24} "
-              f"{spread(found['detected_after']):24} {lost:10} "
+        print(f"  {kind:18} {figure(found['fault_to_resume']):24} "
+              f"{figure(found['detected_after']):24} {lost:10} "
               f"{goal_verdict(found['fault_to_resume'])}")
     _print_breakdown([runs])
 

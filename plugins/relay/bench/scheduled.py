@@ -205,14 +205,21 @@ def run_all(home: Path, args: dict[str, Any]) -> list[Run]:
     return runs
 
 
-def main(steps: int = 1200, segment: int = 300, every: int = 25, repeats: int = 1,
-         smoke: bool = False, timeout: float = 1800.0) -> int:
-    """Run the repeats with the real services; print each fault's time to resume."""
+def bench_args(steps: int, segment: int, every: int, repeats: int, smoke: bool,
+               timeout: float) -> dict[str, Any]:
+    """Return the run's settings; ``smoke`` takes goodput's short schedule and 1 repeat."""
     args: dict[str, Any] = {"steps": steps, "segment": segment, "every": every,
                             "repeats": repeats, "timeout": timeout}
     if smoke:
         args.update({k: SMOKE[k] for k in ("steps", "segment", "every", "repeats")})
         args["timeout"] = min(timeout, 900.0)
+    return args
+
+
+def main(steps: int = 1200, segment: int = 300, every: int = 25, repeats: int = 1,
+         smoke: bool = False, timeout: float = 1800.0) -> int:
+    """Run the repeats with the real services; print each fault's time to resume."""
+    args = bench_args(steps, segment, every, repeats, smoke, timeout)
     print(header(args, smoke), flush=True)
     home = Path(tempfile.mkdtemp(prefix="relay-bench-scheduled-"))
     try:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -205,6 +207,10 @@ def run_all(home: Path, args: dict[str, Any]) -> list[Run]:
     return runs
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    sys.exit(128 + signum)
+
+
 def bench_args(steps: int, segment: int, every: int, repeats: int, smoke: bool,
                timeout: float) -> dict[str, Any]:
     """Return the run's settings; ``smoke`` takes goodput's short schedule and 1 repeat."""
@@ -222,11 +228,18 @@ def main(steps: int = 1200, segment: int = 300, every: int = 25, repeats: int = 
     args = bench_args(steps, segment, every, repeats, smoke, timeout)
     print(header(args, smoke), flush=True)
     home = Path(tempfile.mkdtemp(prefix="relay-bench-scheduled-"))
+    # A SIGTERM (or SIGINT, even when a background shell ignores it) must bring the services
+    # down too: raise SystemExit, so run_all's `finally` runs.
+    previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM,
+                                                                    signal.SIGINT)}
     try:
         runs = run_all(home, args)
     except (RunFailed, ServiceError) as err:
         print(f"relay bench scheduled: {err}\n  (kept {home} for its logs; remove it when done)")
         return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     shutil.rmtree(home, ignore_errors=True)
     print_summary(runs)
     return 0

@@ -67,3 +67,13 @@ def test_the_bench_home_is_set_up_and_the_environment_restored(tmp_path: Path) -
         assert "RELAY_MLFLOW_TRACKING_URI" not in os.environ
 
     assert {k: os.environ.get(k) for k in before} == before
+
+
+def test_the_cli_wires_the_benchmark_with_one_repeat_by_default() -> None:
+    from relay.cli import _cmd_bench_scheduled, build_parser
+
+    args = build_parser().parse_args(["bench", "scheduled", "--smoke"])
+
+    assert args.func is _cmd_bench_scheduled
+    assert (args.steps, args.segment, args.every, args.repeats, args.smoke) == (
+        1200, 300, 25, 1, True)

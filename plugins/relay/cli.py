@@ -92,6 +92,13 @@ def _cmd_bench_goodput(args: argparse.Namespace) -> int:
                       segment_boundary=args.segment_boundary, keep=args.keep)
 
 
+def _cmd_bench_scheduled(args: argparse.Namespace) -> int:
+    from relay.bench.scheduled import main as bench_main
+
+    return bench_main(steps=args.steps, segment=args.segment, every=args.every,
+                      repeats=args.repeats, smoke=args.smoke, timeout=args.timeout)
+
+
 def _cmd_bench_watcher(args: argparse.Namespace) -> int:
     from relay.bench.watcher import main as bench_main
 
@@ -379,6 +386,18 @@ def build_parser() -> argparse.ArgumentParser:
                          help="run in this new folder and keep it (every attempt's logs), "
                          "instead of a temporary one")
     goodput.set_defaults(func=_cmd_bench_goodput)
+    scheduled = bench.add_parser(
+        "scheduled", help="fault -> first productive step with the real scheduler and triggerer "
+        "(the services of `make up`), goodput's job and fault schedule")
+    scheduled.add_argument("--steps", type=int, default=1200)
+    scheduled.add_argument("--segment", type=int, default=300)
+    scheduled.add_argument("--every", type=int, default=25)
+    scheduled.add_argument("--repeats", type=int, default=1)
+    scheduled.add_argument("--timeout", type=float, default=1800.0,
+                           help="seconds to wait for each DAG run (default %(default)s)")
+    scheduled.add_argument("--smoke", action="store_true",
+                           help="160 steps, 1 repeat: checks it works, no figures")
+    scheduled.set_defaults(func=_cmd_bench_scheduled)
     add_commands(sub)
     return parser
 

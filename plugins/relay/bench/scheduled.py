@@ -1,0 +1,261 @@
+"""`relay bench scheduled`: fault -> first productive step with Airflow's real services.
+
+`relay bench goodput` runs Relay under ``airflow dags test``: one process runs
+the DAG, and a deferred task's trigger runs in that process. Here the same job
+(``relay.bench.goodput._job_yaml``, the same node pool) runs in the deployment
+of `make up` (:mod:`relay.services`): the API server, the scheduler, the DAG
+processor and the triggerer as separate processes, the LocalExecutor, and an
+MLflow server, all on 127.0.0.1 in a temporary home. Each repeat triggers
+``relay_goodput`` through the REST API with the goodput fault schedule in its
+conf, waits until the DAG run ends, and reads the run's attempt folders with
+``relay.bench.goodput.relay_faults``: per fault, when it was detected, the steps
+it lost and its time to resume, part by part (``decision.json``
+``time_to_resume``). No fault-free run and no baseline: this measures the time
+to resume only, against the goal of issue 12 (median <= 9.5 s).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from relay import services, settings
+from relay.airflow_api import AirflowApi, ServiceError
+from relay.bench.goodput import NODE_POOL, SMOKE, Run, _job_yaml, fault_schedule, relay_faults
+from relay.bench.goodput_report import _print_breakdown, spread
+from relay.launchers.local import LocalLauncher
+from relay.paths import safe_name
+
+DAG_ID = "relay_goodput"
+GOAL_SECONDS = 9.5  # issue 12: fault -> first productive step with the real scheduler
+ENV_VARS = ("RELAY_HOME", "RELAY_JOBS_DIR", "RELAY_NODES", "RELAY_MLFLOW_TRACKING_URI")
+
+
+class RunFailed(RuntimeError):
+    """A DAG run of the benchmark did not succeed (or did not end in time)."""
+
+
+def summarise(runs: list[Run]) -> dict[str, dict[str, list[float]]]:
+    """Return, per fault kind, every repeat's detection, lost steps and time to resume."""
+    found: dict[str, dict[str, list[float]]] = {}
+    for run in runs:
+        for fault in run.faults:
+            by_kind = found.setdefault(fault["kind"], {
+                "detected_after": [], "lost_steps": [], "fault_to_resume": []})
+            for key, values in by_kind.items():
+                if fault.get(key) is not None:
+                    values.append(float(fault[key]))
+    return found
+
+
+def goal_verdict(values: list[float], goal: float = GOAL_SECONDS) -> str:
+    """Say whether the median time to resume meets the goal."""
+    if not values:
+        return "no figure"
+    median = statistics.median(values)
+    return f"goal <= {goal:g}s: {'met' if median <= goal else 'NOT met'}"
+
+
+def figure(values: list[float]) -> str:
+    """Return one value as is, several as ``median [min-max]``."""
+    return f"{values[0]:.1f}s" if len(values) == 1 else spread(values)
+
+
+def _sec(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
+
+
+def print_run(run: Run) -> None:
+    """Print one repeat's DAG run and its faults, each with its time-to-resume parts."""
+    print(f"    {run.name}: {'succeeded' if run.ok else 'FAILED'} in {run.wall:.1f}s, "
+          f"{run.attempts} attempt(s); {run.note}", flush=True)
+    for f in run.faults:
+        print(f"      {f['kind']:18} detected after {_sec(f['detected_after'])}; lost steps "
+              f"{f['lost_steps']}; fault -> first productive step {_sec(f['fault_to_resume'])} "
+              f"({f['ended_by']})", flush=True)
+        parts = f.get("parts") or {}
+        if parts:
+            added = sum(s for s in parts.values() if s is not None)
+            print("        time to resume: " + ", ".join(
+                f"{p} {_sec(s)}" for p, s in parts.items()) + f" (sum {added:.2f}s)", flush=True)
+
+
+def print_summary(runs: list[Run]) -> None:
+    """Print median [min-max] per fault kind over the repeats, then the parts' medians."""
+    over = ", median [min-max]" if len(runs) > 1 else ""
+    print(f"\n  Over {len(runs)} repeat(s){over}; goal of issue 12: fault -> first productive "
+          f"step <= {GOAL_SECONDS:g}s with the real scheduler and triggerer")
+    print(f"  {'kind':18} {'fault -> first step':24} {'detected after':24} lost steps")
+    for kind, found in summarise(runs).items():
+        lost = "/".join(str(int(v)) for v in found["lost_steps"]) or "-"
+        print(f"  {kind:18} {figure(found['fault_to_resume']):24} "
+              f"{figure(found['detected_after']):24} {lost:10} "
+              f"{goal_verdict(found['fault_to_resume'])}")
+    _print_breakdown([runs])
+
+
+def wait_for_run(api: AirflowApi, run_id: str, timeout: float) -> str:
+    """Wait until a DAG run ends; return its state ("timed out" if it did not end in time)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = str(api.dag_run(DAG_ID, run_id)["state"])
+        except (requests.RequestException, ServiceError):
+            state = "unknown"  # a busy API server: ask again
+        if state in ("success", "failed"):
+            return state
+        time.sleep(2)
+    return "timed out"
+
+
+def one_repeat(api: AirflowApi, home: Path, steps: int, timeout: float, name: str) -> Run:
+    """Trigger one faulty run through the REST API; return its faults from its attempts."""
+    (home / "nodes.json").unlink(missing_ok=True)  # no quarantine carries over between runs
+    started = time.time()
+    run_id = api.trigger(DAG_ID, {"chaos": fault_schedule(steps)})
+    state = wait_for_run(api, run_id, timeout)
+    wall = time.time() - started
+    run_dir = settings.runs_dir() / DAG_ID / safe_name(run_id)
+    if state != "success":
+        try:
+            tries = {t["task_id"]: (t["state"], t["try_number"])
+                     for t in api.task_instances(DAG_ID, run_id)}
+        except (requests.RequestException, ServiceError) as exc:
+            tries = {"(task instances unreadable)": (str(exc), 0)}
+        logs = home / "airflow" / "logs" / f"dag_id={DAG_ID}" / f"run_id={run_id}"
+        raise RunFailed(f"DAG run {run_id} of {DAG_ID} ended {state} after {wall:.0f}s "
+                        f"(timeout {timeout:.0f}s); tasks (state, try): {tries}. Task logs: "
+                        f"{logs}; Relay's attempt folders: {run_dir}; services' logs: "
+                        f"{services.services_dir(home) / 'logs'}")
+    attempts = sorted(run_dir.glob("segment-*/try-*"))
+    return Run(name, True, wall, len(attempts), relay_faults(attempts),
+               note=f"run {run_id}", started=started)
+
+
+def header(args: dict[str, Any], smoke: bool) -> str:
+    """Say what is measured, on what, and how."""
+    schedule = fault_schedule(args["steps"])
+    return (
+        f"Scheduled-recovery benchmark{' (SMOKE: too short for figures)' if smoke else ''}: "
+        f"{args['steps']} steps, segments of {args['segment']}, checkpoint every "
+        f"{args['every']}, 2 nodes x 2 ranks from a pool of {len(NODE_POOL)} nodes, "
+        f"{args['repeats']} repeat(s)\n"
+        "  Measured: fault -> first productive step (and its parts, decision.json "
+        "`time_to_resume`), detection and lost steps, per fault, of Relay with the real "
+        "Airflow services of `make up` (relay.services: API server, scheduler, DAG processor "
+        "and triggerer as separate processes, LocalExecutor, SQLite; an MLflow server; all on "
+        "127.0.0.1 in a temporary home), the DAG run triggered through the REST API, "
+        "policies/default.yaml, segment boundaries: adopt\n"
+        f"  Schedule (relay bench goodput's, once each): stalled rank 1 at step "
+        f"{schedule[0]['step']}; frozen node (SIGSTOP of its agent and ranks) hosting rank 2 at "
+        f"step {schedule[1]['step']}; the node hosting rank 3 turns 3x slow at step "
+        f"{schedule[2]['step']} and stays slow\n"
+        "  Compared with: issue 12's goal (median <= 9.5s). `relay bench goodput` measures the "
+        "same under `airflow dags test` (goal <= 7s). No fault-free run, no baseline, no ETTR")
+
+
+@contextmanager
+def _bench_env(home: Path) -> Iterator[Path]:
+    """Point Relay at a temporary home with the goodput job; restore the environment after."""
+    saved = {k: os.environ.get(k) for k in ENV_VARS}
+    jobs = home / "jobs"
+    jobs.mkdir(parents=True)
+    os.environ.update({"RELAY_HOME": str(home), "RELAY_JOBS_DIR": str(jobs),
+                       "RELAY_NODES": ",".join(NODE_POOL)})
+    os.environ.pop("RELAY_MLFLOW_TRACKING_URI", None)  # the deployment sets its own server's
+    try:
+        yield jobs
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def stop_workloads() -> None:
+    """Stop what a run stopped mid-flight leaves after `services.down`: its attempts' agents
+    and ranks and its unclaimed standby agents (sessions of their own, recorded by PID)."""
+    launcher = LocalLauncher()
+    for segment in (settings.runs_dir() / DAG_ID).glob("*/segment-*"):
+        survivors = launcher.stop_all(segment)
+        if survivors:
+            print(f"  could not stop {survivors} of {segment}", flush=True)
+        launcher.release_standbys(segment / "standby")
+
+
+def run_all(home: Path, args: dict[str, Any]) -> list[Run]:
+    """Bring the services up in ``home``, run the repeats, always bring them down."""
+    runs: list[Run] = []
+    with _bench_env(home) as jobs:
+        (jobs / "goodput.yaml").write_text(_job_yaml(args["steps"], args["segment"],
+                                                     args["every"]))
+        began = time.monotonic()
+        try:
+            deployment = services.up(home)
+            print(f"  services up in {time.monotonic() - began:.1f}s: Airflow "
+                  f"{deployment.api_url}, MLflow {deployment.mlflow_url}", flush=True)
+            api = AirflowApi(deployment.api_url, services.ADMIN_USER,
+                             services.admin_password(home))
+            for repeat in range(1, args["repeats"] + 1):
+                run = one_repeat(api, home, args["steps"], args["timeout"],
+                                 f"repeat {repeat}/{args['repeats']}")
+                print_run(run)
+                runs.append(run)
+        finally:
+            stopped = services.down(home)
+            print(f"  services down: {len(stopped)} process(es) stopped", flush=True)
+            stop_workloads()
+    return runs
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    sys.exit(128 + signum)
+
+
+def bench_args(steps: int, segment: int, every: int, repeats: int, smoke: bool,
+               timeout: float) -> dict[str, Any]:
+    """Return the run's settings; ``smoke`` takes goodput's short schedule and 1 repeat."""
+    args: dict[str, Any] = {"steps": steps, "segment": segment, "every": every,
+                            "repeats": repeats, "timeout": timeout}
+    if smoke:
+        args.update({k: SMOKE[k] for k in ("steps", "segment", "every", "repeats")})
+        args["timeout"] = min(timeout, 900.0)
+    return args
+
+
+def main(steps: int = 1200, segment: int = 300, every: int = 25, repeats: int = 1,
+         smoke: bool = False, timeout: float = 1800.0) -> int:
+    """Run the repeats with the real services; print each fault's time to resume."""
+    args = bench_args(steps, segment, every, repeats, smoke, timeout)
+    print(header(args, smoke), flush=True)
+    home = Path(tempfile.mkdtemp(prefix="relay-bench-scheduled-"))
+    # A SIGTERM (or SIGINT, even when a background shell ignores it) must bring the services
+    # down too: raise SystemExit, so run_all's `finally` runs.
+    previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM,
+                                                                    signal.SIGINT)}
+    try:
+        runs = run_all(home, args)
+    except (RunFailed, ServiceError) as err:
+        print(f"relay bench scheduled: {err}\n  (kept {home} for its logs; remove it when done)")
+        return 1
+    except (KeyboardInterrupt, SystemExit):
+        print(f"relay bench scheduled: interrupted; services stopped; kept {home} for its logs")
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    shutil.rmtree(home, ignore_errors=True)
+    print_summary(runs)
+    return 0

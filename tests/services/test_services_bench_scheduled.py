@@ -34,11 +34,17 @@ def test_the_smoke_measures_every_fault_and_leaves_nothing_behind(
     assert run.ok and run.attempts >= 4
     kinds = [f["kind"] for f in run.faults]
     # The smoke's node turns slow 41 steps before the end: the run may end before the
-    # straggler rule has judged it (it did in several runs here), so its row is optional.
+    # straggler rule has judged it (it did in several runs here), so its row is optional,
+    # and a straggler caught near the end may be drained to the end with no retry.
     assert kinds in (["hang", "node_unresponsive"],
                      ["hang", "node_unresponsive", "straggler"]), kinds
     for fault in run.faults:
         parts = fault["parts"]
+        if fault["kind"] == "straggler" and fault["fault_to_resume"] is None:
+            # Caught so near the end that its drain finished the job: no retry, so the
+            # breakdown stops at the record (the parts a retry adds are absent).
+            assert set(parts) == set(PARTS[:PARTS.index("record") + 1]), fault
+            continue
         assert set(parts) == set(PARTS), fault
         assert fault["fault_to_resume"] == pytest.approx(sum(parts.values()), abs=0.05), fault
     out = capsys.readouterr().out

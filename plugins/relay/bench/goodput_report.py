@@ -11,8 +11,14 @@ if TYPE_CHECKING:
     from relay.bench.goodput import Run
 
 
-def _sec(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}s"
+def sec_text(value: float | None, digits: int = 1) -> str:
+    """Return seconds as ``2.0s``, or ``-`` for none."""
+    return "-" if value is None else f"{value:.{digits}f}s"
+
+
+def format_parts(parts: dict[str, float | None], digits: int = 1) -> str:
+    """Return a time-to-resume breakdown as ``detect 2.0s, wake 0.1s, ...``."""
+    return ", ".join(f"{p} {sec_text(s, digits)}" for p, s in parts.items())
 
 
 def spread(values: list[float], unit: str = "s", digits: int = 1) -> str:
@@ -37,16 +43,15 @@ def print_repeat(runs: list[Run], productive: float) -> None:
           "(ended by; detected after; lost steps; fault -> first productive step)")
     for run in runs:
         detail = "; ".join(
-            f"{f['kind']} ({f['ended_by']}; {_sec(f['detected_after'])}; {f['lost_steps']}; "
-            f"{_sec(f['fault_to_resume'])})" for f in run.faults) or "-"
+            f"{f['kind']} ({f['ended_by']}; {sec_text(f['detected_after'])}; {f['lost_steps']}; "
+            f"{sec_text(f['fault_to_resume'])})" for f in run.faults) or "-"
         print(f"    {run.name:24} {'yes' if run.ok else 'NO':>3} {run.wall:7.1f}s "
               f"{ettr(run, productive):5.2f} {run.attempts:>5}  {detail}")
         if run.note:
             print(f"    {'':24} {run.note}")
         for f in run.faults:
             if f.get("parts"):
-                parts = ", ".join(f"{p} {_sec(s)}" for p, s in f["parts"].items())
-                print(f"    {'':24} {f['kind']} time to resume: {parts}")
+                print(f"    {'':24} {f['kind']} time to resume: {format_parts(f['parts'])}")
 
 
 def _by_name(all_runs: list[list[Run]]) -> dict[str, list[tuple[Run, int]]]:
@@ -91,10 +96,10 @@ def print_summary(all_runs: list[list[Run]], productive: list[float], short: flo
             detected = _faults_of(runs, "detected_after").get(kind, [])
             print(f"  {name:24} {kind:18} {spread(values):22} detected after "
                   f"{spread(detected)}")
-    _print_breakdown(all_runs)
+    print_breakdown(all_runs)
 
 
-def _print_breakdown(all_runs: list[list[Run]]) -> None:
+def print_breakdown(all_runs: list[list[Run]]) -> None:
     parts: dict[str, dict[str, list[float]]] = {}
     for runs in all_runs:
         for run in runs:

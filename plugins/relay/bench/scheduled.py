@@ -33,7 +33,7 @@ import requests
 from relay import services, settings
 from relay.airflow_api import AirflowApi, ServiceError
 from relay.bench.goodput import NODE_POOL, SMOKE, Run, _job_yaml, fault_schedule, relay_faults
-from relay.bench.goodput_report import _print_breakdown, spread
+from relay.bench.goodput_report import format_parts, print_breakdown, sec_text, spread
 from relay.launchers.local import LocalLauncher
 from relay.paths import safe_name
 
@@ -72,23 +72,19 @@ def figure(values: list[float]) -> str:
     return f"{values[0]:.1f}s" if len(values) == 1 else spread(values)
 
 
-def _sec(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}s"
-
-
 def print_run(run: Run) -> None:
     """Print one repeat's DAG run and its faults, each with its time-to-resume parts."""
     print(f"    {run.name}: {'succeeded' if run.ok else 'FAILED'} in {run.wall:.1f}s, "
           f"{run.attempts} attempt(s); {run.note}", flush=True)
     for f in run.faults:
-        print(f"      {f['kind']:18} detected after {_sec(f['detected_after'])}; lost steps "
-              f"{f['lost_steps']}; fault -> first productive step {_sec(f['fault_to_resume'])} "
-              f"({f['ended_by']})", flush=True)
+        detected, resumed = sec_text(f["detected_after"], 2), sec_text(f["fault_to_resume"], 2)
+        print(f"      {f['kind']:18} detected after {detected}; lost steps {f['lost_steps']}; "
+              f"fault -> first productive step {resumed} ({f['ended_by']})", flush=True)
         parts = f.get("parts") or {}
         if parts:
             added = sum(s for s in parts.values() if s is not None)
-            print("        time to resume: " + ", ".join(
-                f"{p} {_sec(s)}" for p, s in parts.items()) + f" (sum {added:.2f}s)", flush=True)
+            print(f"        time to resume: {format_parts(parts, 2)} (sum {added:.2f}s)",
+                  flush=True)
 
 
 def print_summary(runs: list[Run]) -> None:
@@ -102,7 +98,7 @@ def print_summary(runs: list[Run]) -> None:
         print(f"  {kind:18} {figure(found['fault_to_resume']):24} "
               f"{figure(found['detected_after']):24} {lost:10} "
               f"{goal_verdict(found['fault_to_resume'])}")
-    _print_breakdown([runs])
+    print_breakdown([runs])
 
 
 def wait_for_run(api: AirflowApi, run_id: str, timeout: float) -> str:

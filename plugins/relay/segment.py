@@ -238,7 +238,7 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
         )
 
     def _spare(self, cfg: LaunchConfig, launcher: Launcher) -> dict[str, Any] | None:
-        """Return the standby the watcher warms if a node stops answering (relay.spare): on
+        """Return the standby the watcher warms at a sign of a fault (relay.spare): on
         the first free node, in this segment's standby folder, where its retry looks."""
         spec = self.spec()
         run_id = self._task_context["dag_run"].run_id

@@ -75,6 +75,10 @@ class Sustained:
             return 0.0
         return now - self.since.setdefault(key, now)
 
+    def held(self, key: object, now: float) -> float:
+        """Return for how long the condition has held for ``key``, without updating it."""
+        return now - self.since.get(key, now)
+
 
 @dataclass
 class _SlowRun:
@@ -115,7 +119,7 @@ class StragglerRule:
         budget, half = self.rule.lost_seconds, self.rule.sustained / 2
         return sorted(r for r, run in self._runs.items() if run.steps >= MIN_SLOW_STEPS and (
             (budget is not None and run.lost >= budget / 2)
-            or now - self._held.since.get(r, now) >= half))
+            or self._held.held(r, now) >= half))
 
     def _due(self, run: _SlowRun, held: float) -> bool:
         budget = self.rule.lost_seconds

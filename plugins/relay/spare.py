@@ -6,8 +6,8 @@ standby Relay starts when it decides (see :mod:`relay_train.standby`) begins
 that work only once the fault is confirmed (``heartbeat_timeout``). The watcher
 starts it sooner, at the first sign of a fault that moves the job off a node:
 a node's agent, heard before, missing a poll its peers answer; a rank in compute
-past half the hang threshold while another waits; a rank over the straggler
-ratio for more than one step (:meth:`relay.detection.Detector.suspects`). It
+past half the hang threshold while another waits; a rank half way to being
+called a straggler (:meth:`relay.detection.Detector.suspects`). It
 warms a standby on the node a retry would take (the first free node of the pool
 when the segment was watched). The retry
 claims it like any standby; if no retry comes, or the retry is given other nodes,

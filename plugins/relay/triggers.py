@@ -103,7 +103,7 @@ class SegmentWatchTrigger(BaseTrigger):
     ) -> None:
         super().__init__()
         self.settled = settled  # an adopted workload, past start-up already (relay.slowness)
-        self.spare = spare  # the standby to warm if a node stops answering (relay.spare)
+        self.spare = spare  # the standby to warm at a sign of a fault (relay.spare)
         # The attempt's launch config and handle (relay.launch_record): the watcher finds the
         # attempt through it, and hands it back in its event (another machine may resume).
         self.launch_record = launch_record

@@ -18,12 +18,17 @@ from relay.nodes import NodePool
 def use_jobs(relay_home: Path, jobs_dir: Path) -> dict[str, str]:
     """Point the DAG file at ``jobs_dir``, start from a healthy pool, prepare Airflow's DB."""
     os.environ["RELAY_JOBS_DIR"] = str(jobs_dir)
-    pool = NodePool()
-    for node in pool.quarantines():  # earlier tests' quarantines: start from a healthy pool
-        pool.release(node)
+    release_quarantines()
     env = airflow_env(relay_home)
     ensure_airflow_db(env, relay_home / "logs" / "airflow-db.log")
     return env
+
+
+def release_quarantines() -> None:
+    """Start from a healthy pool: release the quarantines earlier tests left."""
+    pool = NodePool()
+    for node in pool.quarantines():
+        pool.release(node)
 
 
 def run_job(env: dict[str, str], relay_home: Path, job: str, conf: dict[str, Any],

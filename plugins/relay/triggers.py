@@ -139,18 +139,29 @@ class SegmentWatchTrigger(BaseTrigger):
         )
 
     def passed_boundary(self, obs: Observation) -> bool:
-        """Return whether every rank has trained past ``boundary_step`` (the workload goes on):
-        their heartbeats say so, or rank 0's record of crossing it, which its node's agent
-        reports over the channel. Rank 0 records it at the next step's start, once the
-        boundary checkpoint is with its publisher, which DDP's collectives reach only after
-        every rank finished the steps before: proof, where heartbeats lag by an interval
-        (a rank that died or froze just after the boundary keeps an older one)."""
+        """Return whether every rank has trained past ``boundary_step`` (the workload goes on).
+
+        Heartbeats lag by an interval, and a rank that died or froze just after the
+        boundary keeps one from before it; the fault is then the next segment's, whose
+        task adopts the workload and handles it. Any of three proofs will do:
+
+        - every rank's heartbeat is at the boundary or past it;
+        - one rank has finished the boundary's own step (heartbeat past it): with a
+          collective every step, it could only once rank 0 had started that step, and rank
+          0 starts it after crossing (below). Ranks on other nodes say so when rank 0's
+          node froze, agent and all, before that agent reported the crossing;
+        - rank 0's record of crossing it, which its node's agent reports over the channel.
+          Rank 0 records it at the step's start, once the boundary checkpoint is with its
+          publisher, which DDP's collectives reach only after every rank finished the steps
+          before.
+        """
         if self.boundary_step is None:
             return False
         ranks = [r for ranks in self.node_ranks.values() for r in ranks]
-        return all(r in obs.heartbeats and obs.heartbeats[r].step >= self.boundary_step
-                   for r in ranks) or (obs.launch is not None
-                                       and self.boundary_step in obs.launch.crossed)
+        beats = [obs.heartbeats[r].step for r in ranks if r in obs.heartbeats]
+        return (len(beats) == len(ranks) and min(beats) >= self.boundary_step) \
+            or any(step > self.boundary_step for step in beats) \
+            or (obs.launch is not None and self.boundary_step in obs.launch.crossed)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Poll until there is one thing to report, then report it."""

@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from airflow_jobs import assert_same_bits, fault_records, final_state, prepare_jobs, run_job_ok
+from airflow_jobs import (
+    assert_same_bits,
+    fault_records,
+    final_state,
+    prepare_jobs,
+    release_quarantines,
+    run_job_ok,
+)
 from processes import workload_processes
 
 from relay.airflow_env import airflow_bin
@@ -202,3 +209,27 @@ def test_stalled_rank_dead_node_and_straggler_recover_on_healthy_nodes_bit_for_b
 
     assert_same_bits(clean_run, _final_state(lineage, faulty, tmp_path / "faulty"))
     assert _workload_processes(relay_home) == [], "stopped (SIGSTOP) processes must not survive"
+
+
+@pytest.mark.slow  # `make test-slow`: ~40 s more, with the clean run's fixture shared
+def test_a_node_frozen_just_after_a_boundary_is_the_next_segments_fault(
+    airflow_job: dict[str, str], relay_home: Path, tmp_path: Path, clean_run: dict[str, Any]
+) -> None:
+    # node-a (rank 0's node) freezes, agent and all, one step after segment 0's end, before
+    # its agent can report rank 0's crossing; only the other node's ranks, past the boundary,
+    # say that segment 0 is done. Its fault belongs to segment 1, whose task adopts the
+    # workload: segment 0 is not retried for it (CI once recorded it there, and segment 0's
+    # retry was a no-op).
+    freeze = {"kind": "stop_node", "segment": 1, "step": 31, "rank": 0, "attempt": 1}
+    release_quarantines()  # the tests before this one took nodes out of the pool
+    lineage = Lineage.from_settings()
+    faulty = _run(airflow_job, relay_home, {"chaos": [freeze]}, "frozen-after-boundary")
+    records = fault_records(lineage, faulty, tmp_path)
+    assert sorted(records) == ["1"], {k: r["fault"]["kind"] for k, r in records.items()}
+    seg0 = [c for c in lineage.child_runs(faulty) if c.data.tags[TAG_SEGMENT] == "0"]
+    assert [c.data.tags[TAG_OUTCOME] for c in seg0] == ["completed"]
+    rank0_node = seg0[0].data.params["nodes"].split(",")[0]
+    assert records["1"]["fault"]["kind"] == "node_unresponsive"
+    assert records["1"]["fault"]["culprit_node"] == rank0_node
+    assert records["1"]["lost_steps"] == 0
+    assert_same_bits(clean_run, _final_state(lineage, faulty, tmp_path / "state"))

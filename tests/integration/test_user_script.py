@@ -13,12 +13,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from airflow_jobs import assert_same_bits, fault_records, final_state, prepare_jobs, run_job_ok
+from airflow_jobs import (
+    assert_same_bits,
+    fault_records,
+    final_state,
+    prepare_jobs,
+    release_quarantines,
+    run_job_ok,
+)
 from processes import workload_processes
 
 from relay.bench.common import Store, launch_config, launched, watch
 from relay.lineage import Lineage
-from relay.nodes import NodePool
 from relay.policy import Detection
 from relay.settings import REPO_ROOT
 from relay_train.launch import Entrypoint
@@ -52,9 +58,7 @@ FAULTS = [
 
 @pytest.fixture(scope="module")
 def user_job(relay_home: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    pool = NodePool()
-    for node in pool.quarantines():
-        pool.release(node)
+    release_quarantines()
     return prepare_jobs(relay_home, tmp_path_factory.mktemp("jobs"), {"user": JOB})
 
 

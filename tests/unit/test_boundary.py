@@ -275,13 +275,16 @@ def _beat(rank: int, step: int) -> Heartbeat:
     return Heartbeat(rank=rank, node="n", pid=1, step=step, phase="compute")
 
 
-@pytest.mark.parametrize(("steps", "passed"), [((60, 61), True), ((59, 61), False),
-                                               ((61,), False)])
+@pytest.mark.parametrize(("steps", "passed"), [
+    ((60, 60), True), ((59, 60), False), ((60,), False),
+    # Rank 1 finished step 60 (the boundary's own step): rank 0 ran it too, after crossing;
+    # its heartbeat lags (its node froze just after, agent and all).
+    ((59, 61), True), ((None, 61), True)])
 def test_the_watcher_completes_once_every_rank_passed_the_boundary(
-    steps: tuple[int, ...], passed: bool,
+    steps: tuple[int | None, ...], passed: bool,
 ) -> None:
     trigger = SegmentWatchTrigger("/x", {"node-a": [0], "node-b": [1]}, boundary_step=60)
-    beats = {r: _beat(r, s) for r, s in enumerate(steps)}
+    beats = {r: _beat(r, s) for r, s in enumerate(steps) if s is not None}
     obs = Observation(now=time.time(), launched_at=0.0, heartbeats=beats,
                       node_ranks=trigger.node_ranks, heartbeat_interval=0.5)
 
@@ -303,7 +306,7 @@ def test_rank_0s_record_of_crossing_the_boundary_counts_where_heartbeats_lag(
         launch = None if crossed is None else LaunchStatus(LaunchState.RUNNING, {},
                                                             crossed=crossed)
         return Observation(now=time.time(), launched_at=0.0,
-                           heartbeats={0: _beat(0, 58), 1: _beat(1, 64)},
+                           heartbeats={0: _beat(0, 58), 1: _beat(1, 60)},
                            node_ranks=trigger.node_ranks, heartbeat_interval=0.5, launch=launch)
 
     assert trigger.passed_boundary(observe(None)) is False

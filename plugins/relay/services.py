@@ -5,7 +5,10 @@ triggerer as separate processes with the LocalExecutor, plus ``mlflow server``
 with its own backend store and artifact root, each in its own session; it
 records their PIDs in ``services.json`` and waits until every one is healthy.
 `down` stops exactly the recorded process groups and their descendants (never
-by name) and waits until their ports are free.
+by name) and waits until their ports are free; then the training processes of
+DAG runs it interrupted (agents, ranks and standby agents run in sessions of
+their own, recorded by PID in their attempt folders, so stopping Airflow leaves
+them training, unwatched).
 
 Three traps of a hand-started Airflow are avoided here: every component runs
 with this virtualenv's ``bin/`` first on ``PATH`` (standalone-style launches
@@ -32,7 +35,7 @@ from pathlib import Path
 from relay import pgcluster, settings
 from relay.airflow_api import AirflowApi, ServiceError
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
-from relay.launchers.local import free_port
+from relay.launchers.local import HANDLE_FILE, STANDBY_DIR, LocalLauncher, free_port
 from relay.proctree import alive, descendants, group_members, stop_pids
 
 log = logging.getLogger(__name__)
@@ -327,7 +330,28 @@ def down(home: Path | None = None, grace: float = 10.0) -> list[int]:
     while any(port_open(p) for p in ports) and time.monotonic() < deadline:
         time.sleep(0.2)
     state_file(home).unlink(missing_ok=True)
+    survivors = stop_workloads(Path(os.environ.get("RELAY_RUNS_DIR", home / "runs")))
+    if survivors:
+        log.error("make down: processes %s of interrupted DAG runs survived SIGKILL", survivors)
     return stopped
+
+
+def stop_workloads(runs: Path) -> list[str]:
+    """Stop every attempt and unclaimed standby agent under ``runs`` that still has
+    processes (a DAG run stopped mid-flight); mark each attempt let go, so that no task
+    adopts it later. Return the PIDs that survived."""
+    from relay.adopt import let_go
+
+    launcher = LocalLauncher()
+    survivors: list[str] = []
+    for handle in runs.rglob(HANDLE_FILE):
+        if launcher.has_processes(handle.parent):
+            log.info("make down: stopping %s, left by an interrupted DAG run", handle.parent)
+            survivors += launcher.stop(handle.parent)
+            let_go(handle.parent)
+    for directory in {record.parent for record in runs.rglob(f"{STANDBY_DIR}/*.standby")}:
+        launcher.release_standbys(directory)
+    return survivors
 
 
 def print_banner(deployment: Deployment, seconds: float) -> None:

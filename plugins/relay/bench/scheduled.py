@@ -34,7 +34,6 @@ from relay import services, settings
 from relay.airflow_api import AirflowApi, ServiceError
 from relay.bench.goodput import NODE_POOL, SMOKE, Run, _job_yaml, fault_schedule, relay_faults
 from relay.bench.goodput_report import format_parts, print_breakdown, sec_text, spread
-from relay.launchers.local import LocalLauncher
 from relay.paths import safe_name
 
 DAG_ID = "relay_goodput"
@@ -180,17 +179,6 @@ def _bench_env(home: Path) -> Iterator[Path]:
                 os.environ[key] = value
 
 
-def stop_workloads() -> None:
-    """Stop what a run stopped mid-flight leaves after `services.down`: its attempts' agents
-    and ranks and its unclaimed standby agents (sessions of their own, recorded by PID)."""
-    launcher = LocalLauncher()
-    for segment in (settings.runs_dir() / DAG_ID).glob("*/segment-*"):
-        survivors = launcher.stop_all(segment)
-        if survivors:
-            print(f"  could not stop {survivors} of {segment}", flush=True)
-        launcher.release_standbys(segment / "standby")
-
-
 def run_all(home: Path, args: dict[str, Any]) -> list[Run]:
     """Bring the services up in ``home``, run the repeats, always bring them down."""
     runs: list[Run] = []
@@ -212,7 +200,6 @@ def run_all(home: Path, args: dict[str, Any]) -> list[Run]:
         finally:
             stopped = services.down(home)
             print(f"  services down: {len(stopped)} process(es) stopped", flush=True)
-            stop_workloads()
     return runs
 
 

@@ -381,6 +381,11 @@ class LocalLauncher:
                     pids.start_time(pgid))
         return False
 
+    def has_processes(self, root: Path) -> bool:
+        """Return whether any recorded process group of the attempt still has a member."""
+        groups = [ids["pgid"] for ids in self._handle(root).values()]
+        return any(group_members(g) for g in groups if g is not None)
+
     def stop_all(self, segment_dir: Path) -> list[str]:
         """Stop every earlier attempt of a segment (e.g. left behind by a killed task)."""
         survivors: list[str] = []

@@ -330,7 +330,7 @@ def down(home: Path | None = None, grace: float = 10.0) -> list[int]:
     while any(port_open(p) for p in ports) and time.monotonic() < deadline:
         time.sleep(0.2)
     state_file(home).unlink(missing_ok=True)
-    survivors = stop_workloads(Path(os.environ.get("RELAY_RUNS_DIR", home / "runs")))
+    survivors = stop_workloads(settings.runs_dir(home))
     if survivors:
         log.error("make down: processes %s of interrupted DAG runs survived SIGKILL", survivors)
     return stopped

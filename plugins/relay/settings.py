@@ -19,9 +19,10 @@ def relay_home() -> Path:
     return Path(os.environ.get("RELAY_HOME", REPO_ROOT / ".relay")).resolve()
 
 
-def runs_dir() -> Path:
-    """Return where segment attempts keep launch files, heartbeats and logs."""
-    return Path(os.environ.get("RELAY_RUNS_DIR", relay_home() / "runs"))
+def runs_dir(home: Path | None = None) -> Path:
+    """Return where segment attempts keep launch files, heartbeats and logs (of ``home``,
+    default ``$RELAY_HOME``)."""
+    return Path(os.environ.get("RELAY_RUNS_DIR", (home or relay_home()) / "runs"))
 
 
 def mlflow_tracking_uri() -> str:

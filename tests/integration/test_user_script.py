@@ -13,14 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from airflow_jobs import (
-    assert_same_bits,
-    fault_records,
-    final_state,
-    prepare_jobs,
-    release_quarantines,
-    run_job_ok,
-)
+from airflow_jobs import assert_same_bits, fault_records, final_state, prepare_jobs, run_job_ok
 from processes import workload_processes
 
 from relay.bench.common import Store, launch_config, launched, watch
@@ -58,7 +51,6 @@ FAULTS = [
 
 @pytest.fixture(scope="module")
 def user_job(relay_home: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    release_quarantines()
     return prepare_jobs(relay_home, tmp_path_factory.mktemp("jobs"), {"user": JOB})
 
 

@@ -210,20 +210,20 @@ def one_repeat(home: Path, repeat: int, args: dict[str, Any]) -> tuple[list[Run]
         runs.append(derive_default_timeout(short, timeout))
     # Both fault-free runs train the same loop: pool them, so one run's bad moment on a
     # shared machine does not set every ETTR of the repeat.
-    pooled = free_attempts + plain_attempts
-    print_pace(free_attempts, plain_attempts, faulty_attempts)
-    return runs, args["steps"] * seconds_per_step(pooled)
+    pooled = seconds_per_step(free_attempts + plain_attempts)
+    print_pace(free_attempts, plain_attempts, faulty_attempts, pooled)
+    return runs, args["steps"] * pooled
 
 
-def print_pace(free: list[Path], plain: list[Path], faulty: list[Path]) -> None:
+def print_pace(free: list[Path], plain: list[Path], faulty: list[Path], pooled: float) -> None:
     """Print each Relay run's training pace next to the pooled one that sets productive time:
     a run that stepped slower (a slower moment of a shared host, or a straggler before it
     was caught) shows it here, and its ETTR counts that as time lost."""
     ms = {name: 1000 * seconds_per_step(attempts) for name, attempts in
-          (("relay", free), ("torchrun", plain), ("pooled", free + plain), ("faulty", faulty))}
+          (("relay", free), ("torchrun", plain), ("faulty", faulty))}
     print(f"    rank 0's loop, ms per step: fault-free Relay {ms['relay']:.0f}, torchrun "
-          f"{ms['torchrun']:.0f}, pooled {ms['pooled']:.0f} (sets productive time); Relay with "
-          f"faults {ms['faulty']:.0f} over its attempts that finished", flush=True)
+          f"{ms['torchrun']:.0f}, pooled {1000 * pooled:.0f} (sets productive time); Relay "
+          f"with faults {ms['faulty']:.0f} over its attempts that finished", flush=True)
 
 
 def main(steps: int = 1200, segment: int = 300, every: int = 25, collective_timeout: float = 120.0,

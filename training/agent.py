@@ -19,6 +19,7 @@ is most of the time from launch to the first productive step.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import multiprocessing
 import os
@@ -29,6 +30,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -46,6 +48,7 @@ log = logging.getLogger("relay_train.agent")
 TERM_GRACE_SECONDS = 5.0
 LOCAL_BIND = "127.0.0.1"
 STANDBY_FORK_WAIT_SECONDS = 1.0  # the channel's wait for the main thread to fork a standby
+NICE_INCREMENT = 10  # a preload beside running ranks yields to them (a tenth of their CPU weight)
 
 
 @dataclass
@@ -83,6 +86,7 @@ class NodeAgent:
         self._address = (bind, cfg.agent_ports.get(node, 0) if port is None else port)
         self.server: AgentServer | None = None
         self._standby_asks: queue.SimpleQueue[StandbyAsk] = queue.SimpleQueue()
+        self._behind: threading.Thread | None = None  # MLflow's import, once the ranks run
 
     def preload(self) -> float:
         """Import what the ranks need, once, before forking them; return the seconds it took."""
@@ -178,8 +182,18 @@ class NodeAgent:
                 ask.pid = self._fork_standby(ask)
             ask.done.set()
 
+    def _preload_behind(self) -> None:
+        """Import MLflow in a thread of lowered priority once the ranks run, if this agent
+        left it out: a copy of this agent for a retry (a resumed attempt, which needs it)
+        is then ready at once instead of importing it while the retry waits."""
+        if "relay_train.publish" not in sys.modules:
+            self._behind = yielding_thread(
+                lambda: importlib.import_module("relay_train.publish"), "preload-behind")
+
     def _fork_standby(self, ask: StandbyAsk) -> int:
         """Fork; in the child, leave this attempt and wait as a standby; return the child's PID."""
+        if self._behind is not None:
+            self._behind.join()  # never fork while a thread holds the import lock
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -189,7 +203,7 @@ class NodeAgent:
             return pid
         code = 1
         try:
-            code = _become_standby(self.node, ask)
+            code = become_standby(self.node, ask)
         except BaseException:  # noqa: BLE001 - the child must never return into the agent
             traceback.print_exc()
         finally:
@@ -245,6 +259,7 @@ class NodeAgent:
             self._serve()  # to say so
             return 1
         self.start_ranks()
+        self._preload_behind()
         self.set_state("running")
         try:
             self._serve()
@@ -279,6 +294,21 @@ class NodeAgent:
 
     def _on_term(self, _signum: int, _frame: object) -> None:
         self.stopping = True
+
+
+def yielding_thread(target: Callable[[], object], name: str) -> threading.Thread:
+    """Start ``target`` in a daemon thread whose CPU priority is ``NICE_INCREMENT`` lower
+    (on Linux a thread's nice value is its own: the threads forked later keep theirs)."""
+
+    def work() -> None:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid,
+                       min(os.getpriority(os.PRIO_PROCESS, tid) + NICE_INCREMENT, 19))
+        target()
+
+    thread = threading.Thread(target=work, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 def preload_worker(entrypoint: Entrypoint, *, publisher: bool) -> None:
@@ -334,7 +364,7 @@ def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
     worker.exit_now(code)
 
 
-def _become_standby(node: str, ask: StandbyAsk) -> int:
+def become_standby(node: str, ask: StandbyAsk) -> int:
     """In a child forked from a node's agent: drop the attempt, then run as a standby.
 
     The child leaves the attempt's process group (stopping the attempt must not stop

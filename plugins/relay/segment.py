@@ -239,13 +239,16 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
 
     def _spare(self, cfg: LaunchConfig, launcher: Launcher) -> dict[str, Any] | None:
         """Return the standby the watcher warms at a sign of a fault (relay.spare): on
-        the first free node, in this segment's standby folder, where its retry looks."""
+        the first free node, in this segment's standby folder, where its retry looks.
+        That node keeps a resident agent (relay_train.resident) from now on, which
+        preloads beside the ranks at a lower priority, so the standby is forked at once."""
         spec = self.spec()
         run_id = self._task_context["dag_run"].run_id
         taken = set(cfg.nodes)
         free = [n for n in launcher.slots(NodePool().available(_lease_holder(spec.dag_id, run_id)))
                 if n not in taken]
         directory = segment_dir(spec, run_id, self.segment) / STANDBY_DIR
+        launcher.reside(directory.parent.parent, free[:1])
         return spare.plan(directory, free, STANDBY_TTL_SECONDS)
 
     # -- decide --------------------------------------------------------------------

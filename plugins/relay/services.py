@@ -37,6 +37,7 @@ from relay.airflow_api import AirflowApi, ServiceError
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
 from relay.launchers.local import HANDLE_FILE, STANDBY_DIR, LocalLauncher, free_port
 from relay.proctree import alive, descendants, group_members, stop_pids
+from relay_train.resident import RESIDENT_DIR
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +338,7 @@ def down(home: Path | None = None, grace: float = 10.0) -> list[int]:
 
 
 def stop_workloads(runs: Path) -> list[str]:
-    """Stop every attempt and unclaimed standby agent under ``runs`` that still has
+    """Stop every attempt, unclaimed standby and resident agent under ``runs`` that has
     processes (a DAG run stopped mid-flight); mark each attempt let go, so that no task
     adopts it later. Return the PIDs that survived."""
     from relay.adopt import let_go
@@ -349,7 +350,8 @@ def stop_workloads(runs: Path) -> list[str]:
             log.info("make down: stopping %s, left by an interrupted DAG run", handle.parent)
             survivors += launcher.stop(handle.parent)
             let_go(handle.parent)
-    for directory in {record.parent for record in runs.rglob(f"{STANDBY_DIR}/*.standby")}:
+    for directory in {record.parent for pattern in (STANDBY_DIR, RESIDENT_DIR)
+                      for record in runs.rglob(f"{pattern}/*.standby")}:
         launcher.release_standbys(directory)
     return survivors
 

@@ -153,6 +153,12 @@ class Launcher(Protocol):
         being wound down, if any) is stopped; the ``light`` nodes' without MLflow."""
         ...
 
+    def reside(self, run_dir: Path, nodes: list[str]) -> None:
+        """Keep an agent preloaded on each of ``nodes`` (spares) for the DAG run, from
+        which :meth:`prestart` forks a standby at once; they leave with the run
+        (:func:`relay.adopt.end_run`)."""
+        ...
+
     def enforce_quarantines(self, held: dict[str, Quarantine]) -> None:
         """Make the platform keep quarantined hosts out (and let released ones back)."""
         ...

@@ -404,6 +404,9 @@ class KubernetesLauncher:
         """Do nothing: pods are not pre-created; kubelets keep the image (IfNotPresent)."""
         log.info("No standby pods on Kubernetes; the next attempt's pods start cold")
 
+    def reside(self, run_dir: Path, nodes: list[str]) -> None:
+        """Do nothing: a spare's pod is created at the retry (kubelets keep the image)."""
+
     def enforce_quarantines(self, held: dict[str, Quarantine]) -> None:
         """Taint quarantined nodes NoSchedule (value: expiry), untaint released ones."""
         if not self.settings.taint_quarantine:

@@ -34,22 +34,27 @@ from typing import TYPE_CHECKING, Any
 
 from relay.channel import MAX_PARALLEL, AgentChannel
 from relay.launchers.base import LaunchState, LaunchStatus, NodeStatus, overall_state
-from relay_train import pids
-from relay_train.heartbeat import write_atomically
-from relay_train.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
-from relay_train.standby import (
-    STANDBY_TTL_SECONDS,
-    claimed_file,
-    hand_over,
-    ready_file,
-    standby_file,
+from relay.launchers.local_standby import (
+    LINGER_SECONDS,
+    claim,
+    from_resident,
+    record,
+    recorded_pid,
+    release,
+    start_recorded,
 )
+from relay.proctree import group_members
+from relay_train import pids
+from relay_train.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
+from relay_train.resident import RESIDENT_DIR
+from relay_train.standby import STANDBY_TTL_SECONDS
 
 if TYPE_CHECKING:
     from relay.nodes import Quarantine
 
 __all__ = [
-    "LaunchState", "LaunchStatus", "LocalLauncher", "NodeStatus", "NotOursError", "free_port",
+    "LINGER_SECONDS", "LaunchState", "LaunchStatus", "LocalLauncher", "NodeStatus",
+    "NotOursError", "free_port", "group_members",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,9 +63,6 @@ HANDLE_FILE = "handle.json"
 STOP_GRACE_SECONDS = 5.0
 STANDBY_DIR = "standby"  # in a segment's folder: agents preloading for its next attempt
 STANDBY_ASK_TIMEOUT_SECONDS = 1.5  # a fork answers within the agent's own 1 s wait
-STANDBY_WAIT_SECONDS = 10.0  # a standby still preloading is worth waiting for this long
-# An agent whose ranks ended keeps answering (its final state) until stopped, at most this long.
-LINGER_SECONDS = 600.0
 ENV_PARTITIONED = "RELAY_TEST_PARTITIONED_NODES"  # test hook: nodes stop() cannot reach
 STOP_ASK_TIMEOUT_SECONDS = 0.5
 
@@ -79,39 +81,6 @@ def free_port() -> int:
 def agent_handle(pid: int) -> dict[str, int | None]:
     """Return the handle of an agent that leads its own process group: PID, PGID, start time."""
     return {"pid": pid, "pgid": pid, "started": pids.start_time(pid)}
-
-
-def group_members(pgid: int) -> list[int]:
-    """Return the live (non-zombie) PIDs in process group ``pgid``."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
-
-
-def _standby(directory: Path, node: str) -> tuple[int, int | None] | None:
-    """Return the node's standby agent as (PID, start time), if one was recorded."""
-    try:
-        record = json.loads(standby_file(directory, node).read_text())
-        started = record.get("started")
-        return int(record["pid"]), None if started is None else int(started)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def _standby_pid(directory: Path, node: str) -> int | None:
-    """Return the PID of the node's standby agent if it is still the one recorded and alive."""
-    found = _standby(directory, node)
-    if found is None or not pids.is_running(*found):
-        return None
-    return found[0]
 
 
 class LocalLauncher:
@@ -190,24 +159,34 @@ class LocalLauncher:
         """
         directory.mkdir(parents=True, exist_ok=True)
         for node in nodes:
-            if _standby_pid(directory, node) is not None:
+            if recorded_pid(directory, node) is not None:
                 continue
             pid = self._fork_standby(source, node, directory, ttl_seconds) if source else None
             how = "forked from the agent of the faulty attempt (preloaded)"
             if pid is None:
+                pid = from_resident(directory, node, ttl_seconds)
+                how = "forked from the node's resident agent (preloaded)"
+            if pid is None:
                 how = "started"
-                with (directory / f"{node}.log").open("ab") as out:
-                    pid = subprocess.Popen(
-                        [sys.executable, "-m", "relay_train.agent", "--standby", str(directory),
-                         "--node", node, "--ttl", str(ttl_seconds),
-                         "--linger", str(LINGER_SECONDS),
-                         *(["--light"] if node in (light or []) else [])],
-                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                        cwd=directory, start_new_session=True,
-                    ).pid
-            write_atomically(standby_file(directory, node), json.dumps(
-                {"pid": pid, "started": pids.start_time(pid), "started_at": time.time()}))
+                pid = start_recorded(
+                    ["relay_train.agent", "--standby", str(directory), "--node", node,
+                     "--ttl", str(ttl_seconds), "--linger", str(LINGER_SECONDS),
+                     *(["--light"] if node in (light or []) else [])], directory, node)
+            else:
+                record(directory, node, pid)
             log.info("Standby agent for %s: pid %d, %s", node, pid, how)
+
+    def reside(self, run_dir: Path, nodes: list[str]) -> None:
+        """Start a resident agent (:mod:`relay_train.resident`) on each of ``nodes``, the
+        pool's nodes the DAG run does not use, so that a retry moving onto one of them
+        gets a standby forked, preloaded, instead of a new interpreter."""
+        directory = run_dir / RESIDENT_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        for node in nodes:
+            if recorded_pid(directory, node) is None:
+                pid = start_recorded(["relay_train.resident", "--dir", str(directory),
+                                       "--node", node], directory, node)
+                log.info("Resident agent for %s: pid %d", node, pid)
 
     def _fork_standby(self, source: Path, node: str, directory: Path,
                       ttl_seconds: float) -> int | None:
@@ -221,36 +200,8 @@ class LocalLauncher:
         pid = (reply or {}).get("pid")
         return pid if isinstance(pid, int) and pid > 0 else None
 
-    @staticmethod
-    def _claim(
-        directory: Path, node: str, launch_file: Path, wait_seconds: float = STANDBY_WAIT_SECONDS
-    ) -> int | None:
-        """Take the node's standby agent, waiting while it preloads; return its PID."""
-        deadline = time.monotonic() + wait_seconds
-        while (pid := _standby_pid(directory, node)) is not None:
-            try:
-                os.rename(ready_file(directory, node), claimed_file(directory, node))
-            except FileNotFoundError:
-                if time.monotonic() >= deadline:
-                    return None
-                time.sleep(0.05)
-                continue
-            hand_over(directory, node, launch_file)
-            standby_file(directory, node).unlink(missing_ok=True)
-            return pid
-        return None
-
-    @staticmethod
-    def release_standbys(directory: Path) -> None:
-        """Stop every standby agent in ``directory`` that nobody claimed."""
-        for record in directory.glob("*.standby"):
-            node = record.name.removesuffix(".standby")
-            found = _standby(directory, node)
-            if found is not None and group_members(found[0]):
-                log.info("Stopping the unclaimed standby agent of %s (pid %d)", node, found[0])
-                pids.signal_group(found[0], found[1], signal.SIGTERM)
-            for f in (record, ready_file(directory, node), claimed_file(directory, node)):
-                f.unlink(missing_ok=True)
+    _claim = staticmethod(claim)
+    release_standbys = staticmethod(release)
 
     def handle(self, root: Path) -> dict[str, Any]:
         """Return the attempt's handle: its id, the agents' PIDs, PGIDs, start times and

@@ -1,0 +1,136 @@
+"""Resident agents: the ask handshake, the idle exit, and a real resident forking a standby."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from relay.launchers.local import LocalLauncher
+from relay.launchers.local_standby import recorded_pid, release_residents
+from relay.proctree import group_members
+from relay_train import resident
+from relay_train.agent import NICE_INCREMENT, yielding_thread
+from relay_train.resident import RESIDENT_DIR, Resident, ask_standby, asks_dir, ready_file
+
+
+def _ready(directory: Path, node: str = "node-c") -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    ready_file(directory, node).write_text(json.dumps({"pid": os.getpid()}))
+
+
+def _answer(directory: Path, node: str, pid: int, delay: float = 0.0) -> threading.Thread:
+    """Play the resident: take the first ask, then (after ``delay``) answer ``pid``."""
+
+    def work() -> None:
+        while True:
+            asks = list(asks_dir(directory, node).glob("*.ask"))
+            if asks:
+                taken = asks[0].with_suffix(".taken")
+                os.rename(asks[0], taken)
+                time.sleep(delay)
+                asks[0].with_suffix(".pid").write_text(json.dumps({"pid": pid}))
+                return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_resident_not_ready_is_not_asked(tmp_path: Path) -> None:
+    assert ask_standby(tmp_path, "node-c", tmp_path / "standby", 60, 0) is None
+    assert not asks_dir(tmp_path, "node-c").exists()
+
+
+def test_an_answered_ask_returns_the_forked_pid(tmp_path: Path) -> None:
+    _ready(tmp_path)
+    _answer(tmp_path, "node-c", 4242)
+    assert ask_standby(tmp_path, "node-c", tmp_path / "standby", 60, 0) == 4242
+    assert list(asks_dir(tmp_path, "node-c").iterdir()) == []  # nothing left behind
+
+
+def test_an_unanswered_ask_is_withdrawn(tmp_path: Path) -> None:
+    _ready(tmp_path)
+    assert ask_standby(tmp_path, "node-c", tmp_path / "standby", 60, 0, wait_seconds=0.2) is None
+    assert list(asks_dir(tmp_path, "node-c").iterdir()) == [], "a resident could still fork it"
+
+
+def test_an_ask_taken_at_the_deadline_waits_for_its_pid(tmp_path: Path) -> None:
+    """Taken, then answered after the asker's wait: never a standby nobody recorded."""
+    _ready(tmp_path)
+    _answer(tmp_path, "node-c", 4343, delay=0.4)
+    assert ask_standby(tmp_path, "node-c", tmp_path / "standby", 60, 0, wait_seconds=0.2) == 4343
+
+
+def test_a_resident_leaves_once_its_run_writes_no_heartbeat(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resident, "IDLE_CHECK_SECONDS", 0.05)
+    monkeypatch.setattr(resident.signal, "signal", lambda *_: None)  # pytest's own SIGTERM
+    monkeypatch.setattr(Resident, "preload", lambda self: 0.0)
+    beat = tmp_path / "segment-000" / "try-1" / "heartbeats" / "rank-0.json"
+    beat.parent.mkdir(parents=True)
+
+    def ranks_write_for(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            beat.write_text("{}")
+            time.sleep(0.05)
+
+    threading.Thread(target=ranks_write_for, args=(1.2,), daemon=True).start()
+    directory = tmp_path / RESIDENT_DIR
+    directory.mkdir()
+    started = time.monotonic()
+    assert Resident(directory, "node-c", idle_seconds=0.3).run() == 0
+    assert time.monotonic() - started >= 1.2, "left while its run was still writing heartbeats"
+    assert not ready_file(directory, "node-c").exists()
+
+
+def test_a_yielding_thread_lowers_only_its_own_priority() -> None:
+    seen: list[int] = []
+    main = os.getpriority(os.PRIO_PROCESS, 0)
+    yielding_thread(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0)), "t").join(10)
+    assert seen == [min(main + NICE_INCREMENT, 19)]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == main  # the thread that forks keeps its own
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_real_resident_forks_standbys_and_leaves_with_its_run(tmp_path: Path) -> None:
+    """A real resident process (it imports the training stack): prestart forks the
+    standby from it, and the run's end stops it. Generous waits, no speed asserted."""
+    launcher, run = LocalLauncher(), tmp_path / "run"
+    standby_dir = run / "segment-000" / "standby"
+    launcher.reside(run, ["node-c"])
+    directory = run / RESIDENT_DIR
+    resident_pid = recorded_pid(directory, "node-c")
+    assert resident_pid is not None
+    try:
+        deadline = time.monotonic() + 120
+        while not ready_file(directory, "node-c").exists():
+            assert time.monotonic() < deadline, (directory / "node-c.log").read_text()
+            time.sleep(0.1)
+        launcher.prestart(standby_dir, ["node-c"], 60.0)
+        standby_pid = recorded_pid(standby_dir, "node-c")
+        assert standby_pid is not None and _parent(standby_pid) == resident_pid
+        while not ready_file(standby_dir, "node-c").exists():
+            assert time.monotonic() < deadline, (standby_dir / "node-c.log").read_text()
+            time.sleep(0.05)
+        assert group_members(standby_pid) == [standby_pid]  # a session of its own
+        launcher.prestart(run / "segment-001" / "standby", ["node-c"], 60.0)  # and again
+        assert _parent(recorded_pid(run / "segment-001" / "standby", "node-c")) == resident_pid
+    finally:
+        for folder in (standby_dir, run / "segment-001" / "standby"):
+            launcher.release_standbys(folder)
+        release_residents(run)
+    deadline = time.monotonic() + 30
+    while group_members(resident_pid):
+        assert time.monotonic() < deadline, "the resident outlived its run"
+        time.sleep(0.1)
+    assert not (directory / "node-c.standby").exists()

@@ -1,0 +1,222 @@
+"""Resident agents: a preloaded process on each free node, from which standbys fork.
+
+A retry that moves off a faulty node runs on a node the job did not use, and the
+standby Relay starts there (:mod:`relay_train.standby`) is a new interpreter that
+imports the training stack (seconds of CPU, beside the running ranks) while the
+rest of the retry waits for it. A resident agent takes that off the recovery's
+path: started with the DAG run on each node of the pool the job does not use,
+it preloads once, in a thread of lowered CPU priority (it yields to the ranks),
+and then waits. Asked for a standby, it forks one: a copy that is preloaded
+already, ready at once, exactly like a copy of a running node's agent. On a
+cluster this is a node-resident daemon; Relay's local launcher runs one process
+per simulated node.
+
+The handshake, in the DAG run's ``resident`` folder, ``<node>`` being the node:
+
+- ``<node>.standby``: written by the launcher when it starts the resident (pid),
+  so that :meth:`release_standbys` stops it like any unclaimed standby;
+- ``<node>.ready``: written by the resident once preloaded;
+- ``<node>.asks/<id>.ask``: a request (standby folder, ttl, linger). The resident
+  takes it by renaming it to ``<id>.taken`` and answers ``<id>.pid`` once forked;
+  an asker that gives up withdraws it by renaming it to ``<id>.withdrawn``: the
+  rename is atomic, so an ask is either forked or withdrawn, never both.
+
+A resident leaves when its run is over: stopped by the run's end (or ``make
+down``), or by itself once no rank of its run has written a heartbeat for
+``idle_seconds`` (a run whose Airflow worker died never tells it).
+
+The asking side is stdlib only: the launcher imports it without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from relay_train.heartbeat import write_atomically
+
+log = logging.getLogger("relay_train.resident")
+
+RESIDENT_DIR = "resident"  # in a DAG run's folder
+IDLE_SECONDS = 600.0  # no heartbeat of the run this long: the run is over, leave
+IDLE_CHECK_SECONDS = 5.0  # how often the resident looks at its run's heartbeats
+ASK_WAIT_SECONDS = 1.0  # a ready resident forks within its poll; longer means it is stuck
+POLL_SECONDS = 0.05
+
+
+def ready_file(directory: Path, node: str) -> Path:
+    """Return the file a resident writes once preloaded."""
+    return directory / f"{node}.ready"
+
+
+def asks_dir(directory: Path, node: str) -> Path:
+    """Return the folder of the requests to ``node``'s resident."""
+    return directory / f"{node}.asks"
+
+
+def ask_standby(directory: Path, node: str, standby_dir: Path, ttl: float, linger: float,
+                wait_seconds: float = ASK_WAIT_SECONDS) -> int | None:
+    """Ask ``node``'s resident to fork a standby into ``standby_dir``; return its PID.
+
+    None when the resident is not ready (still preloading, or gone) or did not
+    answer within ``wait_seconds``: the caller starts a standby the slow way.
+    """
+    if not ready_file(directory, node).exists():
+        return None
+    asks = asks_dir(directory, node)
+    asks.mkdir(exist_ok=True)
+    name = uuid.uuid4().hex
+    ask = asks / f"{name}.ask"
+    write_atomically(ask, json.dumps({"directory": str(standby_dir), "ttl": ttl,
+                                      "linger": linger}))
+    reply = asks / f"{name}.pid"
+    deadline = time.monotonic() + wait_seconds
+    while not reply.exists():
+        if time.monotonic() >= deadline:
+            try:
+                os.rename(ask, asks / f"{name}.withdrawn")
+            except FileNotFoundError:  # taken this instant: it forks now, wait for the PID
+                deadline = time.monotonic() + wait_seconds
+                continue
+            (asks / f"{name}.withdrawn").unlink(missing_ok=True)
+            return None
+        time.sleep(0.01)
+    try:
+        pid = json.loads(reply.read_text())["pid"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pid = None
+    for f in (reply, asks / f"{name}.taken"):
+        f.unlink(missing_ok=True)
+    return pid if isinstance(pid, int) and pid > 0 else None
+
+
+class Resident:
+    """The node side: preload, then fork a standby for each request."""
+
+    def __init__(self, directory: Path, node: str, idle_seconds: float = IDLE_SECONDS) -> None:
+        self.directory = directory
+        self.node = node
+        self.idle_seconds = idle_seconds
+        self.stopping = False
+
+    def preload(self) -> float:
+        """Import the training stack in a thread of lowered priority; return the seconds."""
+        from relay_train.agent import preload_worker, yielding_thread
+        from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint
+
+        started = time.perf_counter()
+        yielding_thread(lambda: preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=True),
+                        "preload").join()  # no thread is left when the main thread forks
+        return time.perf_counter() - started
+
+    def run(self) -> int:
+        """Preload, announce, then answer requests until stopped or idle."""
+        preloaded = self.preload()  # SIGTERM meanwhile ends it at once (its default)
+        signal.signal(signal.SIGTERM, self._on_term)
+        write_atomically(ready_file(self.directory, self.node), json.dumps(
+            {"pid": os.getpid(), "ready_at": time.time(), "preload_seconds": preloaded}))
+        log.info("resident on %s: preloaded in %.2fs; waiting for requests", self.node,
+                 preloaded)
+        checked = last_active = time.monotonic()
+        while not self.stopping:
+            if self._answer():
+                last_active = time.monotonic()
+            _reap()
+            now = time.monotonic()
+            if now - checked > IDLE_CHECK_SECONDS:
+                checked = now
+                last_active = max(last_active, now - self._heartbeat_age())
+                if now - last_active > self.idle_seconds:
+                    log.info("resident on %s: its run is over (no heartbeat for %.0fs); "
+                             "leaving", self.node, self.idle_seconds)
+                    break
+            time.sleep(POLL_SECONDS)
+        ready_file(self.directory, self.node).unlink(missing_ok=True)
+        return 0
+
+    def _answer(self) -> bool:
+        """Fork a standby for each request waiting; return whether there was one."""
+        asks = sorted(asks_dir(self.directory, self.node).glob("*.ask"))
+        for ask in asks:
+            taken = ask.with_suffix(".taken")
+            try:
+                os.rename(ask, taken)
+            except FileNotFoundError:
+                continue  # withdrawn
+            try:
+                request = json.loads(taken.read_text())
+                pid = self._fork(Path(request["directory"]), float(request["ttl"]),
+                                 float(request["linger"]))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.error("resident on %s: bad request %s (%s)", self.node, taken, exc)
+                pid = -1
+            write_atomically(ask.with_suffix(".pid"), json.dumps({"pid": pid}))
+        return bool(asks)
+
+    def _fork(self, directory: Path, ttl: float, linger: float) -> int:
+        from relay_train.agent import StandbyAsk, become_standby
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid:
+            log.info("resident on %s: forked standby pid %d into %s", self.node, pid, directory)
+            return pid
+        code = 1
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(logging.Formatter(
+                f"%(asctime)s agent {self.node} %(levelname)s: %(message)s"))
+        try:
+            code = become_standby(self.node, StandbyAsk(directory, ttl, linger))
+        except BaseException:  # noqa: BLE001 - the child must never return into the resident
+            logging.exception("standby forked from the resident failed")
+        finally:
+            os._exit(code)
+
+    def _heartbeat_age(self) -> float:
+        """Return the seconds since any rank of this run wrote a heartbeat (inf: none yet)."""
+        newest = 0.0
+        for beat in self.directory.parent.glob("segment-*/try-*/heartbeats/*.json"):
+            try:
+                newest = max(newest, beat.stat().st_mtime)
+            except OSError:
+                continue
+        return time.time() - newest if newest else float("inf")
+
+    def _on_term(self, _signum: int, _frame: object) -> None:
+        self.stopping = True
+
+
+def _reap() -> None:
+    """Collect the standbys that ended (they left this session, not this parentage)."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m relay_train.resident --dir DIR --node NODE``."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dir", type=Path, required=True, help="the DAG run's resident folder")
+    parser.add_argument("--node", required=True)
+    parser.add_argument("--idle", type=float, default=IDLE_SECONDS,
+                        help="leave once no rank of the run wrote a heartbeat this long")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s resident {args.node} %(levelname)s: %(message)s")
+    return Resident(args.dir, args.node, args.idle).run()
+
+
+if __name__ == "__main__":
+    code = main()
+    logging.shutdown()
+    os._exit(code)

@@ -11,6 +11,10 @@ the same training loop), each with the same pool of 5 nodes, 2 used at a time:
    :mod:`relay.bench.torchrun_baseline` for what it is and why it is not
    ``--max-restarts``.
 
+Each side's fault-free and faulty runs swap order every other repeat (odd repeats
+run the fault-free one first), so a drift of the host's pace over a repeat does
+not always fall on the faulty run.
+
 With gloo's default timeout (30 min) the baseline's figures are *derived*
 unless ``--measure-default-timeout`` runs it for real: measured wall time +
 (1800 s - the short timeout) for every fault that only the collective timeout
@@ -180,26 +184,23 @@ def _job(steps: int, every: int) -> dict[str, Any]:
 
 
 def one_repeat(home: Path, repeat: int, args: dict[str, Any]) -> tuple[list[Run], float]:
-    """Run every configuration once; return the rows and the productive time."""
+    """Run every configuration once; return the rows and the productive time.
+
+    Each side's fault-free and faulty runs swap order every other repeat, so a drift of
+    the host's pace over a repeat does not fall on the same run each time."""
     schedule, timeout = fault_schedule(args["steps"]), args["collective_timeout"]
     job = _job(args["steps"], args["every"])
-    free, free_attempts = run_relay(home, [], "relay fault-free")
-    print(f"    relay fault-free: {free.wall:.1f}s; {ends(free, free_attempts)}", flush=True)
-    if free_attempts:  # what each segment boundary cost (relay.boundary_time)
-        for row in boundaries(free_attempts[0].parent.parent):
-            print(f"      boundary {format_row(row)}", flush=True)
-    faulty, faulty_attempts = run_relay(home, schedule, "relay with faults")
-    print(f"    relay with faults: {faulty.wall:.1f}s", flush=True)
     base = home / "baseline" / f"repeat-{repeat}"
-    runs = [free, faulty]
-    plain = baseline_run("torchrun fault-free", run_baseline(
-        base / "fault-free", job, [], NODE_POOL, timeout))
-    plain_attempts = sorted((base / "fault-free").glob("segment-*/try-*"))
-    print(f"    torchrun fault-free: {plain.wall:.1f}s; {ends(plain, plain_attempts)}", flush=True)
-    short = baseline_run(f"torchrun, timeout {timeout:g}s", run_baseline(
-        base / "faults-short", job, schedule, NODE_POOL, timeout))
-    print(f"    torchrun with faults, timeout {timeout:g}s: {short.wall:.1f}s", flush=True)
-    runs += [plain, short]
+    swap = repeat % 2 == 0
+    relay: dict[bool, tuple[Run, list[Path]]] = {}
+    for faulty in ((True, False) if swap else (False, True)):
+        relay[faulty] = _relay_run(home, schedule if faulty else [])
+    (free, free_attempts), (faulty_run, faulty_attempts) = relay[False], relay[True]
+    baseline: dict[bool, Run] = {}
+    for faulty in ((True, False) if swap else (False, True)):
+        baseline[faulty] = _baseline_run(base, job, schedule if faulty else [], timeout)
+    plain, short = baseline[False], baseline[True]
+    runs = [free, faulty_run, plain, short]
     if args["measure_default_timeout"]:
         default = baseline_run(f"torchrun, timeout {GLOO_DEFAULT_TIMEOUT_SECONDS:g}s",
                                run_baseline(base / "faults-default", job, schedule, NODE_POOL,
@@ -210,9 +211,39 @@ def one_repeat(home: Path, repeat: int, args: dict[str, Any]) -> tuple[list[Run]
         runs.append(derive_default_timeout(short, timeout))
     # Both fault-free runs train the same loop: pool them, so one run's bad moment on a
     # shared machine does not set every ETTR of the repeat.
+    plain_attempts = sorted((base / "fault-free").glob("segment-*/try-*"))
     pooled = seconds_per_step(free_attempts + plain_attempts)
     print_pace(free_attempts, plain_attempts, faulty_attempts, pooled)
     return runs, args["steps"] * pooled
+
+
+def _relay_run(home: Path, schedule: list[dict[str, Any]]) -> tuple[Run, list[Path]]:
+    """Run Relay with ``schedule`` (none: fault-free); print what it cost."""
+    if not schedule:
+        free, attempts = run_relay(home, [], "relay fault-free")
+        print(f"    relay fault-free: {free.wall:.1f}s; {ends(free, attempts)}", flush=True)
+        if attempts:  # what each segment boundary cost (relay.boundary_time)
+            for row in boundaries(attempts[0].parent.parent):
+                print(f"      boundary {format_row(row)}", flush=True)
+        return free, attempts
+    faulty, attempts = run_relay(home, schedule, "relay with faults")
+    print(f"    relay with faults: {faulty.wall:.1f}s", flush=True)
+    return faulty, attempts
+
+
+def _baseline_run(base: Path, job: dict[str, Any], schedule: list[dict[str, Any]],
+                  timeout: float) -> Run:
+    """Run the torchrun baseline with ``schedule`` (none: fault-free); print its wall."""
+    if not schedule:
+        plain = baseline_run("torchrun fault-free", run_baseline(
+            base / "fault-free", job, [], NODE_POOL, timeout))
+        attempts = sorted((base / "fault-free").glob("segment-*/try-*"))
+        print(f"    torchrun fault-free: {plain.wall:.1f}s; {ends(plain, attempts)}", flush=True)
+        return plain
+    short = baseline_run(f"torchrun, timeout {timeout:g}s", run_baseline(
+        base / "faults-short", job, schedule, NODE_POOL, timeout))
+    print(f"    torchrun with faults, timeout {timeout:g}s: {short.wall:.1f}s", flush=True)
+    return short
 
 
 def print_pace(free: list[Path], plain: list[Path], faulty: list[Path], pooled: float) -> None:
@@ -258,7 +289,8 @@ def main(steps: int = 1200, segment: int = 300, every: int = 25, collective_time
           "pytorch#167288)\n"
           "  Compared: every run's absolute ETTR (productive time / wall time; productive time = "
           "total steps x the pooled seconds per step of the two fault-free training loops), lost "
-          "steps and fault -> first productive step, Relay's runs next to the baseline's",
+          "steps and fault -> first productive step, Relay's runs next to the baseline's; each "
+          "side's fault-free and faulty runs swap order every other repeat",
           flush=True)
     all_runs: list[list[Run]] = []
     productive: list[float] = []

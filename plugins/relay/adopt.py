@@ -38,7 +38,7 @@ from typing import Any
 
 from relay.interval import INTERVAL_FILE
 from relay.launchers import Launcher, LaunchState
-from relay.launchers.local_standby import release_residents
+from relay.launchers.local_standby import release_run
 from relay.nodes import NodePool
 from relay.spec import JobSpec
 from relay_train.chaos import CHAOS_LOG
@@ -360,7 +360,8 @@ def stop_run_workloads(run_dir: Path, launcher: Launcher) -> list[Path]:
 def end_run(run_dir: Path, holder: str, launcher: Launcher | None) -> list[Path]:
     """The DAG run is over (finalized, or failed): stop what still trains for it and end
     its nodes' lease, so no workload outlives the run and the next run gets the nodes.
-    Its resident agents (spares, :mod:`relay_train.resident`) leave too.
+    Its resident agents (spares, :mod:`relay_train.resident`) and unclaimed standby
+    agents leave too.
 
     A workload handed over at a boundary keeps the run's lease while no task watches
     it; a segment task that ends without its own ``execute_complete`` (nothing left to
@@ -368,7 +369,7 @@ def end_run(run_dir: Path, holder: str, launcher: Launcher | None) -> list[Path]
     the job never hands a workload over, only the lease ends.
     """
     stopped = [] if launcher is None else stop_run_workloads(run_dir, launcher)
-    release_residents(run_dir)
+    release_run(run_dir)
     freed = NodePool().release_lease(holder)
     if freed:
         log.info("DAG run %s is over: released node(s) %s", holder, ", ".join(freed))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from relay.launchers.local import LocalLauncher
-from relay.launchers.local_standby import recorded_pid, release_residents
+from relay.launchers.local_standby import record, recorded_pid, release_run
 from relay.proctree import group_members
 from relay_train import resident
 from relay_train.agent import NICE_INCREMENT, yielding_thread
@@ -128,9 +128,30 @@ def test_a_real_resident_forks_standbys_and_leaves_with_its_run(tmp_path: Path) 
     finally:
         for folder in (standby_dir, run / "segment-001" / "standby"):
             launcher.release_standbys(folder)
-        release_residents(run)
+        release_run(run)
     deadline = time.monotonic() + 30
     while group_members(resident_pid):
         assert time.monotonic() < deadline, "the resident outlived its run"
         time.sleep(0.1)
     assert not (directory / "node-c.standby").exists()
+
+
+def test_the_end_of_a_run_stops_its_unclaimed_standbys(tmp_path: Path) -> None:
+    """A spare warmed in a segment whose boundary came first is nobody's to claim."""
+    import subprocess
+    import sys
+
+    from relay.adopt import end_run
+
+    standby_dir = tmp_path / "run" / "segment-000" / "standby"
+    standby_dir.mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                            start_new_session=True)
+    try:
+        record(standby_dir, "node-c", proc.pid)
+        end_run(tmp_path / "run", "relay_test/no-such-run", None)
+        assert proc.wait(30) is not None
+        assert not (standby_dir / "node-c.standby").exists()
+    finally:
+        proc.kill()
+        proc.wait()

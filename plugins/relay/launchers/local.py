@@ -36,6 +36,7 @@ from relay.channel import MAX_PARALLEL, AgentChannel
 from relay.launchers.base import LaunchState, LaunchStatus, NodeStatus, overall_state
 from relay.launchers.local_standby import (
     LINGER_SECONDS,
+    STANDBY_DIR,
     claim,
     from_resident,
     record,
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from relay.nodes import Quarantine
 
 __all__ = [
-    "LINGER_SECONDS", "LaunchState", "LaunchStatus", "LocalLauncher", "NodeStatus",
+    "LINGER_SECONDS", "STANDBY_DIR", "LaunchState", "LaunchStatus", "LocalLauncher", "NodeStatus",
     "NotOursError", "free_port", "group_members",
 ]
 
@@ -61,7 +62,6 @@ log = logging.getLogger(__name__)
 
 HANDLE_FILE = "handle.json"
 STOP_GRACE_SECONDS = 5.0
-STANDBY_DIR = "standby"  # in a segment's folder: agents preloading for its next attempt
 STANDBY_ASK_TIMEOUT_SECONDS = 1.5  # a fork answers within the agent's own 1 s wait
 ENV_PARTITIONED = "RELAY_TEST_PARTITIONED_NODES"  # test hook: nodes stop() cannot reach
 STOP_ASK_TIMEOUT_SECONDS = 0.5

@@ -24,6 +24,7 @@ from relay_train.standby import claimed_file, hand_over, ready_file, standby_fil
 
 log = logging.getLogger(__name__)
 
+STANDBY_DIR = "standby"  # in a segment's folder: agents preloading for its next attempt
 STANDBY_WAIT_SECONDS = 10.0  # a standby still preloading is worth waiting for this long
 # An agent whose ranks ended keeps answering (its final state) until stopped, at most this long.
 LINGER_SECONDS = 600.0
@@ -105,7 +106,10 @@ def release(directory: Path) -> None:
             f.unlink(missing_ok=True)
 
 
-def release_residents(run_dir: Path) -> None:
-    """Stop a DAG run's resident agents (:meth:`LocalLauncher.reside`), if it has any."""
-    if (run_dir / RESIDENT_DIR).is_dir():
-        release(run_dir / RESIDENT_DIR)
+def release_run(run_dir: Path) -> None:
+    """The DAG run is over: stop its resident agents (:meth:`LocalLauncher.reside`) and
+    every standby none of its segments claimed (a spare warmed at a sign of a fault that
+    a boundary overtook waits out its ttl otherwise)."""
+    for directory in (run_dir / RESIDENT_DIR, *run_dir.glob(f"segment-*/{STANDBY_DIR}")):
+        if directory.is_dir():
+            release(directory)

@@ -35,9 +35,9 @@ from pathlib import Path
 from relay import pgcluster, settings
 from relay.airflow_api import AirflowApi, ServiceError
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
-from relay.launchers.local import HANDLE_FILE, STANDBY_DIR, LocalLauncher, free_port
+from relay.launchers.local import HANDLE_FILE, LocalLauncher, free_port
+from relay.launchers.local_standby import release_run
 from relay.proctree import alive, descendants, group_members, stop_pids
-from relay_train.resident import RESIDENT_DIR
 
 log = logging.getLogger(__name__)
 
@@ -350,9 +350,8 @@ def stop_workloads(runs: Path) -> list[str]:
             log.info("make down: stopping %s, left by an interrupted DAG run", handle.parent)
             survivors += launcher.stop(handle.parent)
             let_go(handle.parent)
-    for directory in {record.parent for pattern in (STANDBY_DIR, RESIDENT_DIR)
-                      for record in runs.rglob(f"{pattern}/*.standby")}:
-        launcher.release_standbys(directory)
+    for run_dir in runs.glob("*/*"):  # <dag>/<run>: its residents and unclaimed standbys
+        release_run(run_dir)
     return survivors
 
 

@@ -33,9 +33,9 @@ LINGER_SECONDS = 600.0
 def recorded(directory: Path, node: str) -> tuple[int, int | None] | None:
     """Return the node's standby agent as (PID, start time), if one was recorded."""
     try:
-        record = json.loads(standby_file(directory, node).read_text())
-        started = record.get("started")
-        return int(record["pid"]), None if started is None else int(started)
+        found = json.loads(standby_file(directory, node).read_text())
+        started = found.get("started")
+        return int(found["pid"]), None if started is None else int(started)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

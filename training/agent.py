@@ -30,7 +30,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -40,6 +39,7 @@ from relay_train.channel import AgentServer
 from relay_train.device import FLIGHT_RECORDER_DIR, rank_environment, rank_start_method
 from relay_train.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE, node_clock
 from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
+from relay_train.priority import yielding_thread
 from relay_train.standby import STANDBY_TTL_SECONDS, announce_ready, wait_for_launch
 from relay_train.timing import ENV_SPAWNED_AT
 
@@ -48,7 +48,6 @@ log = logging.getLogger("relay_train.agent")
 TERM_GRACE_SECONDS = 5.0
 LOCAL_BIND = "127.0.0.1"
 STANDBY_FORK_WAIT_SECONDS = 1.0  # the channel's wait for the main thread to fork a standby
-NICE_INCREMENT = 10  # a preload beside running ranks yields to them (a tenth of their CPU weight)
 
 
 @dataclass
@@ -294,21 +293,6 @@ class NodeAgent:
 
     def _on_term(self, _signum: int, _frame: object) -> None:
         self.stopping = True
-
-
-def yielding_thread(target: Callable[[], object], name: str) -> threading.Thread:
-    """Start ``target`` in a daemon thread whose CPU priority is ``NICE_INCREMENT`` lower
-    (on Linux a thread's nice value is its own: the threads forked later keep theirs)."""
-
-    def work() -> None:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid,
-                       min(os.getpriority(os.PRIO_PROCESS, tid) + NICE_INCREMENT, 19))
-        target()
-
-    thread = threading.Thread(target=work, name=name, daemon=True)
-    thread.start()
-    return thread
 
 
 def preload_worker(entrypoint: Entrypoint, *, publisher: bool) -> None:

@@ -5,7 +5,8 @@ standby Relay starts there (:mod:`relay_train.standby`) is a new interpreter tha
 imports the training stack (seconds of CPU, beside the running ranks) while the
 rest of the retry waits for it. A resident agent takes that off the recovery's
 path: started with the DAG run on each node of the pool the job does not use,
-it preloads once, in a thread of lowered CPU priority (it yields to the ranks),
+it preloads once, yielding the CPU to the ranks (see :mod:`relay_train.priority`:
+its session's weight is the lowest Linux gives until it is asked for a standby),
 and then waits. Asked for a standby, it forks one: a copy that is preloaded
 already, ready at once, exactly like a copy of a running node's agent. On a
 cluster this is a node-resident daemon; Relay's local launcher runs one process
@@ -41,6 +42,7 @@ import uuid
 from pathlib import Path
 
 from relay_train.heartbeat import write_atomically
+from relay_train.priority import restore_session, yield_session, yielding_thread
 
 log = logging.getLogger("relay_train.resident")
 
@@ -62,14 +64,20 @@ def asks_dir(directory: Path, node: str) -> Path:
 
 
 def ask_standby(directory: Path, node: str, standby_dir: Path, ttl: float, linger: float,
-                wait_seconds: float = ASK_WAIT_SECONDS) -> int | None:
+                wait_seconds: float = ASK_WAIT_SECONDS,
+                preloading_wait_seconds: float = 0.0) -> int | None:
     """Ask ``node``'s resident to fork a standby into ``standby_dir``; return its PID.
 
-    None when the resident is not ready (still preloading, or gone) or did not
-    answer within ``wait_seconds``: the caller starts a standby the slow way.
+    A resident still preloading is asked too when ``preloading_wait_seconds`` is set
+    (it stops yielding the CPU and answers once preloaded, which is sooner than a new
+    process could preload the same stack beside it). None when it did not answer in
+    time (or was not ready and is not waited for): the caller starts a standby the
+    slow way.
     """
     if not ready_file(directory, node).exists():
-        return None
+        if preloading_wait_seconds <= 0:
+            return None
+        wait_seconds = max(wait_seconds, preloading_wait_seconds)
     asks = asks_dir(directory, node)
     asks.mkdir(exist_ok=True)
     name = uuid.uuid4().hex
@@ -107,13 +115,18 @@ class Resident:
         self.stopping = False
 
     def preload(self) -> float:
-        """Import the training stack in a thread of lowered priority; return the seconds."""
-        from relay_train.agent import preload_worker, yielding_thread
-        from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint
-
+        """Import the training stack while yielding the CPU to the ranks of the node's
+        other sessions, until asked for a standby; return the seconds it took."""
         started = time.perf_counter()
-        yielding_thread(lambda: preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=True),
-                        "preload").join()  # no thread is left when the main thread forks
+        yielded = yield_session()  # before torch's import; its standbys start anew (setsid)
+        thread = yielding_thread(_preload_stack, "preload")  # where sessions do not count
+        while thread.is_alive():  # no thread is left when the main thread forks
+            thread.join(POLL_SECONDS)
+            if yielded is not None and any(asks_dir(self.directory, self.node).glob("*.ask")):
+                log.info("resident on %s: asked for a standby while preloading; no longer "
+                         "yielding the CPU", self.node)
+                restore_session(yielded)
+                yielded = None
         return time.perf_counter() - started
 
     def run(self) -> int:
@@ -192,6 +205,13 @@ class Resident:
 
     def _on_term(self, _signum: int, _frame: object) -> None:
         self.stopping = True
+
+
+def _preload_stack() -> None:
+    from relay_train.agent import preload_worker
+    from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint
+
+    preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=True)
 
 
 def _reap() -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from relay.launchers.local import LocalLauncher
 from relay.launchers.local_standby import record, recorded_pid, release_run
 from relay.proctree import group_members
 from relay_train import resident
-from relay_train.agent import NICE_INCREMENT, yielding_thread
+from relay_train.priority import session_nice
 from relay_train.resident import RESIDENT_DIR, Resident, ask_standby, asks_dir, ready_file
 
 
@@ -45,6 +46,49 @@ def _answer(directory: Path, node: str, pid: int, delay: float = 0.0) -> threadi
 def test_a_resident_not_ready_is_not_asked(tmp_path: Path) -> None:
     assert ask_standby(tmp_path, "node-c", tmp_path / "standby", 60, 0) is None
     assert not asks_dir(tmp_path, "node-c").exists()
+
+
+def test_a_resident_still_preloading_is_asked_when_the_asker_waits_for_it(
+        tmp_path: Path) -> None:
+    _answer(tmp_path, "node-c", 4141, delay=0.3)  # answers once "preloaded"
+    assert ask_standby(tmp_path, "node-c", tmp_path / "standby", 60, 0, wait_seconds=0.1,
+                       preloading_wait_seconds=5) == 4141
+
+
+def _autogroup_nice(pid: int) -> int | None:
+    return session_nice(Path(f"/proc/{pid}/autogroup"))
+
+
+def _until(condition: Callable[[], bool], what: str, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.mark.skipif(session_nice() is None or os.geteuid() != 0,
+                    reason="needs autogroup scheduling, and root to raise a session's weight")
+def test_a_resident_yields_while_preloading_until_asked_for_a_standby(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a forked session leader, a preload that lasts until the test says so."""
+    go = tmp_path / "go"
+    monkeypatch.setattr(resident, "_preload_stack", lambda: _until(go.exists, "go", 60))
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            Resident(tmp_path, "node-c").preload()
+        finally:
+            os._exit(0)
+    try:
+        normal = session_nice()
+        _until(lambda: _autogroup_nice(pid) == 19, "the preloading resident did not yield")
+        asks_dir(tmp_path, "node-c").mkdir(parents=True)
+        (asks_dir(tmp_path, "node-c") / "x.ask").write_text("{}")
+        _until(lambda: _autogroup_nice(pid) == normal, "asked, the resident kept yielding")
+    finally:
+        go.touch()
+        os.waitpid(pid, 0)
 
 
 def test_an_answered_ask_returns_the_forked_pid(tmp_path: Path) -> None:
@@ -90,14 +134,6 @@ def test_a_resident_leaves_once_its_run_writes_no_heartbeat(
     assert not ready_file(directory, "node-c").exists()
 
 
-def test_a_yielding_thread_lowers_only_its_own_priority() -> None:
-    seen: list[int] = []
-    main = os.getpriority(os.PRIO_PROCESS, 0)
-    yielding_thread(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0)), "t").join(10)
-    assert seen == [min(main + NICE_INCREMENT, 19)]
-    assert os.getpriority(os.PRIO_PROCESS, 0) == main  # the thread that forks keeps its own
-
-
 def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
@@ -123,6 +159,9 @@ def test_a_real_resident_forks_standbys_and_leaves_with_its_run(tmp_path: Path) 
             assert time.monotonic() < deadline, (standby_dir / "node-c.log").read_text()
             time.sleep(0.05)
         assert group_members(standby_pid) == [standby_pid]  # a session of its own
+        if session_nice() is not None:  # autogroup scheduling: sessions share the CPU first
+            assert session_nice(Path(f"/proc/{resident_pid}/autogroup")) == 19  # yields
+            assert session_nice(Path(f"/proc/{standby_pid}/autogroup")) == 0
         launcher.prestart(run / "segment-001" / "standby", ["node-c"], 60.0)  # and again
         assert _parent(recorded_pid(run / "segment-001" / "standby", "node-c")) == resident_pid
     finally:

@@ -72,7 +72,8 @@ def from_resident(directory: Path, node: str, ttl_seconds: float) -> int | None:
     residents = directory.parent.parent / RESIDENT_DIR
     if recorded_pid(residents, node) is None:
         return None
-    return ask_standby(residents, node, directory, ttl_seconds, LINGER_SECONDS)
+    return ask_standby(residents, node, directory, ttl_seconds, LINGER_SECONDS,
+                       preloading_wait_seconds=STANDBY_WAIT_SECONDS)
 
 
 def claim(

@@ -9,10 +9,13 @@ from typing import Any
 
 import torch
 
+from relay import settings
 from relay.airflow_env import airflow_env, ensure_airflow_db
 from relay.demo import run_dag_test
 from relay.lineage import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, Lineage
 from relay.nodes import NodePool
+from relay.report import first_step_at
+from relay.resume_time import preflight_started_at
 
 
 def use_jobs(relay_home: Path, jobs_dir: Path) -> dict[str, str]:
@@ -63,6 +66,11 @@ def run_job_ok(env: dict[str, str], relay_home: Path, job: str, conf: dict[str, 
     log_file = relay_home / "logs" / f"{name}.log"
     assert code == 0, f"airflow dags test failed; see {log_file}:\n" + \
         log_file.read_text()[-4000:]
+    run_dir = max((settings.runs_dir() / f"relay_{job}").iterdir(), key=lambda p: p.stat().st_mtime)
+    started = preflight_started_at(run_dir)  # where Airflow's start-up ends and Relay's begins
+    assert started is not None, f"preflight recorded no start in {run_dir}"
+    first = first_step_at(run_dir / "segment-000" / "try-1")
+    assert first is None or started < first, (started, first)
     return parent
 
 

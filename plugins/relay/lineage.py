@@ -116,6 +116,10 @@ class Lineage:
             self._client = client
         return self._client
 
+    def ensure_store(self) -> None:
+        """Create (or upgrade) the tracking store's tables now, not on the first call."""
+        self.client.search_experiments(max_results=1)
+
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
         return self._retrying(fn, *args, **kwargs)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ from relay.chaosconf import ChaosConfError, chaos_faults
 from relay.nodes import NodePool
 from relay.paths import safe_name
 from relay.policy import LoadedPolicy, load_policy
+from relay.resume_time import PREFLIGHT_FILE
 from relay.spec import JobSpec, load_job_spec
+from relay_train.heartbeat import write_atomically
 from relay_train.standby import STANDBY_TTL_SECONDS
 
 log = logging.getLogger(__name__)
@@ -87,6 +90,7 @@ class PreflightOperator(RelayOperator):
 
     def execute(self, context: Any) -> str:  # noqa: ANN401
         """Return the parent MLflow run id."""
+        started = time.time()
         spec = self.spec()
         policy = self.policy(spec)
         try:  # before any MLflow run exists: a refused conf leaves nothing RUNNING behind
@@ -118,6 +122,10 @@ class PreflightOperator(RelayOperator):
         if len(nodes) < spec.nodes:
             log.warning("Only %d healthy node(s) for %d needed: segments will follow the "
                         "policy's nodes.when_too_few", len(nodes), spec.nodes)
+        # When Relay's first line ran: what came before it in a DAG run was Airflow's.
+        write_atomically(segment_dir(spec, context["dag_run"].run_id, 0).parent / PREFLIGHT_FILE,
+                         json.dumps({"started_at": started, "ended_at": time.time(),
+                                     "mlflow_run": parent}))
         return parent
 
 

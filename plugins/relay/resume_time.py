@@ -39,6 +39,8 @@ from relay_train.chaos import CHAOS_LOG
 from relay_train.heartbeat import write_atomically
 from relay_train.launch import FIRST_STEP_FILE
 
+PREFLIGHT_FILE = "preflight.json"  # in a DAG run's folder: when preflight started and ended
+
 log = logging.getLogger(__name__)
 
 PARTS = ("detect", "wake", "decide", "rescue", "stop", "record", "retry_scheduling", "launch",
@@ -163,3 +165,10 @@ def log_to_mlflow(lineage: Any, run_id: str, result: dict[str, Any]) -> None:  #
 def format_parts(parts: dict[str, float | None]) -> str:
     """Return e.g. ``detect 3.1s + wake 0.9s + ...``."""
     return " + ".join(f"{p} {'?' if s is None else f'{s:.1f}s'}" for p, s in parts.items())
+
+
+def preflight_started_at(run_dir: Path) -> float | None:
+    """Return when a DAG run's preflight task started: Relay's first line in the run,
+    Airflow's work before it (None if preflight never finished)."""
+    path = run_dir / PREFLIGHT_FILE
+    return float(json.loads(path.read_text())["started_at"]) if path.exists() else None

@@ -21,6 +21,7 @@ from relay.bench.goodput import (
 )
 from relay.bench.goodput_report import ettr, spread
 from relay.bench.torchrun_baseline import _cause
+from relay.resume_time import PREFLIGHT_FILE
 from relay_train.chaos import Fault
 
 
@@ -106,6 +107,10 @@ def test_ends_says_what_went_before_the_first_step_and_after_the_last(tmp_path: 
     assert ends(run, [first, last]) == (
         "start-up 12.5s (run start -> first step done), wind-down 4.0s (last step -> run end)")
     assert "unknown" in ends(run, [last])  # no first step recorded
+    (tmp_path / PREFLIGHT_FILE).write_text(json.dumps({"started_at": 1009.0}))  # Relay's run
+    assert ends(run, [first, last]).startswith(
+        "start-up 12.5s (run start -> first step done: Airflow 9.0s until Relay's preflight "
+        "started, Relay 3.5s from there), ")
 
 
 def test_keep_refuses_a_folder_with_files_and_names_the_fix(

@@ -46,8 +46,9 @@ from relay.airflow_env import airflow_env, ensure_airflow_db
 from relay.bench.goodput_report import print_repeat, print_summary
 from relay.bench.torchrun_baseline import BaselineRun, run_baseline
 from relay.boundary_time import boundaries, format_row
+from relay.lineage import Lineage
 from relay.report import first_step_at
-from relay.resume_time import KEY, fault_onset
+from relay.resume_time import KEY, fault_onset, preflight_started_at
 
 MODEL = {"context": 64, "d_model": 64, "n_layers": 2, "n_heads": 4, "dropout": 0.1}
 DATA = {"corpus": "builtin:python_docs", "batch_size": 16}
@@ -76,7 +77,12 @@ def ends(run: Run, attempts: list[Path]) -> str:
     first = first_step_at(attempts[0]) if attempts else None
     if first is None or not ended:
         return "start-up and wind-down unknown (no first step or result.json)"
-    return (f"start-up {first - run.started:.1f}s (run start -> first step done), "
+    split = ""
+    relay_from = preflight_started_at(attempts[0].parent.parent)  # Relay's runs only
+    if relay_from is not None:
+        split = (f": Airflow {relay_from - run.started:.1f}s until Relay's preflight started, "
+                 f"Relay {first - relay_from:.1f}s from there")
+    return (f"start-up {first - run.started:.1f}s (run start -> first step done{split}), "
             f"wind-down {run.started + run.wall - max(ended):.1f}s (last step -> run end)")
 
 
@@ -290,7 +296,10 @@ def main(steps: int = 1200, segment: int = 300, every: int = 25, collective_time
           "  Compared: every run's absolute ETTR (productive time / wall time; productive time = "
           "total steps x the pooled seconds per step of the two fault-free training loops), lost "
           "steps and fault -> first productive step, Relay's runs next to the baseline's; each "
-          "side's fault-free and faulty runs swap order every other repeat",
+          "side's fault-free and faulty runs swap order every other repeat. Both sides' "
+          "databases (Airflow's, each side's MLflow store) are created before a run's clock "
+          "starts; inside it, each run creates its own MLflow run (Relay's preflight, the "
+          "baseline's supervisor) and ends when its job does",
           flush=True)
     all_runs: list[list[Run]] = []
     productive: list[float] = []
@@ -305,6 +314,7 @@ def main(steps: int = 1200, segment: int = 300, every: int = 25, collective_time
         os.environ.update({"RELAY_HOME": str(home), "RELAY_JOBS_DIR": str(jobs),
                            "RELAY_NODES": ",".join(NODE_POOL)})
         ensure_airflow_db(airflow_env(home), home / "logs" / "airflow-db.log")
+        Lineage.from_settings().ensure_store()  # MLflow's tables too, before any clock starts
         for repeat in range(1, args["repeats"] + 1):
             print(f"  repeat {repeat}/{args['repeats']}:", flush=True)
             runs, prod = one_repeat(home, repeat, args)

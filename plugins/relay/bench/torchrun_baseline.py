@@ -166,10 +166,11 @@ def run_baseline(
     from relay.lineage import Lineage
 
     lineage = Lineage(f"sqlite:///{job_dir / 'mlflow.db'}", job_dir / "artifacts")
-    parent = lineage.parent_run("goodput-baseline", "baseline", job_dir.name)
+    lineage.ensure_store()  # the store's tables exist before the clock starts, as Relay's do
     nodes, spare = list(pool[: job["nodes"]]), list(pool[job["nodes"]:])
     run = BaselineRun(nodes_used=list(nodes))
     started = run.started = time.time()
+    parent = lineage.parent_run("goodput-baseline", "baseline", job_dir.name)  # as preflight
     for attempt in range(1, 31):
         attempt_dir = job_dir / "segment-000" / f"try-{attempt}"
         attempt_dir.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,9 @@ Two Linux facts decide how:
 
 * a thread's nice value is its own, and threads and processes forked later do
   not take it from the thread that set it (``yielding_thread``);
-* with autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``, on by
-  default on desktop and most server kernels) nice values only weigh threads of
-  the same session against each other; sessions share the CPU equally first. A
+* with autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled`` is 1, as
+  on these machines) nice values only weigh threads of the same session against
+  each other; sessions share the CPU equally first. A
   process that leads its own session (a resident agent, started with
   ``start_new_session``) gets as much CPU as a node's whole agent and ranks
   however nice its thread is, so such a process lowers its session's weight too

@@ -12,7 +12,10 @@ so only the code inside the ranks differs:
   the ordered all-gather comm hook, the rescue and evidence responder threads,
   the drain check, the chaos checks and rank 0's checkpoint publisher (no
   periodic checkpoints; one at the end, as in every segment);
-- ``relay-no-heartbeat``: the same with the heartbeat thread off, and
+- ``relay`` and ``relay-no-heartbeat`` get the environment a Relay node agent
+  gives its ranks (PyTorch's Flight Recorder on, for a hang's evidence);
+- ``relay-no-heartbeat``: the same with the heartbeat thread off,
+  ``relay-no-flight-rec``: with the Flight Recorder off, and
   ``bare+relay-ddp``: the bare loop with only Relay's DDP set-up and comm hook
   (one bucket, all-gather then an ordered sum, for bit-exact resumes), to show
   which piece the difference comes from.
@@ -33,10 +36,15 @@ import tempfile
 from pathlib import Path
 
 from relay.bench.common import Store, launch_config
+from relay_train.device import Backend, rank_environment
 
 VARIANTS = {"bare": ["relay_train.bare_worker"], "relay": ["relay_train.torchrun_worker"],
             "relay-no-heartbeat": ["relay_train.torchrun_worker"],
+            "relay-no-flight-rec": ["relay_train.torchrun_worker"],
             "bare+relay-ddp": ["relay_train.bare_worker", "--relay-ddp"]}
+# The environment a Relay node agent gives its ranks (relay_train.device.rank_environment:
+# PyTorch's Flight Recorder, for a hang's collective trace), as in a segment.
+WITH_AGENT_ENV = ("relay", "relay-no-heartbeat")
 
 
 def _run(store: Store, root: Path, variant: str, steps: int, interval: float) -> float:
@@ -46,12 +54,15 @@ def _run(store: Store, root: Path, variant: str, steps: int, interval: float) ->
     launch = root / "launch.json"
     cfg.write(launch)
     torchrun = str(Path(sys.executable).with_name("torchrun"))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if variant in WITH_AGENT_ENV:
+        env.update(rank_environment(Backend.GLOO, root, deterministic=True))
     with (root / "torchrun.log").open("wb") as out:
         code = subprocess.run(
             [torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", str(cfg.world_size),
              "--max-restarts", "0", "-m", *VARIANTS[variant], "--launch", str(launch)],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=1800, check=False,
+            env=env, timeout=1800, check=False,
         ).returncode
     if code != 0:
         raise RuntimeError(f"{variant} run failed (exit {code}); see {root / 'torchrun.log'}")

@@ -123,9 +123,10 @@ class PreflightOperator(RelayOperator):
             log.warning("Only %d healthy node(s) for %d needed: segments will follow the "
                         "policy's nodes.when_too_few", len(nodes), spec.nodes)
         # When Relay's first line ran: what came before it in a DAG run was Airflow's.
-        write_atomically(segment_dir(spec, context["dag_run"].run_id, 0).parent / PREFLIGHT_FILE,
-                         json.dumps({"started_at": started, "ended_at": time.time(),
-                                     "mlflow_run": parent}))
+        run_dir = segment_dir(spec, context["dag_run"].run_id, 0).parent
+        run_dir.mkdir(parents=True, exist_ok=True)  # no standby made it (no nodes yet)
+        write_atomically(run_dir / PREFLIGHT_FILE, json.dumps(
+            {"started_at": started, "ended_at": time.time(), "mlflow_run": parent}))
         return parent
 
 

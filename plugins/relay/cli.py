@@ -96,7 +96,8 @@ def _cmd_bench_scheduled(args: argparse.Namespace) -> int:
     from relay.bench.scheduled import main as bench_main
 
     return bench_main(steps=args.steps, segment=args.segment, every=args.every,
-                      repeats=args.repeats, smoke=args.smoke, timeout=args.timeout)
+                      repeats=args.repeats, smoke=args.smoke, timeout=args.timeout,
+                      ettr=not args.no_ettr)
 
 
 def _cmd_bench_watcher(args: argparse.Namespace) -> int:
@@ -387,8 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "instead of a temporary one")
     goodput.set_defaults(func=_cmd_bench_goodput)
     scheduled = bench.add_parser(
-        "scheduled", help="fault -> first productive step with the real scheduler and triggerer "
-        "(the services of `make up`), goodput's job and fault schedule")
+        "scheduled", help="fault -> first productive step, and every run's ETTR, with the real "
+        "scheduler and triggerer (the services of `make up`), goodput's job and fault schedule")
     scheduled.add_argument("--steps", type=int, default=1200)
     scheduled.add_argument("--segment", type=int, default=300)
     scheduled.add_argument("--every", type=int, default=25)
@@ -397,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="seconds to wait for each DAG run (default %(default)s)")
     scheduled.add_argument("--smoke", action="store_true",
                            help="160 steps, 1 repeat: checks it works, no figures")
+    scheduled.add_argument("--no-ettr", action="store_true",
+                           help="only the faulty DAG run: no fault-free run, no torchrun "
+                           "baseline, no ETTR")
     scheduled.set_defaults(func=_cmd_bench_scheduled)
     add_commands(sub)
     return parser

@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from relay.bench.goodput import Run
-from relay.bench.scheduled import _bench_env, figure, goal_verdict, print_run, summarise
+from relay.bench.scheduled import (
+    _bench_env,
+    dag_run_ended_at,
+    figure,
+    goal_verdict,
+    print_run,
+    print_summary,
+    summarise,
+)
 
 
 def _fault(kind: str, resume: float | None, detected: float | None = 2.0,
@@ -77,3 +85,46 @@ def test_the_cli_wires_the_benchmark_with_one_repeat_by_default() -> None:
     assert args.func is _cmd_bench_scheduled
     assert (args.steps, args.segment, args.every, args.repeats, args.smoke) == (
         1200, 300, 25, 1, True)
+    assert args.no_ettr is False
+    assert build_parser().parse_args(["bench", "scheduled", "--no-ettr"]).no_ettr is True
+
+
+class _Api:
+    """Stands in for the REST API's answer about one DAG run (no service runs here)."""
+
+    def __init__(self, run: dict) -> None:
+        self.run = run
+
+    def dag_run(self, dag_id: str, run_id: str) -> dict:
+        return self.run
+
+
+def test_a_runs_end_is_the_end_airflow_recorded() -> None:
+    ended = dag_run_ended_at(_Api({"end_date": "2026-12-04T15:16:16.500000Z"}), "r")
+
+    assert ended == pytest.approx(1796397376.5)
+    assert dag_run_ended_at(_Api({"end_date": None}), "r") is None
+
+
+def test_the_summary_gives_every_runs_ettr_and_judges_the_goal_on_the_median(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def repeat(free_wall: float) -> list[Run]:
+        return [Run("relay with faults", True, 160.0, 7, [_fault("hang", 5.0)]),
+                Run("relay fault-free", True, free_wall, 4),
+                Run("torchrun fault-free", True, 130.0, 1)]
+
+    print_summary([repeat(135.0), repeat(150.0), repeat(140.0)], [126.0, 126.0, 126.0])
+
+    out = capsys.readouterr().out
+    assert "relay fault-free" in out and "0.90 [0.84-0.93]" in out  # 126/140, 126/150, 126/135
+    assert "torchrun fault-free" in out and "0.97 [0.97-0.97]" in out
+    assert "absolute ETTR >= 0.9 fault-free: met (median 0.90)" in out
+    print_summary([repeat(150.0)], [126.0])
+    assert "fault-free: NOT met (median 0.84)" in capsys.readouterr().out
+
+
+def test_without_ettr_the_summary_has_no_ettr(capsys: pytest.CaptureFixture[str]) -> None:
+    print_summary([[Run("relay with faults", True, 160.0, 7, [_fault("hang", 5.0)])]], [])
+
+    out = capsys.readouterr().out
+    assert "hang" in out and "ETTR" not in out

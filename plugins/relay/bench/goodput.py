@@ -238,16 +238,16 @@ def _relay_run(home: Path, schedule: list[dict[str, Any]]) -> tuple[Run, list[Pa
 
 
 def _baseline_run(base: Path, job: dict[str, Any], schedule: list[dict[str, Any]],
-                  timeout: float) -> Run:
+                  timeout: float, tracking_uri: str | None = None) -> Run:
     """Run the torchrun baseline with ``schedule`` (none: fault-free); print its wall."""
     if not schedule:
         plain = baseline_run("torchrun fault-free", run_baseline(
-            base / "fault-free", job, [], NODE_POOL, timeout))
+            base / "fault-free", job, [], NODE_POOL, timeout, tracking_uri))
         attempts = sorted((base / "fault-free").glob("segment-*/try-*"))
         print(f"    torchrun fault-free: {plain.wall:.1f}s; {ends(plain, attempts)}", flush=True)
         return plain
     short = baseline_run(f"torchrun, timeout {timeout:g}s", run_baseline(
-        base / "faults-short", job, schedule, NODE_POOL, timeout))
+        base / "faults-short", job, schedule, NODE_POOL, timeout, tracking_uri))
     print(f"    torchrun with faults, timeout {timeout:g}s: {short.wall:.1f}s", flush=True)
     return short
 

@@ -73,6 +73,19 @@ def _faults_of(runs: list[tuple[Run, int]], key: str) -> dict[str, list[float]]:
 
 def print_summary(all_runs: list[list[Run]], productive: list[float], short: float) -> None:
     """Print medians and spreads over the repeats, and Relay's time-to-resume breakdown."""
+    print_ettr(all_runs, productive)
+    print("\n  Fault -> first productive step, per kind (a fault a run never noticed has no "
+          "row: it just ran slower):")
+    for name, runs in _by_name(all_runs).items():
+        for kind, values in _faults_of(runs, "fault_to_resume").items():
+            detected = _faults_of(runs, "detected_after").get(kind, [])
+            print(f"  {name:24} {kind:18} {spread(values):22} detected after "
+                  f"{spread(detected)}")
+    print_breakdown(all_runs)
+
+
+def print_ettr(all_runs: list[list[Run]], productive: list[float]) -> None:
+    """Print each run's wall time, ETTR and lost steps: median [min-max] over the repeats."""
     n = len(all_runs)
     print(f"\n  Over {n} repeat(s): median [min-max]. ETTR = productive time / wall time "
           "(absolute, every run).")
@@ -89,14 +102,6 @@ def print_summary(all_runs: list[list[Run]], productive: list[float], short: flo
         if derived:
             print(f"  {'':24} {derived[0]} (per repeat; the timeout only ends a hang or frozen "
                   f"node later, all else equal)")
-    print("\n  Fault -> first productive step, per kind (a fault a run never noticed has no "
-          "row: it just ran slower):")
-    for name, runs in _by_name(all_runs).items():
-        for kind, values in _faults_of(runs, "fault_to_resume").items():
-            detected = _faults_of(runs, "detected_after").get(kind, [])
-            print(f"  {name:24} {kind:18} {spread(values):22} detected after "
-                  f"{spread(detected)}")
-    print_breakdown(all_runs)
 
 
 def print_breakdown(all_runs: list[list[Run]]) -> None:

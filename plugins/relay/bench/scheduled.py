@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +33,33 @@ import requests
 
 from relay import services, settings
 from relay.airflow_api import AirflowApi, ServiceError
-from relay.bench.goodput import NODE_POOL, SMOKE, Run, _job_yaml, fault_schedule, relay_faults
-from relay.bench.goodput_report import format_parts, print_breakdown, sec_text, spread
+from relay.bench.goodput import (
+    NODE_POOL,
+    SMOKE,
+    Run,
+    _baseline_run,
+    _job,
+    _job_yaml,
+    ends,
+    fault_schedule,
+    print_pace,
+    relay_faults,
+    seconds_per_step,
+)
+from relay.bench.goodput_report import (
+    ettr,
+    format_parts,
+    print_breakdown,
+    print_ettr,
+    sec_text,
+    spread,
+)
 from relay.paths import safe_name
 
 DAG_ID = "relay_goodput"
 GOAL_SECONDS = 9.5  # issue 12: fault -> first productive step with the real scheduler
+GOAL_ETTR = 0.9  # issue 12: absolute ETTR of the fault-free run
+BASELINE_COLLECTIVE_TIMEOUT = 120.0  # goodput's default; a fault-free run never reaches it
 ENV_VARS = ("RELAY_HOME", "RELAY_JOBS_DIR", "RELAY_NODES", "RELAY_MLFLOW_TRACKING_URI")
 
 
@@ -86,8 +108,10 @@ def print_run(run: Run) -> None:
                   flush=True)
 
 
-def print_summary(runs: list[Run]) -> None:
-    """Print median [min-max] per fault kind over the repeats, then the parts' medians."""
+def print_summary(all_runs: list[list[Run]], productives: list[float]) -> None:
+    """Print median [min-max] per fault kind over the repeats, the parts' medians and, with
+    fault-free runs, every run's ETTR."""
+    runs = [repeat[0] for repeat in all_runs]  # the faulty DAG run of each repeat
     over = ", median [min-max]" if len(runs) > 1 else ""
     print(f"\n  Over {len(runs)} repeat(s){over}; goal of issue 12: fault -> first productive "
           f"step <= {GOAL_SECONDS:g}s with the real scheduler and triggerer")
@@ -98,6 +122,13 @@ def print_summary(runs: list[Run]) -> None:
               f"{figure(found['detected_after']):24} {lost:10} "
               f"{goal_verdict(found['fault_to_resume'])}")
     print_breakdown([runs])
+    if productives:
+        print_ettr(all_runs, productives)
+        free = [ettr(r, p) for repeat, p in zip(all_runs, productives, strict=True)
+                for r in repeat if r.name == "relay fault-free"]
+        print(f"  goal of issue 12: absolute ETTR >= {GOAL_ETTR:g} fault-free: "
+              f"{'met' if statistics.median(free) >= GOAL_ETTR else 'NOT met'} (median "
+              f"{statistics.median(free):.2f})")
 
 
 def wait_for_run(api: AirflowApi, run_id: str, timeout: float) -> str:
@@ -114,13 +145,26 @@ def wait_for_run(api: AirflowApi, run_id: str, timeout: float) -> str:
     return "timed out"
 
 
-def one_repeat(api: AirflowApi, home: Path, steps: int, timeout: float, name: str) -> Run:
-    """Trigger one faulty run through the REST API; return its faults from its attempts."""
+def dag_run_ended_at(api: AirflowApi, run_id: str) -> float | None:
+    """Return when Airflow recorded the DAG run's end (its ``end_date``), as a Unix time."""
+    try:
+        end = api.dag_run(DAG_ID, run_id).get("end_date")
+    except (requests.RequestException, ServiceError):
+        return None
+    return datetime.fromisoformat(end).timestamp() if end else None
+
+
+def relay_run(api: AirflowApi, home: Path, schedule: list[dict[str, Any]], timeout: float,
+              name: str) -> tuple[Run, list[Path]]:
+    """Trigger one DAG run with ``schedule`` (none: fault-free) through the REST API; return
+    it and its attempt folders. Its wall time runs from the trigger request to the end
+    Airflow recorded for the run (not to when this loop, polling, saw it)."""
     (home / "nodes.json").unlink(missing_ok=True)  # no quarantine carries over between runs
     started = time.time()
-    run_id = api.trigger(DAG_ID, {"chaos": fault_schedule(steps)})
+    run_id = api.trigger(DAG_ID, {"chaos": schedule})
     state = wait_for_run(api, run_id, timeout)
-    wall = time.time() - started
+    ended = dag_run_ended_at(api, run_id) if state == "success" else None
+    wall = (ended or time.time()) - started
     run_dir = settings.runs_dir() / DAG_ID / safe_name(run_id)
     if state != "success":
         try:
@@ -135,7 +179,39 @@ def one_repeat(api: AirflowApi, home: Path, steps: int, timeout: float, name: st
                         f"{services.services_dir(home) / 'logs'}")
     attempts = sorted(run_dir.glob("segment-*/try-*"))
     return Run(name, True, wall, len(attempts), relay_faults(attempts),
-               note=f"run {run_id}", started=started)
+               note=f"run {run_id}", started=started), attempts
+
+
+def one_repeat(api: AirflowApi, home: Path, args: dict[str, Any], repeat: int,
+               tracking_uri: str) -> tuple[list[Run], float | None]:
+    """Run one repeat: the faulty DAG run and, for ETTR, a fault-free one and the torchrun
+    baseline's fault-free run (logging to the same MLflow server); return the runs (the
+    faulty one first) and the productive time (None without ETTR)."""
+    schedule = fault_schedule(args["steps"])
+    relay: dict[bool, tuple[Run, list[Path]]] = {}
+    order = (True, False) if repeat % 2 else (False, True)  # a drift falls on each in turn
+    for faulty in order if args["ettr"] else (True,):
+        name = "relay with faults" if faulty else "relay fault-free"
+        relay[faulty] = relay_run(api, home, schedule if faulty else [], args["timeout"], name)
+        if faulty:
+            print_run(relay[faulty][0])
+        else:
+            free = relay[faulty]
+            print(f"    relay fault-free: {free[0].wall:.1f}s; {ends(*free)}", flush=True)
+    if not args["ettr"]:
+        return [relay[True][0]], None
+    base = home / "baseline" / f"repeat-{repeat}"
+    plain = _baseline_run(base, _job(args["steps"], args["every"]), [],
+                          BASELINE_COLLECTIVE_TIMEOUT, tracking_uri)
+    plain_attempts = sorted((base / "fault-free").glob("segment-*/try-*"))
+    pooled = seconds_per_step(relay[False][1] + plain_attempts)
+    print_pace(relay[False][1], plain_attempts, relay[True][1], pooled)
+    runs = [relay[True][0], relay[False][0], plain]
+    productive = args["steps"] * pooled
+    print(f"    ETTR (productive time {productive:.1f}s, total steps x the pooled seconds per "
+          "step of the two fault-free loops): " + ", ".join(
+              f"{r.name} {ettr(r, productive):.2f} ({r.wall:.1f}s)" for r in runs), flush=True)
+    return runs, productive
 
 
 def header(args: dict[str, Any], smoke: bool) -> str:
@@ -157,7 +233,14 @@ def header(args: dict[str, Any], smoke: bool) -> str:
         f"step {schedule[1]['step']}; the node hosting rank 3 turns 3x slow at step "
         f"{schedule[2]['step']} and stays slow\n"
         "  Compared with: issue 12's goal (median <= 9.5s). `relay bench goodput` measures the "
-        "same under `airflow dags test` (goal <= 7s). No fault-free run, no baseline, no ETTR")
+        "same under `airflow dags test` (goal <= 7s)\n"
+        + ("  ETTR: each repeat also triggers a fault-free DAG run and runs goodput's torchrun "
+           "baseline fault-free (one torchrun per node, logging to the same MLflow server), "
+           "the services running beside both; absolute ETTR = productive time / wall time, "
+           "productive time = total steps x the pooled seconds per step of the two fault-free "
+           "loops; a DAG run's wall time runs from the trigger request to the end Airflow "
+           "recorded (goal: >= 0.9 fault-free)" if args["ettr"] else
+           "  No fault-free run, no baseline, no ETTR (--no-ettr)"))
 
 
 @contextmanager
@@ -179,9 +262,11 @@ def _bench_env(home: Path) -> Iterator[Path]:
                 os.environ[key] = value
 
 
-def run_all(home: Path, args: dict[str, Any]) -> list[Run]:
-    """Bring the services up in ``home``, run the repeats, always bring them down."""
-    runs: list[Run] = []
+def run_all(home: Path, args: dict[str, Any]) -> tuple[list[list[Run]], list[float]]:
+    """Bring the services up in ``home``, run the repeats, always bring them down; return
+    each repeat's runs (the faulty one first) and productive times (none without ETTR)."""
+    all_runs: list[list[Run]] = []
+    productives: list[float] = []
     with _bench_env(home) as jobs:
         (jobs / "goodput.yaml").write_text(_job_yaml(args["steps"], args["segment"],
                                                      args["every"]))
@@ -193,14 +278,15 @@ def run_all(home: Path, args: dict[str, Any]) -> list[Run]:
             api = AirflowApi(deployment.api_url, services.ADMIN_USER,
                              services.admin_password(home))
             for repeat in range(1, args["repeats"] + 1):
-                run = one_repeat(api, home, args["steps"], args["timeout"],
-                                 f"repeat {repeat}/{args['repeats']}")
-                print_run(run)
-                runs.append(run)
+                print(f"  repeat {repeat}/{args['repeats']}:", flush=True)
+                runs, productive = one_repeat(api, home, args, repeat, deployment.mlflow_url)
+                all_runs.append(runs)
+                if productive is not None:
+                    productives.append(productive)
         finally:
             stopped = services.down(home)
             print(f"  services down: {len(stopped)} process(es) stopped", flush=True)
-    return runs
+    return all_runs, productives
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
@@ -208,10 +294,10 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 
 
 def bench_args(steps: int, segment: int, every: int, repeats: int, smoke: bool,
-               timeout: float) -> dict[str, Any]:
+               timeout: float, ettr: bool = True) -> dict[str, Any]:
     """Return the run's settings; ``smoke`` takes goodput's short schedule and 1 repeat."""
     args: dict[str, Any] = {"steps": steps, "segment": segment, "every": every,
-                            "repeats": repeats, "timeout": timeout}
+                            "repeats": repeats, "timeout": timeout, "ettr": ettr}
     if smoke:
         args.update({k: SMOKE[k] for k in ("steps", "segment", "every", "repeats")})
         args["timeout"] = min(timeout, 900.0)
@@ -219,9 +305,10 @@ def bench_args(steps: int, segment: int, every: int, repeats: int, smoke: bool,
 
 
 def main(steps: int = 1200, segment: int = 300, every: int = 25, repeats: int = 1,
-         smoke: bool = False, timeout: float = 1800.0) -> int:
-    """Run the repeats with the real services; print each fault's time to resume."""
-    args = bench_args(steps, segment, every, repeats, smoke, timeout)
+         smoke: bool = False, timeout: float = 1800.0, ettr: bool = True) -> int:
+    """Run the repeats with the real services; print each fault's time to resume and,
+    with ``ettr``, every run's ETTR."""
+    args = bench_args(steps, segment, every, repeats, smoke, timeout, ettr)
     print(header(args, smoke), flush=True)
     home = Path(tempfile.mkdtemp(prefix="relay-bench-scheduled-"))
     # A SIGTERM (or SIGINT, even when a background shell ignores it) must bring the services
@@ -229,7 +316,7 @@ def main(steps: int = 1200, segment: int = 300, every: int = 25, repeats: int = 
     previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM,
                                                                     signal.SIGINT)}
     try:
-        runs = run_all(home, args)
+        all_runs, productives = run_all(home, args)
     except (RunFailed, ServiceError) as err:
         print(f"relay bench scheduled: {err}\n  (kept {home} for its logs; remove it when done)")
         return 1
@@ -240,5 +327,5 @@ def main(steps: int = 1200, segment: int = 300, every: int = 25, repeats: int = 
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     shutil.rmtree(home, ignore_errors=True)
-    print_summary(runs)
+    print_summary(all_runs, productives)
     return 0

@@ -160,12 +160,13 @@ def _cause(attempt_dir: Path) -> tuple[str, float | None]:
 
 def run_baseline(
     job_dir: Path, job: dict[str, Any], schedule: list[dict[str, Any]], pool: list[str],
-    collective_timeout: float,
+    collective_timeout: float, tracking_uri: str | None = None,
 ) -> BaselineRun:
-    """Run the job under supervised torchrun until it finishes (or 30 restarts)."""
+    """Run the job under supervised torchrun until it finishes (or 30 restarts);
+    ``tracking_uri``: the MLflow store both sides log to (default: one of its own, on disk)."""
     from relay.lineage import Lineage
 
-    lineage = Lineage(f"sqlite:///{job_dir / 'mlflow.db'}", job_dir / "artifacts")
+    lineage = Lineage(tracking_uri or f"sqlite:///{job_dir / 'mlflow.db'}", job_dir / "artifacts")
     lineage.ensure_store()  # the store's tables exist before the clock starts, as Relay's do
     nodes, spare = list(pool[: job["nodes"]]), list(pool[job["nodes"]:])
     run = BaselineRun(nodes_used=list(nodes))

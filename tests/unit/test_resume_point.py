@@ -105,3 +105,36 @@ def test_has_checkpoint_reads_down_to_the_step_only(tmp_path: Path) -> None:
         "checkpoints/step-00000040", "checkpoints/step-00000030"]  # two manifests, no more
     assert not lineage.has_checkpoint(parent, 25)
     assert not lineage.has_checkpoint(parent, 50)
+
+
+def test_a_whole_chain_is_read_several_at_once_in_the_lazy_readers_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``manifests`` reads ``READERS`` manifests at a time (round trips to a tracking
+    server, on the way to a run's end); two attempts that published the same step each
+    keep their own manifest, and the order is ``newest_first``'s."""
+    import threading
+
+    lineage = Lineage(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    parent = lineage.parent_run("t", "relay_t", "run-1")
+    for attempt, steps in enumerate([(10, 20, 30), (30, 40), (40, 50, 60)], start=1):
+        run = lineage.attempt_run(parent, 0, attempt, {"attempt": attempt})
+        for step in steps:
+            _publish(lineage, run, step, tmp_path / f"a{attempt}")
+    both_at_once = threading.Barrier(2, timeout=10)  # one by one, the first read waits in vain
+    calls: list[int] = []
+    manifest = Lineage._manifest
+
+    def reading(self: Lineage, run: Any, path: str, tmp: str) -> Any:  # noqa: ANN401
+        calls.append(1)
+        if len(calls) <= 2:
+            both_at_once.wait()
+        return manifest(self, run, path, tmp)
+
+    monkeypatch.setattr(Lineage, "_manifest", reading)
+
+    found = lineage.manifests(parent)
+
+    assert [(m.step, m.run_id) for m in found] == [
+        (m.step, m.run_id) for m in lineage.newest_first(parent)]
+    assert [m.step for m in found] == [60, 50, 40, 40, 30, 30, 20, 10]
+    assert len({m.run_id for m in found if m.step == 30}) == 2  # both attempts' own

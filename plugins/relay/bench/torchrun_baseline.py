@@ -171,7 +171,10 @@ def run_baseline(
     nodes, spare = list(pool[: job["nodes"]]), list(pool[job["nodes"]:])
     run = BaselineRun(nodes_used=list(nodes))
     started = run.started = time.time()
-    parent = lineage.parent_run("goodput-baseline", "baseline", job_dir.name)  # as preflight
+    # As preflight: one MLflow run per job run, named by its folder's last two parts (the
+    # repeat and the run), unique in a store that several repeats share.
+    parent = lineage.parent_run("goodput-baseline", "baseline",
+                                f"{job_dir.parent.name}/{job_dir.name}")
     for attempt in range(1, 31):
         attempt_dir = job_dir / "segment-000" / f"try-{attempt}"
         attempt_dir.mkdir(parents=True, exist_ok=True)

@@ -121,3 +121,30 @@ def test_keep_refuses_a_folder_with_files_and_names_the_fix(
     assert cli(["bench", "goodput", "--keep", str(tmp_path)]) == 2
     assert "expected a new or empty folder" in capsys.readouterr().err
     assert (tmp_path / "earlier.txt").read_text() == "a reader's notes"  # nothing touched
+
+
+def test_a_baseline_run_never_resumes_another_runs_checkpoints(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Repeats sharing one MLflow store once found the first repeat's finished run, resumed
+    at its last step and "trained" a whole job in seconds: the baseline refuses instead,
+    before it starts any torchrun (real MLflow store on disk, one checkpoint published)."""
+    from test_fencing import _publish
+
+    from relay.bench import torchrun_baseline
+    from relay.bench.goodput import NODE_POOL, _job
+    from relay.bench.torchrun_baseline import run_baseline
+    from relay.lineage import Lineage
+
+    def start(*_: object) -> None:
+        raise AssertionError("the baseline started torchrun on another run's checkpoints")
+
+    monkeypatch.setattr(torchrun_baseline, "_start", start)
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    lineage = Lineage(uri, tmp_path / "artifacts")
+    parent = lineage.parent_run("goodput-baseline", "baseline", "repeat-1/fault-free")
+    _publish(lineage, lineage.attempt_run(parent, 0, 1, {}), 40, tmp_path / "published")
+
+    with pytest.raises(RuntimeError, match="expected a new MLflow run.*step 40"):
+        run_baseline(tmp_path / "repeat-1" / "fault-free", _job(40, 20), [], NODE_POOL, 60.0,
+                     uri)

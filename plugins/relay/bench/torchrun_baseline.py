@@ -180,6 +180,11 @@ def run_baseline(
         attempt_dir.mkdir(parents=True, exist_ok=True)
         latest = lineage.latest_valid_checkpoint(parent, attempt_dir / "resume")
         resume_step = latest.manifest.step if latest else 0
+        if attempt == 1 and latest is not None:  # it would "finish" without training
+            raise RuntimeError(
+                f"baseline {job_dir}: expected a new MLflow run, found run {parent} with a "
+                f"checkpoint at step {resume_step} in {lineage.tracking_uri}; give each "
+                "baseline run a folder of its own (its repeat and run name the MLflow run)")
         if run.recoveries:
             last = run.recoveries[-1]
             last.lost_steps = max(last.reached_step - resume_step, 0)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import time
 from html import escape
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
-from relay.run_view import AttemptView, RunView
+if TYPE_CHECKING:  # run_view imports MLflow: the plugin loads this module in every component
+    from relay.run_view import AttemptView, RunView
 
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:1.2em;color:#222;max-width:1200px}

@@ -11,15 +11,21 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 
 from relay import settings
-from relay.lineage import Lineage
 from relay.page_html import index_html, run_html
-from relay.run_view import RunView, dag_runs, find_parent, run_view
+
+if TYPE_CHECKING:
+    from relay.lineage import Lineage
+    from relay.run_view import RunView
+
+# Airflow imports its plugins (this page) in every component and in every `airflow dags
+# test`, on its way to the first task: MLflow (relay.lineage, relay.run_view) is imported
+# by the routes that read a run, when a request comes, not here (~1.6 s of CPU).
 
 log = logging.getLogger(__name__)
 PICTURES = ("timeline.png", "loss.png")
@@ -61,6 +67,9 @@ def _job_of(dag_id: str) -> str:
 
 
 def _view(dag_id: str, run_id: str | None) -> tuple[Lineage, RunView]:
+    from relay.lineage import Lineage
+    from relay.run_view import find_parent, run_view
+
     lineage = Lineage.from_settings()
     try:
         parent = find_parent(lineage, _job_of(dag_id), run_id)
@@ -101,6 +110,9 @@ def create_app() -> FastAPI:
 
     @app.get("/", response_class=HTMLResponse)
     def index(user: UserDep) -> str:
+        from relay.lineage import Lineage
+        from relay.run_view import dag_runs
+
         lineage = Lineage.from_settings()
         jobs = sorted(p.stem for p in settings.jobs_dir().glob("*.yaml"))
         listing: dict[str, list[Any]] = {}

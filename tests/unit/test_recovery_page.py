@@ -82,3 +82,19 @@ def test_a_logged_in_viewer_gets_the_page(
     assert "nope" in resp.json()["detail"]
     resp = client.get("/api/run?dag_id=example_bash", headers={"Authorization": f"Bearer {token}"})
     assert resp.status_code == 404
+
+
+def test_loading_the_plugin_and_parsing_the_dags_leaves_mlflow_out() -> None:
+    """Airflow imports its plugins in every component and in every `airflow dags test`
+    on its way to the first task, and parses the DAG folder often: MLflow (~1.6 s of
+    imports) must wait for the first route, preflight or segment that reads a run. In a
+    new interpreter, since this one may have imported MLflow already."""
+    import subprocess
+    import sys
+
+    code = ("import sys, relay.plugin, relay.dag_factory; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlflow'))")
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, timeout=120)
+
+    assert found.stdout.strip() == "[]", found.stdout[-500:]

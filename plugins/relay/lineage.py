@@ -290,17 +290,15 @@ class Lineage:
         costs two round trips (a listing, a download): ``READERS`` at a time, a tracking
         server answers a whole chain in a fraction of the time one by one (finalize reads
         it on the way to the run's end)."""
-        dirs = [d for _, found in sorted(self._step_dirs(parent_run_id).items(), reverse=True)
-                for d in found]
-        def read_one(index: int, tmp: str) -> CheckpointManifest | None:
-            into = Path(tmp, str(index))  # its own folder: two attempts may share a step
-            into.mkdir()
-            return self._manifest(*dirs[index], str(into))
-
+        dirs = [d for found in self._step_dirs(parent_run_id).values() for d in found]
         with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(READERS) as pool:
-            read = pool.map(read_one, range(len(dirs)), [tmp] * len(dirs))
-            return sorted((m for m in read if m is not None),
-                          key=lambda m: (m.step, m.created_at), reverse=True)
+            def read(index: int) -> CheckpointManifest | None:
+                into = Path(tmp, str(index))  # its own folder: two attempts may share a step
+                into.mkdir()
+                return self._manifest(*dirs[index], str(into))
+
+            found = [m for m in pool.map(read, range(len(dirs))) if m is not None]
+        return sorted(found, key=lambda m: (m.step, m.created_at), reverse=True)
 
     def newest_first(self, parent_run_id: str) -> Iterator[CheckpointManifest]:
         """Yield a DAG run's checkpoint manifests, newest step first, reading each only when

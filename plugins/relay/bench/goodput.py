@@ -217,7 +217,7 @@ def one_repeat(home: Path, repeat: int, args: dict[str, Any]) -> tuple[list[Run]
         runs.append(derive_default_timeout(short, timeout))
     # Both fault-free runs train the same loop: pool them, so one run's bad moment on a
     # shared machine does not set every ETTR of the repeat.
-    plain_attempts = sorted((base / "fault-free").glob("segment-*/try-*"))
+    plain_attempts = baseline_attempts(base)
     pooled = seconds_per_step(free_attempts + plain_attempts)
     print_pace(free_attempts, plain_attempts, faulty_attempts, pooled)
     return runs, args["steps"] * pooled
@@ -237,14 +237,19 @@ def _relay_run(home: Path, schedule: list[dict[str, Any]]) -> tuple[Run, list[Pa
     return faulty, attempts
 
 
+def baseline_attempts(base: Path) -> list[Path]:
+    """Return the attempt folders of the fault-free torchrun baseline run under ``base``."""
+    return sorted((base / "fault-free").glob("segment-*/try-*"))
+
+
 def _baseline_run(base: Path, job: dict[str, Any], schedule: list[dict[str, Any]],
                   timeout: float, tracking_uri: str | None = None) -> Run:
     """Run the torchrun baseline with ``schedule`` (none: fault-free); print its wall."""
     if not schedule:
         plain = baseline_run("torchrun fault-free", run_baseline(
             base / "fault-free", job, [], NODE_POOL, timeout, tracking_uri))
-        attempts = sorted((base / "fault-free").glob("segment-*/try-*"))
-        print(f"    torchrun fault-free: {plain.wall:.1f}s; {ends(plain, attempts)}", flush=True)
+        print(f"    torchrun fault-free: {plain.wall:.1f}s; {ends(plain, baseline_attempts(base))}",
+              flush=True)
         return plain
     short = baseline_run(f"torchrun, timeout {timeout:g}s", run_baseline(
         base / "faults-short", job, schedule, NODE_POOL, timeout, tracking_uri))

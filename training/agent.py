@@ -36,7 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from relay_train.channel import AgentServer
-from relay_train.device import FLIGHT_RECORDER_DIR, rank_environment, rank_start_method
+from relay_train.device import (
+    FLIGHT_RECORDER_DIR,
+    apply_thread_count,
+    rank_environment,
+    rank_start_method,
+)
 from relay_train.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE, node_clock
 from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
 from relay_train.priority import yielding_thread
@@ -338,6 +343,7 @@ def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    apply_thread_count()
     from relay_train import worker
 
     try:

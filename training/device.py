@@ -215,3 +215,19 @@ def wait_for_compute(device: torch.device) -> None:
     if device.type != "cuda":
         return
     torch.cuda.current_stream(device).synchronize()
+
+
+def apply_thread_count() -> int:
+    """Give this rank the intra-op thread count ``OMP_NUM_THREADS`` asks for; return it.
+
+    The OpenMP runtime reads ``OMP_NUM_THREADS`` once, when it starts: for a forked rank
+    that was in the node agent, before the launcher's environment reached the rank.
+    And a forked process keeps the count of the thread that forked it: a rank forked
+    from a standby that a resident agent forked (the resident preloads in a thread,
+    and ``torch.set_num_threads`` there does not reach its main thread) ran with one
+    intra-op thread per core, not the one the launcher set.
+    """
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0 and torch.get_num_threads() != int(value):
+        torch.set_num_threads(int(value))
+    return torch.get_num_threads()

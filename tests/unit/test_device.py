@@ -372,3 +372,24 @@ def test_spawned_rank_refuses_forced_nccl_on_cpu_with_the_fix_in_its_log(
     log = (tmp_path / "logs" / "rank-0.log").read_text()
     assert "backend: nccl: expected a CUDA build of torch with NCCL" in log
     assert "fix:" in log
+
+
+def test_a_forked_rank_runs_with_the_thread_count_its_environment_sets(tmp_path: Path) -> None:
+    """A rank forked from a process whose main thread kept the default intra-op thread
+    count (a resident's standby: it preloaded in a thread) still gets OMP_NUM_THREADS.
+    The rank is played by a fork of this test that calls the agent's ``_run_rank`` with a
+    ``run_rank`` that exits with the rank's thread count."""
+    from relay_train import agent, worker
+
+    pid = os.fork()
+    if pid == 0:  # the forked "agent" and, at once, its rank
+        code = 99
+        try:
+            torch.set_num_threads(2)  # what a thread's preload leaves the main thread
+            worker.run_rank = lambda _launch: torch.get_num_threads()  # type: ignore[assignment]
+            worker.exit_now = os._exit  # type: ignore[assignment]
+            agent._run_rank({"OMP_NUM_THREADS": "1"}, tmp_path / "rank.log", tmp_path / "x")
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 1, (tmp_path / "rank.log").read_text()

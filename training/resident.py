@@ -9,15 +9,19 @@ it preloads once, yielding the CPU to the ranks (see :mod:`relay_train.priority`
 its session's weight is the lowest Linux gives until it is asked for a standby),
 and then waits. Asked for a standby, it forks one: a copy that is preloaded
 already, ready at once, exactly like a copy of a running node's agent. On a
-cluster this is a node-resident daemon; Relay's local launcher runs one process
-per simulated node.
+cluster this is a node-resident daemon. Relay's local launcher, whose simulated
+nodes all share one host, runs one per DAG run, and the ask names the node the
+standby is for: a second resident would only import the same stack again, on
+the CPUs the ranks train on (about 4 CPU-seconds on a 2-core machine, after every
+recovery that moved onto a new node).
 
 The handshake, in the DAG run's ``resident`` folder, ``<node>`` being the node:
 
 - ``<node>.standby``: written by the launcher when it starts the resident (pid),
   so that :meth:`release_standbys` stops it like any unclaimed standby;
 - ``<node>.ready``: written by the resident once preloaded;
-- ``<node>.asks/<id>.ask``: a request (standby folder, ttl, linger). The resident
+- ``<node>.asks/<id>.ask``: a request (standby folder, ttl, linger, and the node
+  the standby is for: ``<node>`` itself unless the ask names another). The resident
   takes it by renaming it to ``<id>.taken`` and answers ``<id>.pid`` once forked;
   an asker that gives up withdraws it by renaming it to ``<id>.withdrawn``: the
   rename is atomic, so an ask is either forked or withdrawn, never both.
@@ -64,9 +68,10 @@ def asks_dir(directory: Path, node: str) -> Path:
 
 
 def ask_standby(directory: Path, node: str, standby_dir: Path, ttl: float, linger: float,
-                wait_seconds: float = ASK_WAIT_SECONDS,
-                preloading_wait_seconds: float = 0.0) -> int | None:
-    """Ask ``node``'s resident to fork a standby into ``standby_dir``; return its PID.
+                wait_seconds: float = ASK_WAIT_SECONDS, preloading_wait_seconds: float = 0.0,
+                for_node: str | None = None) -> int | None:
+    """Ask ``node``'s resident to fork a standby into ``standby_dir`` for ``for_node``
+    (default ``node``, the resident's own); return its PID.
 
     A resident still preloading is asked too when ``preloading_wait_seconds`` is set
     (it stops yielding the CPU and answers once preloaded, which is sooner than a new
@@ -83,7 +88,7 @@ def ask_standby(directory: Path, node: str, standby_dir: Path, ttl: float, linge
     name = uuid.uuid4().hex
     ask = asks / f"{name}.ask"
     write_atomically(ask, json.dumps({"directory": str(standby_dir), "ttl": ttl,
-                                      "linger": linger}))
+                                      "linger": linger, "node": for_node or node}))
     reply = asks / f"{name}.pid"
     deadline = time.monotonic() + wait_seconds
     while not reply.exists():
@@ -165,7 +170,8 @@ class Resident:
                 continue  # withdrawn
             try:
                 request = json.loads(taken.read_text())
-                pid = self._fork(Path(request["directory"]), float(request["ttl"]),
+                pid = self._fork(str(request.get("node", self.node)),
+                                 Path(request["directory"]), float(request["ttl"]),
                                  float(request["linger"]))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.error("resident on %s: bad request %s (%s)", self.node, taken, exc)
@@ -173,21 +179,22 @@ class Resident:
             write_atomically(ask.with_suffix(".pid"), json.dumps({"pid": pid}))
         return bool(asks)
 
-    def _fork(self, directory: Path, ttl: float, linger: float) -> int:
+    def _fork(self, node: str, directory: Path, ttl: float, linger: float) -> int:
         from relay_train.agent import StandbyAsk, become_standby
 
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid:
-            log.info("resident on %s: forked standby pid %d into %s", self.node, pid, directory)
+            log.info("resident on %s: forked a standby for %s, pid %d, into %s", self.node,
+                     node, pid, directory)
             return pid
         code = 1
         for handler in logging.getLogger().handlers:
             handler.setFormatter(logging.Formatter(
-                f"%(asctime)s agent {self.node} %(levelname)s: %(message)s"))
+                f"%(asctime)s agent {node} %(levelname)s: %(message)s"))
         try:
-            code = become_standby(self.node, StandbyAsk(directory, ttl, linger))
+            code = become_standby(node, StandbyAsk(directory, ttl, linger))
         except BaseException:  # noqa: BLE001 - the child must never return into the resident
             logging.exception("standby forked from the resident failed")
         finally:

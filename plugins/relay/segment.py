@@ -240,8 +240,9 @@ class TrainSegmentOperator(FaultHandling, RelayOperator):
     def _spare(self, cfg: LaunchConfig, launcher: Launcher) -> dict[str, Any] | None:
         """Return the standby the watcher warms at a sign of a fault (relay.spare): on
         the first free node, in this segment's standby folder, where its retry looks.
-        That node keeps a resident agent (relay_train.resident) from now on, which
-        preloads beside the ranks at a lower priority, so the standby is forked at once."""
+        The launcher keeps a resident agent there (relay_train.resident; the local
+        launcher one per DAG run, for all its nodes), which preloads beside the ranks at
+        a lower priority, so the standby is forked at once."""
         spec = self.spec()
         run_id = self._task_context["dag_run"].run_id
         taken = set(cfg.nodes)

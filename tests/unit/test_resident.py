@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from relay.launchers.local import LocalLauncher
-from relay.launchers.local_standby import record, recorded_pid, release_run
+from relay.launchers.local_standby import live_resident, record, recorded_pid, release_run
 from relay.proctree import group_members
 from relay_train import resident
 from relay_train.priority import session_nice
@@ -98,6 +98,39 @@ def test_an_answered_ask_returns_the_forked_pid(tmp_path: Path) -> None:
     assert list(asks_dir(tmp_path, "node-c").iterdir()) == []  # nothing left behind
 
 
+def test_an_ask_names_the_node_its_standby_is_for(tmp_path: Path) -> None:
+    """The local launcher's one resident per run forks the standbys of every node."""
+    _ready(tmp_path)
+    seen: list[dict[str, object]] = []
+
+    def answer() -> None:
+        while not (asks := list(asks_dir(tmp_path, "node-c").glob("*.ask"))):
+            time.sleep(0.005)
+        seen.append(json.loads(asks[0].read_text()))
+        os.rename(asks[0], asks[0].with_suffix(".taken"))
+        asks[0].with_suffix(".pid").write_text(json.dumps({"pid": 4545}))
+
+    threading.Thread(target=answer, daemon=True).start()
+    assert ask_standby(tmp_path, "node-c", tmp_path / "standby", 60, 0, for_node="node-d") == 4545
+    assert seen[0]["node"] == "node-d"
+
+
+def test_live_resident_prefers_the_nodes_own_and_skips_the_dead(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    assert live_resident(tmp_path) is None
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    record(tmp_path, "node-a", dead.pid)
+    assert live_resident(tmp_path) is None, "a recorded resident that exited serves nobody"
+    record(tmp_path, "node-c", os.getpid())
+    record(tmp_path, "node-d", os.getpid())
+    assert live_resident(tmp_path) == "node-c"
+    assert live_resident(tmp_path, prefer="node-d") == "node-d"
+    assert live_resident(tmp_path, prefer="node-e") == "node-c"
+
+
 def test_an_unanswered_ask_is_withdrawn(tmp_path: Path) -> None:
     _ready(tmp_path)
     assert ask_standby(tmp_path, "node-c", tmp_path / "standby", 60, 0, wait_seconds=0.2) is None
@@ -164,8 +197,18 @@ def test_a_real_resident_forks_standbys_and_leaves_with_its_run(tmp_path: Path) 
             assert session_nice(Path(f"/proc/{standby_pid}/autogroup")) == 0
         launcher.prestart(run / "segment-001" / "standby", ["node-c"], 60.0)  # and again
         assert _parent(recorded_pid(run / "segment-001" / "standby", "node-c")) == resident_pid
+        # A retry moving onto another node: the run's one resident forks its standby too
+        # (the nodes share this host), and no second resident imports the stack again.
+        launcher.reside(run, ["node-d"])
+        assert recorded_pid(directory, "node-d") is None, "a second resident for the run"
+        other = run / "segment-002" / "standby"
+        launcher.prestart(other, ["node-d"], 60.0)
+        assert _parent(recorded_pid(other, "node-d")) == resident_pid
+        while not ready_file(other, "node-d").exists():
+            assert time.monotonic() < deadline, (other / "node-d.log").read_text()
+            time.sleep(0.05)
     finally:
-        for folder in (standby_dir, run / "segment-001" / "standby"):
+        for folder in (standby_dir, *(run / f"segment-00{i}" / "standby" for i in (1, 2))):
             launcher.release_standbys(folder)
         release_run(run)
     deadline = time.monotonic() + 30

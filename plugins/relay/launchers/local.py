@@ -39,6 +39,7 @@ from relay.launchers.local_standby import (
     STANDBY_DIR,
     claim,
     from_resident,
+    live_resident,
     record,
     recorded_pid,
     release,
@@ -165,7 +166,7 @@ class LocalLauncher:
             how = "forked from the agent of the faulty attempt (preloaded)"
             if pid is None:
                 pid = from_resident(directory, node, ttl_seconds)
-                how = "forked from the node's resident agent (preloaded)"
+                how = "forked from the run's resident agent (preloaded)"
             if pid is None:
                 how = "started"
                 pid = start_recorded(
@@ -177,16 +178,20 @@ class LocalLauncher:
             log.info("Standby agent for %s: pid %d, %s", node, pid, how)
 
     def reside(self, run_dir: Path, nodes: list[str]) -> None:
-        """Start a resident agent (:mod:`relay_train.resident`) on each of ``nodes``, the
-        pool's nodes the DAG run does not use, so that a retry moving onto one of them
-        gets a standby forked, preloaded, instead of a new interpreter."""
+        """Start a resident agent (:mod:`relay_train.resident`) for ``nodes``, the pool's
+        nodes the DAG run does not use, so that a retry moving onto one of them gets a
+        standby forked, preloaded, instead of a new interpreter.
+
+        One per DAG run, on the first of ``nodes``: this launcher's nodes share one host,
+        so that resident forks the standbys of any of them, and a second would import
+        the same stack again on the CPUs the ranks train on."""
         directory = run_dir / RESIDENT_DIR
         directory.mkdir(parents=True, exist_ok=True)
-        for node in nodes:
-            if recorded_pid(directory, node) is None:
-                pid = start_recorded(["relay_train.resident", "--dir", str(directory),
-                                       "--node", node], directory, node)
-                log.info("Resident agent for %s: pid %d", node, pid)
+        if nodes and live_resident(directory) is None:
+            pid = start_recorded(["relay_train.resident", "--dir", str(directory),
+                                   "--node", nodes[0]], directory, nodes[0])
+            log.info("Resident agent for %s (and this host's other nodes): pid %d",
+                     nodes[0], pid)
 
     def _fork_standby(self, source: Path, node: str, directory: Path,
                       ttl_seconds: float) -> int | None:

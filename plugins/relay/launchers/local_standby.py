@@ -66,14 +66,27 @@ def start_recorded(module_args: list[str], directory: Path, node: str) -> int:
     return pid
 
 
+def live_resident(directory: Path, prefer: str | None = None) -> str | None:
+    """Return the node of a live resident agent recorded in ``directory`` (a DAG run's
+    resident folder), ``prefer``'s if it has one; None if none is alive."""
+    nodes = sorted(path.name.removesuffix(".standby") for path in directory.glob("*.standby"))
+    for node in ([prefer] if prefer in nodes else []) + nodes:
+        if recorded_pid(directory, node) is not None:
+            return node
+    return None
+
+
 def from_resident(directory: Path, node: str, ttl_seconds: float) -> int | None:
-    """Have ``node``'s resident agent fork a standby into ``directory`` (a segment's
-    standby folder, ``<run>/<segment>/standby``); return its PID, None without one."""
+    """Have the DAG run's resident agent fork a standby for ``node`` into ``directory`` (a
+    segment's standby folder, ``<run>/<segment>/standby``); return its PID, None without one.
+
+    The local launcher's nodes share this host: the run's resident serves every node."""
     residents = directory.parent.parent / RESIDENT_DIR
-    if recorded_pid(residents, node) is None:
+    host = live_resident(residents, prefer=node)
+    if host is None:
         return None
-    return ask_standby(residents, node, directory, ttl_seconds, LINGER_SECONDS,
-                       preloading_wait_seconds=STANDBY_WAIT_SECONDS)
+    return ask_standby(residents, host, directory, ttl_seconds, LINGER_SECONDS,
+                       preloading_wait_seconds=STANDBY_WAIT_SECONDS, for_node=node)
 
 
 def claim(

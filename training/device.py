@@ -228,6 +228,6 @@ def apply_thread_count() -> int:
     intra-op thread per core, not the one the launcher set.
     """
     value = os.environ.get("OMP_NUM_THREADS", "")
-    if value.isdigit() and int(value) > 0 and torch.get_num_threads() != int(value):
+    if value.isdigit() and int(value) > 0:
         torch.set_num_threads(int(value))
     return torch.get_num_threads()

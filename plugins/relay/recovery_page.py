@@ -66,11 +66,16 @@ def _job_of(dag_id: str) -> str:
     return dag_id.removeprefix("relay_")
 
 
+def _lineage() -> Lineage:
+    from relay.lineage import Lineage  # MLflow: at the first request, not at plugin load
+
+    return Lineage.from_settings()
+
+
 def _view(dag_id: str, run_id: str | None) -> tuple[Lineage, RunView]:
-    from relay.lineage import Lineage
     from relay.run_view import find_parent, run_view
 
-    lineage = Lineage.from_settings()
+    lineage = _lineage()
     try:
         parent = find_parent(lineage, _job_of(dag_id), run_id)
     except LookupError as err:
@@ -110,10 +115,9 @@ def create_app() -> FastAPI:
 
     @app.get("/", response_class=HTMLResponse)
     def index(user: UserDep) -> str:
-        from relay.lineage import Lineage
         from relay.run_view import dag_runs
 
-        lineage = Lineage.from_settings()
+        lineage = _lineage()
         jobs = sorted(p.stem for p in settings.jobs_dir().glob("*.yaml"))
         listing: dict[str, list[Any]] = {}
         for job in jobs:

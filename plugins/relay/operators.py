@@ -23,7 +23,6 @@ from relay.policy import LoadedPolicy, load_policy
 from relay.resume_time import PREFLIGHT_FILE
 from relay.spec import JobSpec, load_job_spec
 from relay_train.heartbeat import write_atomically
-from relay_train.standby import STANDBY_TTL_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -132,23 +131,22 @@ class PreflightOperator(RelayOperator):
 
     @staticmethod
     def _prestart_first_segment(spec: JobSpec, dag_run_id: str) -> None:
-        """Have the first segment's node agents preload meanwhile (MLflow, Airflow's hop).
+        """Have the first segment's agents preload meanwhile (MLflow, Airflow's hop).
 
-        The nodes are the ones its lease will pick unless the pool changes first; a
-        standby the launch does not claim is stopped by it. Only rank 0's node preloads
-        MLflow: a segment that starts at step 0 needs it nowhere else.
+        The launcher keeps an agent resident for the DAG run (:meth:`Launcher.reside`; the
+        local launcher one per run, its nodes sharing one host), started now on the first
+        of the nodes the first lease will pick unless the pool changes first. The
+        segment's launch then gets its standbys forked from it, preloaded, and so does
+        every later retry: the run imports the training stack once.
         """
         from relay.launchers import launcher_for
-        from relay.launchers.local import STANDBY_DIR
         from relay.segment_fault import _lease_holder
 
         nodes = NodePool().next_lease(_lease_holder(spec.dag_id, dag_run_id), spec.nodes)
         if nodes is None:
             return  # the segment waits for nodes (or fails): nothing to warm up
         launcher = launcher_for(spec)
-        slots = launcher.slots(nodes)
-        launcher.prestart(segment_dir(spec, dag_run_id, 0) / STANDBY_DIR, slots,
-                          STANDBY_TTL_SECONDS, light=slots[1:])
+        launcher.reside(segment_dir(spec, dag_run_id, 0).parent, launcher.slots(nodes)[:1])
 
 
 class FinalizeOperator(RelayOperator):

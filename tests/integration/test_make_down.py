@@ -40,7 +40,7 @@ def test_stop_workloads_stops_a_running_attempt_and_an_unclaimed_standby(tmp_pat
                                           '"pgid": 999999999, "started": 1, "port": null}}}')
     launcher = LocalLauncher()
     with launched(cfg) as root:
-        launcher.prestart(standbys, ["node-c"], light=["node-c"])
+        launcher.prestart(standbys, ["node-c"])
         _until("every rank stepping", lambda: len(read_heartbeats(root / "heartbeats")) == 4)
         _until("the standby preloaded", lambda: ready_file(standbys, "node-c").exists())
         assert launcher.has_processes(root)

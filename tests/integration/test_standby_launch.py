@@ -68,6 +68,34 @@ def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def test_a_launch_without_standbys_gets_them_forked_by_the_runs_resident(
+        tmp_path: Path) -> None:
+    """What preflight sets up for the first segment: the run's resident agent preloads,
+    and the launch asks it for each node's standby (waiting while it preloads) instead
+    of starting agents that import the training stack again, one per node."""
+    from relay.launchers.local_standby import release_run
+    from relay_train.resident import RESIDENT_DIR
+
+    store = Store(tmp_path / "mlflow")
+    launcher = LocalLauncher()
+    launcher.reside(tmp_path, ["node-a"])  # the run's folder: segment/standby's grandparent
+    resident_pid = json.loads(standby_file(tmp_path / RESIDENT_DIR, "node-a").read_text())["pid"]
+    try:
+        root = _train_on_standbys(launcher, store, tmp_path / "segment" / "try-1",
+                                  tmp_path / "segment" / "standby")
+        handle = json.loads((root / "handle.json").read_text())["nodes"]
+        resident_log = (tmp_path / RESIDENT_DIR / "node-a.log").read_text()
+        for node in ("node-a", "node-b"):
+            assert handle[node].get("standby"), handle
+            forked = f"forked a standby for {node}, pid {handle[node]['pid']},"
+            assert forked in resident_log, resident_log
+            agent_log = (root / "logs" / f"agent-{node}.log").read_text()
+            assert "took over" in agent_log, agent_log
+    finally:
+        release_run(tmp_path)
+    _wait_all_gone(tmp_path, resident_pid)
+
+
 @pytest.mark.slow
 def test_the_agents_of_a_stopped_attempt_hand_on_preloaded_copies(tmp_path: Path) -> None:
     """A retry's standby on a node the faulty attempt used is forked from that node's agent:

@@ -148,14 +148,15 @@ class Launcher(Protocol):
         ...
 
     def prestart(self, directory: Path, nodes: list[str], ttl_seconds: float,
-                 source: Path | None = None, light: list[str] | None = None) -> None:
+                 source: Path | None = None) -> None:
         """Warm up agents for the next attempt on ``nodes`` while ``source`` (the attempt
-        being wound down, if any) is stopped; the ``light`` nodes' without MLflow."""
+        being wound down, if any) is stopped."""
         ...
 
     def reside(self, run_dir: Path, nodes: list[str]) -> None:
-        """Keep an agent preloaded on each of ``nodes`` (spares) for the DAG run, from
-        which :meth:`prestart` forks a standby at once; they leave with the run
+        """Keep an agent preloaded on each of ``nodes`` for the DAG run (the first
+        segment's, from preflight; spares, from a watch), from which a launch or
+        :meth:`prestart` forks a standby at once; they leave with the run
         (:func:`relay.adopt.end_run`)."""
         ...
 

@@ -400,7 +400,7 @@ class KubernetesLauncher:
                         break
 
     def prestart(self, directory: Path, nodes: list[str], ttl_seconds: float,
-                 source: Path | None = None, light: list[str] | None = None) -> None:
+                 source: Path | None = None) -> None:
         """Do nothing: pods are not pre-created; kubelets keep the image (IfNotPresent)."""
         log.info("No standby pods on Kubernetes; the next attempt's pods start cold")
 

@@ -111,8 +111,9 @@ class LocalLauncher:
     def launch(self, cfg: LaunchConfig, standby_dir: Path | None = None) -> Path:
         """Write the launch file, start one agent per node; return the attempt folder.
 
-        A node with a standby agent in ``standby_dir`` gets it (already preloaded);
-        the standbys nobody claimed are stopped afterwards.
+        A node with a standby agent in ``standby_dir`` gets it (already preloaded), else
+        one the run's resident agent forks now (preloaded too; waited for while it
+        preloads), else a new agent; the standbys nobody claimed are stopped afterwards.
         """
         root = cfg.root
         cfg = replace(cfg, attempt_id=cfg.attempt_id or attempt_id_of(root),
@@ -122,6 +123,8 @@ class LocalLauncher:
         launch_file = root / LAUNCH_FILE
         cfg.write(launch_file)
         handle: dict[str, dict[str, int | None]] = {}
+        if standby_dir is not None:
+            self._from_resident(standby_dir, cfg.nodes)
         for node in cfg.nodes:
             pid = self._claim(standby_dir, node, launch_file) if standby_dir else None
             if pid is not None:
@@ -150,13 +153,13 @@ class LocalLauncher:
 
     def prestart(
         self, directory: Path, nodes: list[str], ttl_seconds: float = STANDBY_TTL_SECONDS,
-        source: Path | None = None, light: list[str] | None = None,
+        source: Path | None = None,
     ) -> None:
         """Have a standby agent wait preloaded on each node, for a launch being prepared.
 
         A node of the ``source`` attempt whose agent answers gets a copy of that agent
-        (forked, preloaded already); any other node a new process that preloads, without
-        MLflow on the ``light`` nodes.
+        (forked, preloaded already), any other node one forked by the run's resident
+        agent, or else a new process that preloads.
         """
         directory.mkdir(parents=True, exist_ok=True)
         for node in nodes:
@@ -171,20 +174,21 @@ class LocalLauncher:
                 how = "started"
                 pid = start_recorded(
                     ["relay_train.agent", "--standby", str(directory), "--node", node,
-                     "--ttl", str(ttl_seconds), "--linger", str(LINGER_SECONDS),
-                     *(["--light"] if node in (light or []) else [])], directory, node)
+                     "--ttl", str(ttl_seconds), "--linger", str(LINGER_SECONDS)],
+                    directory, node)
             else:
                 record(directory, node, pid)
             log.info("Standby agent for %s: pid %d, %s", node, pid, how)
 
     def reside(self, run_dir: Path, nodes: list[str]) -> None:
-        """Start a resident agent (:mod:`relay_train.resident`) for ``nodes``, the pool's
-        nodes the DAG run does not use, so that a retry moving onto one of them gets a
-        standby forked, preloaded, instead of a new interpreter.
+        """Start a resident agent (:mod:`relay_train.resident`) for ``nodes``, so that a
+        launch or a retry onto one of them gets a standby forked, preloaded, instead of a
+        new interpreter.
 
         One per DAG run, on the first of ``nodes``: this launcher's nodes share one host,
-        so that resident forks the standbys of any of them, and a second would import
-        the same stack again on the CPUs the ranks train on."""
+        so that resident forks the standbys of any of them (preflight starts it for the
+        first segment's), and a second would import the same stack again on the CPUs the
+        ranks train on."""
         directory = run_dir / RESIDENT_DIR
         directory.mkdir(parents=True, exist_ok=True)
         if nodes and live_resident(directory) is None:
@@ -192,6 +196,20 @@ class LocalLauncher:
                                    "--node", nodes[0]], directory, nodes[0])
             log.info("Resident agent for %s (and this host's other nodes): pid %d",
                      nodes[0], pid)
+
+    @staticmethod
+    def _from_resident(directory: Path, nodes: list[str]) -> None:
+        """Have the run's resident agent fork a standby into ``directory`` for each of
+        ``nodes`` that has none there (nothing without a resident)."""
+        for node in nodes:
+            if recorded_pid(directory, node) is None:
+                pid = from_resident(directory, node, STANDBY_TTL_SECONDS)
+                if pid is None:
+                    return  # no resident, or it does not answer: new agents, the slow way
+                directory.mkdir(parents=True, exist_ok=True)
+                record(directory, node, pid)
+                log.info("Standby agent for %s: pid %d, forked from the run's resident "
+                         "agent (preloaded)", node, pid)
 
     def _fork_standby(self, source: Path, node: str, directory: Path,
                       ttl_seconds: float) -> int | None:

@@ -96,7 +96,7 @@ class PreflightOperator(RelayOperator):
             chaos = chaos_faults(context["dag_run"].conf, spec, Path(self.spec_file))
         except ChaosConfError as exc:
             raise AirflowFailException(str(exc)) from exc
-        self._prestart_first_segment(spec, context["dag_run"].run_id)
+        self._warm_first_segment(spec, context["dag_run"].run_id)
         lineage = lineage_store()
         nodes = NodePool().healthy()
         params = {
@@ -130,7 +130,7 @@ class PreflightOperator(RelayOperator):
 
 
     @staticmethod
-    def _prestart_first_segment(spec: JobSpec, dag_run_id: str) -> None:
+    def _warm_first_segment(spec: JobSpec, dag_run_id: str) -> None:
         """Have the first segment's agents preload meanwhile (MLflow, Airflow's hop).
 
         The launcher keeps an agent resident for the DAG run (:meth:`Launcher.reside`; the

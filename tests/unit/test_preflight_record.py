@@ -26,7 +26,7 @@ def test_preflight_records_its_start_in_a_run_folder_nothing_made_yet(
                     "checkpoint_every: 5\nnodes: 1\nranks_per_node: 1\n")
     monkeypatch.setattr(operators, "lineage_store", _Lineage)
     # As when the pool has too few nodes: no standby, so nothing made the run's folder.
-    monkeypatch.setattr(operators.PreflightOperator, "_prestart_first_segment",
+    monkeypatch.setattr(operators.PreflightOperator, "_warm_first_segment",
                         staticmethod(lambda *_: None))
     op = operators.PreflightOperator(task_id="preflight", spec_file=str(spec))
     context = {"dag_run": SimpleNamespace(conf={}, run_id="manual__1")}

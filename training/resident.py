@@ -6,7 +6,7 @@ imports the training stack (seconds of CPU, beside the running ranks) while the
 rest of the retry waits for it. A resident agent takes that off the recovery's
 path: started with the DAG run, it preloads once, yielding the CPU to the ranks
 (see :mod:`relay_train.priority`: its session's weight is the lowest Linux gives
-until it is asked for a standby), and then waits. Asked for a standby, it forks
+until it is preloaded or asked for a standby), and then waits. Asked for a standby, it forks
 one: a copy that is preloaded already, ready at once, exactly like a copy of a
 running node's agent. On a cluster this is a node-resident daemon. Relay's local
 launcher, whose simulated nodes all share one host, runs one per DAG run,
@@ -121,7 +121,12 @@ class Resident:
 
     def preload(self) -> float:
         """Import the training stack while yielding the CPU to the ranks of the node's
-        other sessions, until asked for a standby; return the seconds it took."""
+        other sessions, until asked for a standby; return the seconds it took.
+
+        The session gets its weight back once preloaded: waiting costs no CPU, and a
+        resident left at the lowest weight answers an ask only when the busy ranks let
+        it run (1.0-1.2 s to fork a retry's standby, in a run under the real scheduler,
+        where the first segment's ask came after the preload)."""
         started = time.perf_counter()
         yielded = yield_session()  # before torch's import; its standbys start anew (setsid)
         thread = yielding_thread(_preload_stack, "preload")  # where sessions do not count
@@ -132,6 +137,8 @@ class Resident:
                          "yielding the CPU", self.node)
                 restore_session(yielded)
                 yielded = None
+        if yielded is not None:
+            restore_session(yielded)
         return time.perf_counter() - started
 
     def run(self) -> int:

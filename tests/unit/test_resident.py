@@ -91,6 +91,32 @@ def test_a_resident_yields_while_preloading_until_asked_for_a_standby(
         os.waitpid(pid, 0)
 
 
+@pytest.mark.skipif(session_nice() is None or os.geteuid() != 0,
+                    reason="needs autogroup scheduling, and root to raise a session's weight")
+def test_a_preloaded_resident_waits_at_its_sessions_weight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never asked while preloading, it must not wait at the lowest weight: an ask
+    would then be answered only when busy ranks leave it the CPU."""
+    go, done = tmp_path / "go", tmp_path / "done"
+    monkeypatch.setattr(resident, "_preload_stack", lambda: _until(go.exists, "go", 60))
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            Resident(tmp_path, "node-c").preload()
+            _until(done.exists, "done", 60)
+        finally:
+            os._exit(0)
+    try:
+        _until(lambda: _autogroup_nice(pid) == 19, "the preloading resident did not yield")
+        go.touch()  # the preload ends, with no ask
+        _until(lambda: _autogroup_nice(pid) == 0, "preloaded, the resident kept yielding")
+    finally:
+        go.touch()
+        done.touch()
+        os.waitpid(pid, 0)
+
+
 def test_an_answered_ask_returns_the_forked_pid(tmp_path: Path) -> None:
     _ready(tmp_path)
     _answer(tmp_path, "node-c", 4242)
@@ -192,8 +218,10 @@ def test_a_real_resident_forks_standbys_and_leaves_with_its_run(tmp_path: Path) 
             assert time.monotonic() < deadline, (standby_dir / "node-c.log").read_text()
             time.sleep(0.05)
         assert group_members(standby_pid) == [standby_pid]  # a session of its own
-        if session_nice() is not None:  # autogroup scheduling: sessions share the CPU first
-            assert session_nice(Path(f"/proc/{resident_pid}/autogroup")) == 19  # yields
+        # Autogroup scheduling (sessions share the CPU first); root may raise a weight.
+        if session_nice() is not None and os.geteuid() == 0:
+            # preloaded: back to a new session's weight, to answer asks at once
+            assert session_nice(Path(f"/proc/{resident_pid}/autogroup")) == 0
             assert session_nice(Path(f"/proc/{standby_pid}/autogroup")) == 0
         launcher.prestart(run / "segment-001" / "standby", ["node-c"], 60.0)  # and again
         assert _parent(recorded_pid(run / "segment-001" / "standby", "node-c")) == resident_pid

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
+from relay import warm
 from relay.recovery_page import create_app
 
 # Relative hrefs open inside the Airflow UI; {DAG_ID} and {RUN_ID} are filled in by it.
@@ -11,9 +12,11 @@ RUN_PAGE = "relay/run?dag_id={DAG_ID}&run_id={RUN_ID}"
 
 
 class RelayPlugin(AirflowPlugin):
-    """The Recovery page (a FastAPI app) and its links in the Airflow UI."""
+    """The Recovery page (a FastAPI app) and its links in the Airflow UI; a listener that
+    warms the scheduler (:mod:`relay.warm`)."""
 
     name = "relay"
+    listeners = [warm]
     fastapi_apps = [{"app": create_app(), "url_prefix": "/relay", "name": "Relay recovery"}]
     external_views = [
         {"name": "Recovery", "href": "relay/", "destination": "nav", "url_route": "relay"},

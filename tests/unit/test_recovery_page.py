@@ -98,3 +98,18 @@ def test_loading_the_plugin_and_parsing_the_dags_leaves_mlflow_out() -> None:
                            check=True, timeout=120)
 
     assert found.stdout.strip() == "[]", found.stdout[-500:]
+
+
+def test_only_a_scheduler_that_forks_the_task_processes_imports_mlflow_at_start() -> None:
+    """relay.warm: the scheduler of a LocalExecutor deployment, and nothing else."""
+    from relay import warm
+    from relay.plugin import RelayPlugin
+
+    assert warm in RelayPlugin.listeners
+    assert warm.forks_tasks(["/x/airflow", "scheduler"], "LocalExecutor")
+    assert warm.forks_tasks(["airflow", "scheduler", "-n", "5"],
+                            "airflow.executors.local_executor.LocalExecutor")
+    assert not warm.forks_tasks(["airflow", "triggerer"], "LocalExecutor")
+    assert not warm.forks_tasks(["airflow", "dag-processor"], "LocalExecutor")
+    assert not warm.forks_tasks(["airflow", "dags", "test", "relay_demo"], "LocalExecutor")
+    assert not warm.forks_tasks(["airflow", "scheduler"], "CeleryExecutor")

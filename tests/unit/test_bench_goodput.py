@@ -7,6 +7,7 @@ goodput --smoke` and friends.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,42 @@ def test_a_baseline_run_never_resumes_another_runs_checkpoints(
     with pytest.raises(RuntimeError, match="expected a new MLflow run.*step 40"):
         run_baseline(tmp_path / "repeat-1" / "fault-free", _job(40, 20), [], NODE_POOL, 60.0,
                      uri)
+
+
+def test_an_interrupted_baseline_leaves_no_torchrun_behind(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM or Ctrl-C in the benchmark while the baseline trains: the torchruns and
+    their children (each in a session of its own) are killed, and the interruption goes on."""
+    import subprocess
+    import sys
+
+    from relay.bench import torchrun_baseline
+
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(120)'], start_new_session=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not torchrun_baseline._descendants(proc.pid):
+        assert time.monotonic() < deadline, "the child never started"
+        time.sleep(0.05)
+    child = torchrun_baseline._descendants(proc.pid)[0]
+
+    def interrupted(_seconds: float) -> None:
+        raise SystemExit(143)
+
+    monkeypatch.setattr(torchrun_baseline.time, "sleep", interrupted)
+    with pytest.raises(SystemExit):
+        torchrun_baseline._supervise({"node-a": proc})
+    assert proc.poll() is not None
+    monkeypatch.undo()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and _state(child) != "Z":
+        assert time.monotonic() < deadline, f"pid {child} outlived the baseline"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

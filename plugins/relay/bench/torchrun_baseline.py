@@ -108,10 +108,20 @@ def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _supervise(procs: dict[str, subprocess.Popen[bytes]]) -> tuple[bool, float, set[str]]:
-    """Wait for the torchruns; end them all on the first failure.
+    """Wait for the torchruns; end them all on the first failure, and on the way out of
+    an interrupted benchmark (SIGTERM, Ctrl-C), which would leave them training.
 
     Return (all succeeded, when the first failure was seen, the nodes found frozen).
     """
+    try:
+        return _wait_for(procs)
+    except BaseException:
+        for proc in procs.values():
+            _kill_tree(proc)
+        raise
+
+
+def _wait_for(procs: dict[str, subprocess.Popen[bytes]]) -> tuple[bool, float, set[str]]:
     while True:
         codes = {n: p.poll() for n, p in procs.items()}
         if all(c == 0 for c in codes.values()):

@@ -16,9 +16,11 @@ Two Linux facts decide how:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 
 NICE_INCREMENT = 10  # a preload beside running ranks yields to them (a tenth of their CPU weight)
 AUTOGROUP = Path("/proc/self/autogroup")
+RESTORE_ATTEMPTS = 10  # the kernel's host-wide limit: one autogroup change per 100 ms
 
 
 def yielding_thread(target: Callable[[], object], name: str) -> threading.Thread:
@@ -72,11 +75,17 @@ def yield_session(nice: int = 19, path: Path = AUTOGROUP) -> int | None:
 
 def restore_session(nice: int, path: Path = AUTOGROUP) -> bool:
     """Give this session back the weight of ``nice`` (what ``yield_session`` returned);
-    return whether it could. Raising a weight needs CAP_SYS_NICE or an RLIMIT_NICE that
-    allows it: without either the session keeps yielding (its work is only slower)."""
-    try:
-        path.write_text(str(nice))
-    except OSError as exc:
-        log.info("this session keeps its lowered CPU weight (%s)", exc)
-        return False
-    return True
+    return whether it could. A negative ``nice`` needs CAP_SYS_NICE or an RLIMIT_NICE
+    that allows it, and without CAP_SYS_ADMIN the kernel takes one change per 100 ms
+    on the whole host (EAGAIN, retried here); a session that cannot keeps yielding
+    (its work is only slower)."""
+    for attempt in range(RESTORE_ATTEMPTS):
+        try:
+            path.write_text(str(nice))
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN or attempt == RESTORE_ATTEMPTS - 1:
+                log.info("this session keeps its lowered CPU weight (%s)", exc)
+                return False
+            time.sleep(0.1)
+    return False

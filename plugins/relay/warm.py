@@ -23,9 +23,11 @@ from airflow.listeners import hookimpl
 log = logging.getLogger(__name__)
 
 
-def forks_tasks(argv: list[str], executor: str) -> bool:
-    """Return whether this process is a scheduler whose executor forks the task processes."""
-    return argv[1:2] == ["scheduler"] and "LocalExecutor" in executor
+def forks_tasks(component: object, argv: list[str], executor: str) -> bool:
+    """Return whether ``component`` starts a scheduler whose executor forks the task
+    processes (a task process forked from it has its argv too, but starts a task runner)."""
+    return (type(component).__name__ == "Job" and argv[1:2] == ["scheduler"]
+            and "LocalExecutor" in executor)
 
 
 @hookimpl
@@ -33,7 +35,7 @@ def on_starting(component: object) -> None:
     """In the scheduler of a LocalExecutor deployment, import Relay's lineage (MLflow)."""
     from airflow.configuration import conf
 
-    if not forks_tasks(sys.argv, conf.get("core", "executor", fallback="")):
+    if not forks_tasks(component, sys.argv, conf.get("core", "executor", fallback="")):
         return
     import relay.lineage  # noqa: F401 - the import is the point
 

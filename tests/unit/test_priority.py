@@ -74,3 +74,28 @@ def test_a_session_leader_yields_its_session_and_a_new_session_starts_at_normal_
     assert out.with_suffix(".grandchild").read_text() == "0"
     if os.geteuid() == 0:  # raising a weight back needs the privilege
         assert restored == "True" and final == "0"
+
+
+def test_restoring_a_sessions_weight_retries_the_kernels_rate_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CAP_SYS_ADMIN the kernel takes one autogroup change per 100 ms on the host
+    (EAGAIN): a resident that gave up there would wait at the lowest weight."""
+    import errno
+
+    from relay_train import priority
+
+    path = tmp_path / "autogroup"
+    refusals = [OSError(errno.EAGAIN, "rate limit"), OSError(errno.EAGAIN, "rate limit")]
+    real_write = Path.write_text
+
+    def write(self: Path, text: str, *args: object, **kwargs: object) -> int:
+        if self == path and refusals:
+            raise refusals.pop(0)
+        return real_write(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write)
+    monkeypatch.setattr(priority.time, "sleep", lambda _s: None)
+    assert priority.restore_session(0, path)
+    assert path.read_text() == "0"
+    refusals.append(OSError(errno.EPERM, "not allowed"))
+    assert not priority.restore_session(-5, path)  # anything else: no retry

@@ -101,15 +101,20 @@ def test_loading_the_plugin_and_parsing_the_dags_leaves_mlflow_out() -> None:
 
 
 def test_only_a_scheduler_that_forks_the_task_processes_imports_mlflow_at_start() -> None:
-    """relay.warm: the scheduler of a LocalExecutor deployment, and nothing else."""
+    """relay.warm: the scheduler of a LocalExecutor deployment, and nothing else (a task
+    process forked from it keeps its argv but starts a task runner, not a Job)."""
+    from airflow.jobs.job import Job
+
     from relay import warm
     from relay.plugin import RelayPlugin
 
+    job, runner = Job.__new__(Job), type("TaskRunnerMarker", (), {})()
     assert warm in RelayPlugin.listeners
-    assert warm.forks_tasks(["/x/airflow", "scheduler"], "LocalExecutor")
-    assert warm.forks_tasks(["airflow", "scheduler", "-n", "5"],
+    assert warm.forks_tasks(job, ["/x/airflow", "scheduler"], "LocalExecutor")
+    assert warm.forks_tasks(job, ["airflow", "scheduler", "-n", "5"],
                             "airflow.executors.local_executor.LocalExecutor")
-    assert not warm.forks_tasks(["airflow", "triggerer"], "LocalExecutor")
-    assert not warm.forks_tasks(["airflow", "dag-processor"], "LocalExecutor")
-    assert not warm.forks_tasks(["airflow", "dags", "test", "relay_demo"], "LocalExecutor")
-    assert not warm.forks_tasks(["airflow", "scheduler"], "CeleryExecutor")
+    assert not warm.forks_tasks(runner, ["airflow", "scheduler"], "LocalExecutor")
+    assert not warm.forks_tasks(job, ["airflow", "triggerer"], "LocalExecutor")
+    assert not warm.forks_tasks(job, ["airflow", "dag-processor"], "LocalExecutor")
+    assert not warm.forks_tasks(job, ["airflow", "dags", "test", "relay_demo"], "LocalExecutor")
+    assert not warm.forks_tasks(job, ["airflow", "scheduler"], "CeleryExecutor")

@@ -99,6 +99,8 @@ def _frozen(pid: int) -> bool:
 
 
 def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return  # reaped: its PID may be another process's now (its ranks left its tree)
     for pid in [proc.pid, *_descendants(proc.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -66,37 +67,15 @@ def _until(condition: Callable[[], bool], what: str, seconds: float = 20) -> Non
         time.sleep(0.02)
 
 
-@pytest.mark.skipif(session_nice() is None or os.geteuid() != 0,
-                    reason="needs autogroup scheduling, and root to raise a session's weight")
-def test_a_resident_yields_while_preloading_until_asked_for_a_standby(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """In a forked session leader, a preload that lasts until the test says so."""
-    go = tmp_path / "go"
-    monkeypatch.setattr(resident, "_preload_stack", lambda: _until(go.exists, "go", 60))
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setsid()
-            Resident(tmp_path, "node-c").preload()
-        finally:
-            os._exit(0)
-    try:
-        _until(lambda: _autogroup_nice(pid) == 19, "the preloading resident did not yield")
-        asks_dir(tmp_path, "node-c").mkdir(parents=True)
-        (asks_dir(tmp_path, "node-c") / "x.ask").write_text("{}")
-        # Back to a new session's weight (0), whatever this test process's session has.
-        _until(lambda: _autogroup_nice(pid) == 0, "asked, the resident kept yielding")
-    finally:
-        go.touch()
-        os.waitpid(pid, 0)
+needs_autogroup = pytest.mark.skipif(
+    session_nice() is None or os.geteuid() != 0,
+    reason="needs autogroup scheduling, and root to raise a session's weight")
 
 
-@pytest.mark.skipif(session_nice() is None or os.geteuid() != 0,
-                    reason="needs autogroup scheduling, and root to raise a session's weight")
-def test_a_preloaded_resident_waits_at_its_sessions_weight(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Never asked while preloading, it must not wait at the lowest weight: an ask
-    would then be answered only when busy ranks leave it the CPU."""
+@contextlib.contextmanager
+def _forked_resident(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """Yield the PID of a forked session leader running a resident's preload, which lasts
+    until ``tmp_path/go`` exists; the child stays until the block ends."""
     go, done = tmp_path / "go", tmp_path / "done"
     monkeypatch.setattr(resident, "_preload_stack", lambda: _until(go.exists, "go", 60))
     pid = os.fork()
@@ -109,12 +88,32 @@ def test_a_preloaded_resident_waits_at_its_sessions_weight(
             os._exit(0)
     try:
         _until(lambda: _autogroup_nice(pid) == 19, "the preloading resident did not yield")
-        go.touch()  # the preload ends, with no ask
-        _until(lambda: _autogroup_nice(pid) == 0, "preloaded, the resident kept yielding")
+        yield pid
     finally:
         go.touch()
         done.touch()
         os.waitpid(pid, 0)
+
+
+@needs_autogroup
+def test_a_resident_yields_while_preloading_until_asked_for_a_standby(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a forked session leader, a preload that lasts until the test says so."""
+    with _forked_resident(tmp_path, monkeypatch) as pid:
+        asks_dir(tmp_path, "node-c").mkdir(parents=True)
+        (asks_dir(tmp_path, "node-c") / "x.ask").write_text("{}")
+        # Back to a new session's weight (0), whatever this test process's session has.
+        _until(lambda: _autogroup_nice(pid) == 0, "asked, the resident kept yielding")
+
+
+@needs_autogroup
+def test_a_preloaded_resident_waits_at_its_sessions_weight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never asked while preloading, it must not wait at the lowest weight: an ask
+    would then be answered only when busy ranks leave it the CPU."""
+    with _forked_resident(tmp_path, monkeypatch) as pid:
+        (tmp_path / "go").touch()  # the preload ends, with no ask
+        _until(lambda: _autogroup_nice(pid) == 0, "preloaded, the resident kept yielding")
 
 
 def test_an_answered_ask_returns_the_forked_pid(tmp_path: Path) -> None:

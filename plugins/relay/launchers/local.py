@@ -166,19 +166,16 @@ class LocalLauncher:
             if recorded_pid(directory, node) is not None:
                 continue
             pid = self._fork_standby(source, node, directory, ttl_seconds) if source else None
-            how = "forked from the agent of the faulty attempt (preloaded)"
-            if pid is None:
-                pid = from_resident(directory, node, ttl_seconds)
-                how = "forked from the run's resident agent (preloaded)"
-            if pid is None:
-                how = "started"
+            if pid is not None:
+                record(directory, node, pid)
+                log.info("Standby agent for %s: pid %d, forked from the agent of the faulty "
+                         "attempt (preloaded)", node, pid)
+            elif self._resident_standby(directory, node, ttl_seconds) is None:
                 pid = start_recorded(
                     ["relay_train.agent", "--standby", str(directory), "--node", node,
                      "--ttl", str(ttl_seconds), "--linger", str(LINGER_SECONDS)],
                     directory, node)
-            else:
-                record(directory, node, pid)
-            log.info("Standby agent for %s: pid %d, %s", node, pid, how)
+                log.info("Standby agent for %s: pid %d, started", node, pid)
 
     def reside(self, run_dir: Path, nodes: list[str]) -> None:
         """Start a resident agent (:mod:`relay_train.resident`) for ``nodes``, so that a
@@ -197,19 +194,25 @@ class LocalLauncher:
             log.info("Resident agent for %s (and this host's other nodes): pid %d",
                      nodes[0], pid)
 
-    @staticmethod
-    def _from_resident(directory: Path, nodes: list[str]) -> None:
+    def _from_resident(self, directory: Path, nodes: list[str]) -> None:
         """Have the run's resident agent fork a standby into ``directory`` for each of
         ``nodes`` that has none there (nothing without a resident)."""
         for node in nodes:
-            if recorded_pid(directory, node) is None:
-                pid = from_resident(directory, node, STANDBY_TTL_SECONDS)
-                if pid is None:
-                    return  # no resident, or it does not answer: new agents, the slow way
-                directory.mkdir(parents=True, exist_ok=True)
-                record(directory, node, pid)
-                log.info("Standby agent for %s: pid %d, forked from the run's resident "
-                         "agent (preloaded)", node, pid)
+            if recorded_pid(directory, node) is None and \
+                    self._resident_standby(directory, node, STANDBY_TTL_SECONDS) is None:
+                return  # no resident, or it does not answer: new agents, the slow way
+
+    @staticmethod
+    def _resident_standby(directory: Path, node: str, ttl_seconds: float) -> int | None:
+        """Have the run's resident agent fork ``node``'s standby into ``directory`` and
+        record it; return its PID (None: no resident, or it did not answer)."""
+        pid = from_resident(directory, node, ttl_seconds)
+        if pid is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            record(directory, node, pid)
+            log.info("Standby agent for %s: pid %d, forked from the run's resident agent "
+                     "(preloaded)", node, pid)
+        return pid
 
     def _fork_standby(self, source: Path, node: str, directory: Path,
                       ttl_seconds: float) -> int | None:

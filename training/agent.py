@@ -98,7 +98,8 @@ class NodeAgent:
         hosts_rank0 = self.cfg.global_rank(self.node, 0) == 0
         # MLflow: rank 0's node publishes checkpoints; every node of a resumed attempt
         # fetches its resume checkpoint (relay_train.fetch).
-        preload_worker(self.cfg.entrypoint, publisher=hosts_rank0 or self.cfg.resume is not None)
+        preload_worker(self.cfg.entrypoint, publisher=hosts_rank0 or self.cfg.resume is not None,
+                       tracking_uri=self.cfg.tracking_uri)
         return time.perf_counter() - started
 
     def start_ranks(self) -> None:
@@ -192,7 +193,7 @@ class NodeAgent:
         is then ready at once instead of importing it while the retry waits."""
         if "relay_train.publish" not in sys.modules:
             self._behind = yielding_thread(
-                lambda: importlib.import_module("relay_train.publish"), "preload-behind")
+                lambda: preload_publisher(self.cfg.tracking_uri), "preload-behind")
 
     def _fork_standby(self, ask: StandbyAsk) -> int:
         """Fork; in the child, leave this attempt and wait as a standby; return the child's PID."""
@@ -300,17 +301,17 @@ class NodeAgent:
         self.stopping = True
 
 
-def preload_worker(entrypoint: Entrypoint, *, publisher: bool) -> None:
+def preload_worker(entrypoint: Entrypoint, *, publisher: bool,
+                   tracking_uri: str | None = None) -> None:
     """Import what the ranks need, without running anything: torch, the API, the example.
 
     Constructing a torch optimizer imports ``torch._dynamo`` (about a second of
-    CPU); MLflow is rank 0's, for publishing checkpoints. A user's module is not
+    CPU); MLflow and its tracking store for ``tracking_uri`` (``None``: not known
+    yet) are rank 0's, for publishing checkpoints. A user's module is not
     imported (its top level is theirs to run, as ``__main__``, in the rank). No
     thread is started, no OpenMP region runs and CUDA is not touched, so forking
     afterwards is safe.
     """
-    import importlib
-
     import torch
 
     import relay_train.api  # noqa: F401 - the import is the point
@@ -320,7 +321,14 @@ def preload_worker(entrypoint: Entrypoint, *, publisher: bool) -> None:
     if entrypoint.module == BUILTIN_ENTRYPOINT:
         importlib.import_module(BUILTIN_ENTRYPOINT)
     if publisher:
-        import relay_train.publish  # noqa: F401
+        preload_publisher(tracking_uri)
+
+
+def preload_publisher(tracking_uri: str | None) -> None:
+    """Import MLflow and the tracking store that ``tracking_uri`` opens."""
+    from relay_train.publish import preload_store
+
+    preload_store(tracking_uri)
 
 
 def log_tail(path: Path, lines: int = 12, max_chars: int = 4000) -> str:

@@ -60,6 +60,7 @@ from relay_train.launch import (
 )
 from relay_train.manifest import CheckpointRef
 from relay_train.reduce import comm_hook
+from relay_train.rendezvous import wait_for_store
 from relay_train.rescue import DrainRequest, RescueResponder, TrainingState
 from relay_train.timing import Ewma, StartupClock, keep_ddp_alive
 
@@ -175,7 +176,15 @@ class Session:
         return dict(self.placement.ddp_kwargs)
 
     def init_process_group(self) -> None:
-        """Join the job's process group (env://, the spec's backend and collective timeout)."""
+        """Join the job's process group (env://, the spec's backend and collective timeout).
+
+        A rank other than 0 first waits for rank 0's store to listen: torch's store
+        client, refused, would sleep a second before trying again (see
+        :mod:`relay_train.rendezvous`).
+        """
+        if self.rank != 0 and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+            wait_for_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           self.cfg.collective_timeout_seconds)
         dist.init_process_group(
             self.backend, init_method="env://", rank=self.rank, world_size=self.world_size,
             timeout=timedelta(seconds=self.cfg.collective_timeout_seconds),

@@ -1,0 +1,61 @@
+"""Ranks other than 0 wait for rank 0's rendezvous store instead of torch's 1-s backoff."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from relay_train.rendezvous import wait_for_store
+
+
+def _reserved_port() -> socket.socket:
+    """A bound socket that does not listen yet: its port refuses connections."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def test_it_returns_once_the_store_listens() -> None:
+    sock = _reserved_port()
+    port = sock.getsockname()[1]
+    listening_at: list[float] = []
+
+    def listen_later() -> None:
+        time.sleep(0.3)
+        listening_at.append(time.monotonic())
+        sock.listen()
+
+    thread = threading.Thread(target=listen_later)
+    thread.start()
+    try:
+        assert wait_for_store("127.0.0.1", port, timeout_seconds=60)
+        assert listening_at and time.monotonic() >= listening_at[0]  # it waited for it
+    finally:
+        thread.join()
+        sock.close()
+
+
+def test_it_gives_up_after_its_timeout_and_leaves_the_error_to_torch() -> None:
+    sock = _reserved_port()
+    try:
+        started = time.monotonic()
+        assert not wait_for_store("127.0.0.1", sock.getsockname()[1], timeout_seconds=0.3)
+        assert time.monotonic() - started >= 0.25
+    finally:
+        sock.close()
+
+
+def test_a_real_store_serves_its_clients_after_being_probed() -> None:
+    """The probe connects and closes without a word; torch's store must shrug that off."""
+    master = dist.TCPStore("127.0.0.1", 0, world_size=2, is_master=True,
+                           timeout=timedelta(seconds=30), wait_for_workers=False)
+    for _ in range(3):
+        assert wait_for_store("127.0.0.1", master.port, timeout_seconds=30)
+    client = dist.TCPStore("127.0.0.1", master.port, world_size=2, is_master=False,
+                           timeout=timedelta(seconds=30))
+    client.set("rank-1", "ready")
+    assert master.get("rank-1") == b"ready"

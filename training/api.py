@@ -23,7 +23,10 @@ A script written for ``torchrun`` runs under Relay with a few added lines::
 ``report`` checkpoints the tracked state on the job's schedule (asynchronously:
 the loop blocks only for an in-memory copy), and answers Relay's rescue and
 drain requests from it, so 0 lost steps after a hang or a dead node holds for
-any script. Imports torch and the standard library only.
+any script. A script may keep its own ``dist.init_process_group(session.backend)``;
+``session.init_process_group()`` also spares ranks other than 0 torch's one-second
+store backoff when rank 0 is not listening yet (up to a second per launch).
+Imports torch and the standard library only.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from relay_train.launch import (
 )
 from relay_train.manifest import CheckpointRef
 from relay_train.reduce import comm_hook
-from relay_train.rendezvous import wait_for_store
+from relay_train.rendezvous import MAX_WAIT_SECONDS, wait_for_store
 from relay_train.rescue import DrainRequest, RescueResponder, TrainingState
 from relay_train.timing import Ewma, StartupClock, keep_ddp_alive
 
@@ -184,7 +187,7 @@ class Session:
         """
         if self.rank != 0 and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             wait_for_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                           self.cfg.collective_timeout_seconds)
+                           min(MAX_WAIT_SECONDS, self.cfg.collective_timeout_seconds))
         dist.init_process_group(
             self.backend, init_method="env://", rank=self.rank, world_size=self.world_size,
             timeout=timedelta(seconds=self.cfg.collective_timeout_seconds),

@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from mlflow.entities import Metric
+from mlflow.store.db.db_types import DATABASE_ENGINES  # the schemes of MLflow's database store
 from mlflow.tracking import MlflowClient
 from tenacity import (
     Retrying,
@@ -28,7 +29,6 @@ from relay_train.manifest import DCP_DIR, FORMAT_DCP, MANIFEST_FILE, CheckpointM
 
 log = logging.getLogger(__name__)
 
-DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's SQLAlchemy store
 
 
 def preload_store(tracking_uri: str | None) -> None:
@@ -41,7 +41,7 @@ def preload_store(tracking_uri: str | None) -> None:
     store is imported, off the critical path either way.
     """
     scheme = urlparse(tracking_uri).scheme.partition("+")[0] if tracking_uri else None
-    if scheme is None or scheme in DATABASE_SCHEMES:
+    if scheme is None or scheme in DATABASE_ENGINES:
         import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - the import is the point
 
 
@@ -81,8 +81,8 @@ class MlflowCheckpointSink:
     @property
     def _client(self) -> MlflowClient:
         # Made on first use, which is the checkpointer's background thread: the training
-        # loop must not wait for a tracking server before its first step (the store's
-        # modules are imported earlier still: preload_store).
+        # loop must not wait for a tracking server before its first step (under Relay's
+        # node agent, the store's modules are imported before the ranks start: preload_store).
         if self._client_instance is None:
             self._client_instance = MlflowClient(tracking_uri=self._tracking_uri)
         return self._client_instance

@@ -22,20 +22,29 @@ import time
 log = logging.getLogger(__name__)
 
 PROBE_INTERVAL_SECONDS = 0.01
+UNRESOLVED_INTERVAL_SECONDS = 0.25  # rank 0's name not in DNS yet (its pod not up): go easy
+MAX_WAIT_SECONDS = 60.0  # after this, torch's own connect (and its timeout) takes over
 
 
-def wait_for_store(host: str, port: int, timeout_seconds: float,
+def wait_for_store(host: str, port: int, timeout_seconds: float = MAX_WAIT_SECONDS,
                    interval_seconds: float = PROBE_INTERVAL_SECONDS) -> bool:
     """Return True once ``host:port`` accepts a TCP connection, False after
-    ``timeout_seconds`` without one (torch's own connect then says what is wrong)."""
+    ``timeout_seconds`` without one (torch's own connect then says what is wrong).
+
+    The wait only saves torch's backoff, so a caller caps it well below the collective
+    timeout: torch's connect waits that long again after it.
+    """
     deadline = time.monotonic() + timeout_seconds
     while True:
+        remaining = deadline - time.monotonic()
         try:
-            with socket.create_connection((host, port), timeout=max(interval_seconds, 1.0)):
+            with socket.create_connection((host, port), timeout=min(1.0, max(remaining, 0.01))):
                 return True
         except OSError as exc:
-            if time.monotonic() + interval_seconds >= deadline:
-                log.warning("rank 0's rendezvous store at %s:%d did not answer in %.0fs (%s)",
-                            host, port, timeout_seconds, exc)
+            pause = UNRESOLVED_INTERVAL_SECONDS if isinstance(exc, socket.gaierror) \
+                else interval_seconds
+            if time.monotonic() + pause >= deadline:
+                log.warning("rank 0's rendezvous store at %s:%d did not answer in %.0fs (%s); "
+                            "torch's own connect takes over", host, port, timeout_seconds, exc)
                 return False
-            time.sleep(interval_seconds)
+            time.sleep(pause)

@@ -37,3 +37,12 @@ def test_a_standby_preloading_for_a_uri_it_does_not_know_imports_the_database_st
         "from relay_train.agent import preload_worker\n"
         "from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint\n"
         "preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=False)")
+
+
+def test_rank_0s_node_preloads_only_what_its_tracking_uri_opens() -> None:
+    worker = ("from relay_train.agent import preload_worker\n"
+              "from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint\n"
+              "preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=True, "
+              "tracking_uri={!r})")
+    assert not _imported_after(worker.format("http://127.0.0.1:5000"))
+    assert _imported_after(worker.format("sqlite:////tmp/relay/mlflow.db"))

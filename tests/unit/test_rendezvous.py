@@ -7,6 +7,7 @@ import threading
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from relay_train.rendezvous import wait_for_store
@@ -22,18 +23,20 @@ def _reserved_port() -> socket.socket:
 def test_it_returns_once_the_store_listens() -> None:
     sock = _reserved_port()
     port = sock.getsockname()[1]
-    listening_at: list[float] = []
+    listening: list[bool] = []
 
     def listen_later() -> None:
         time.sleep(0.3)
-        listening_at.append(time.monotonic())
         sock.listen()
+        listening.append(True)
 
     thread = threading.Thread(target=listen_later)
     thread.start()
     try:
+        started = time.monotonic()
         assert wait_for_store("127.0.0.1", port, timeout_seconds=60)
-        assert listening_at and time.monotonic() >= listening_at[0]  # it waited for it
+        assert time.monotonic() - started >= 0.25  # it waited for the store to listen
+        assert listening
     finally:
         thread.join()
         sock.close()
@@ -59,3 +62,18 @@ def test_a_real_store_serves_its_clients_after_being_probed() -> None:
                            timeout=timedelta(seconds=30))
     client.set("rank-1", "ready")
     assert master.get("rank-1") == b"ready"
+    del client, master
+
+
+def test_a_host_name_that_does_not_resolve_yet_is_asked_for_gently(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's pod not up yet: its Service name fails in DNS; no lookup every 10 ms."""
+    lookups: list[float] = []
+
+    def unresolved(address: tuple[str, int], timeout: float) -> socket.socket:
+        lookups.append(time.monotonic())
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "create_connection", unresolved)
+    assert not wait_for_store("relay-rank0.invalid", 29500, timeout_seconds=0.6)
+    assert 1 <= len(lookups) <= 4  # every 0.25 s, not the 60 tries of a 10-ms probe

@@ -30,7 +30,6 @@ from relay_train.manifest import DCP_DIR, FORMAT_DCP, MANIFEST_FILE, CheckpointM
 log = logging.getLogger(__name__)
 
 
-
 def preload_store(tracking_uri: str | None) -> None:
     """Import the MLflow tracking store that ``tracking_uri`` opens, before any rank does.
 

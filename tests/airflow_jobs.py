@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from processes import workload_processes
 
 from relay import settings
 from relay.airflow_env import airflow_env, ensure_airflow_db
 from relay.demo import run_dag_test
+from relay.launchers.local_prestart import residents_dir
 from relay.lineage import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, Lineage
 from relay.nodes import NodePool
 from relay.report import first_step_at
 from relay.resume_time import preflight_started_at
+from relay_train.resident import RESIDENT_DIR
 
 
 def use_jobs(relay_home: Path, jobs_dir: Path) -> dict[str, str]:
@@ -71,7 +75,22 @@ def run_job_ok(env: dict[str, str], relay_home: Path, job: str, conf: dict[str, 
     assert started is not None, f"preflight recorded no start in {run_dir}"
     first = first_step_at(run_dir / "segment-000" / "try-1")
     assert first is None or started < first, (started, first)
+    _assert_prestarted_resident_claimed_and_gone(run_dir)
     return parent
+
+
+def _assert_prestarted_resident_claimed_and_gone(run_dir: Path) -> None:
+    """The run's resident was the one run_dag_test prestarted, and it left with the run."""
+    link = run_dir / RESIDENT_DIR
+    if not link.exists():
+        return  # the first segment had no nodes at preflight: no resident was started
+    assert link.is_symlink() and link.resolve().parent == residents_dir().resolve(), \
+        f"{link}: preflight started a resident of its own instead of claiming the prestarted one"
+    deadline = time.monotonic() + 30  # SIGTERMed by the run's end or by run_dag_test's wait
+    # (its forks, standbys and their ranks, keep its command line: none may be left either)
+    while left := list(workload_processes(link.resolve()).values()):
+        assert time.monotonic() < deadline, f"the prestarted resident outlived its run: {left}"
+        time.sleep(0.1)
 
 
 def final_state(lineage: Lineage, parent: str, where: Path, steps: list[int]) -> dict[str, Any]:

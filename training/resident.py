@@ -30,6 +30,14 @@ A resident leaves when its run is over: stopped by the run's end (or ``make
 down``), or by itself once no rank of its run has written a heartbeat for
 ``idle_seconds`` (a run whose Airflow worker died never tells it).
 
+A resident can also be started before its DAG run exists (prestarted: Relay's own
+``airflow dags test`` runner starts it beside Airflow's start-up, see
+:func:`relay.launchers.local_standby.prestart_resident`), in a folder of its own.
+Preflight claims it by writing ``run`` there (the DAG run's folder, created
+exclusively: one run only) and links the run's ``resident`` folder to it. Until
+then it has no run whose heartbeats it could watch; unclaimed after
+``claim_within`` seconds, it leaves.
+
 The asking side is stdlib only: the launcher imports it without torch.
 """
 
@@ -55,6 +63,7 @@ IDLE_SECONDS = 600.0  # no heartbeat of the run this long: the run is over, leav
 IDLE_CHECK_SECONDS = 5.0  # how often the resident looks at its run's heartbeats
 ASK_WAIT_SECONDS = 1.0  # a ready resident forks within its poll; longer means it is stuck
 POLL_SECONDS = 0.05
+CLAIM_FILE = "run"  # in a prestarted resident's folder: the DAG run folder that claimed it
 
 
 def ready_file(directory: Path, node: str) -> Path:
@@ -113,10 +122,12 @@ def ask_standby(directory: Path, node: str, standby_dir: Path, ttl: float, linge
 class Resident:
     """The node side: preload, then fork a standby for each request."""
 
-    def __init__(self, directory: Path, node: str, idle_seconds: float = IDLE_SECONDS) -> None:
+    def __init__(self, directory: Path, node: str, idle_seconds: float = IDLE_SECONDS,
+                 claim_within: float | None = None) -> None:
         self.directory = directory
         self.node = node
         self.idle_seconds = idle_seconds
+        self.claim_within = claim_within  # prestarted: leave unless a run claims it by then
         self.stopping = False
 
     def preload(self) -> float:
@@ -149,12 +160,17 @@ class Resident:
             {"pid": os.getpid(), "ready_at": time.time(), "preload_seconds": preloaded}))
         log.info("resident on %s: preloaded in %.2fs; waiting for requests", self.node,
                  preloaded)
-        checked = last_active = time.monotonic()
+        checked = last_active = started = time.monotonic()
         while not self.stopping:
             if self._answer():
                 last_active = time.monotonic()
             _reap()
             now = time.monotonic()
+            if self.claim_within is not None and now - started > self.claim_within \
+                    and self._run_dir() is None:
+                log.info("resident on %s: no DAG run claimed it within %.0fs; leaving",
+                         self.node, self.claim_within)
+                break
             if now - checked > IDLE_CHECK_SECONDS:
                 checked = now
                 last_active = max(last_active, now - self._heartbeat_age())
@@ -207,10 +223,22 @@ class Resident:
         finally:
             os._exit(code)
 
+    def _run_dir(self) -> Path | None:
+        """Return the DAG run's folder: the one that claimed a prestarted resident (None
+        while none did), else the folder this one was started in."""
+        if self.claim_within is None:
+            return self.directory.parent
+        try:
+            return Path((self.directory / CLAIM_FILE).read_text().strip() or "-")
+        except OSError:
+            return None
+
     def _heartbeat_age(self) -> float:
         """Return the seconds since any rank of this run wrote a heartbeat (inf: none yet)."""
         newest = 0.0
-        for beat in self.directory.parent.glob("segment-*/try-*/heartbeats/*.json"):
+        run_dir = self._run_dir()
+        beats = run_dir.glob("segment-*/try-*/heartbeats/*.json") if run_dir else ()
+        for beat in beats:
             try:
                 newest = max(newest, beat.stat().st_mtime)
             except OSError:
@@ -244,10 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", required=True)
     parser.add_argument("--idle", type=float, default=IDLE_SECONDS,
                         help="leave once no rank of the run wrote a heartbeat this long")
+    parser.add_argument("--claim-within", type=float, default=None,
+                        help="prestarted (no DAG run yet): leave unless one claims it this soon")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s resident {args.node} %(levelname)s: %(message)s")
-    return Resident(args.dir, args.node, args.idle).run()
+    return Resident(args.dir, args.node, args.idle, args.claim_within).run()
 
 
 if __name__ == "__main__":

@@ -28,19 +28,63 @@ DEMO_FAULTS = [
 ]
 
 
+class DagTest(subprocess.Popen[bytes]):
+    """``airflow dags test`` for one DAG run; once it has exited, the resident agent
+    prestarted for it (``resident``) is stopped if the run did not stop it already."""
+
+    resident: Path | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the process to exit (see :meth:`subprocess.Popen.wait`)."""
+        code = super().wait(timeout)
+        self._release()
+        return code
+
+    def poll(self) -> int | None:
+        """Return the exit code if the process has exited (see :meth:`subprocess.Popen.poll`)."""
+        code = super().poll()
+        if code is not None:
+            self._release()
+        return code
+
+    def _release(self) -> None:
+        if self.resident is not None:
+            from relay.launchers.local_standby import release
+
+            release(self.resident)
+            self.resident = None
+
+
 def run_dag_test(
-    dag_id: str, conf: dict[str, Any], env: dict[str, str], log_file: Path
-) -> subprocess.Popen[bytes]:
-    """Start ``airflow dags test`` for one DAG run, its output going to ``log_file``."""
+    dag_id: str, conf: dict[str, Any], env: dict[str, str], log_file: Path,
+    prestart: bool = True,
+) -> DagTest:
+    """Start ``airflow dags test`` for one DAG run, its output going to ``log_file``.
+
+    ``prestart``: start the run's resident agent first, so that it imports the
+    training stack while Airflow starts (:mod:`relay.launchers.local_prestart`); a
+    job on another launcher stops it in preflight."""
+    from relay.launchers.local_prestart import CONF_KEY, prestart_resident
+
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    out = log_file.open("ab")
-    return subprocess.Popen(
-        [airflow_bin(), "dags", "test", dag_id, "-c", json.dumps(conf)],
-        env=env,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-    )
+    resident = prestart_resident(Path(env["RELAY_HOME"]), env) \
+        if prestart and env.get("RELAY_HOME") else None
+    if resident is not None:
+        conf = {**conf, CONF_KEY: str(resident)}
+    with log_file.open("ab") as out:
+        try:
+            proc = DagTest(
+                [airflow_bin(), "dags", "test", dag_id, "-c", json.dumps(conf)],
+                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+        except OSError:
+            if resident is not None:
+                from relay.launchers.local_standby import release
+
+                release(resident)
+            raise
+    proc.resident = resident
+    return proc
 
 
 class ProgressPrinter:

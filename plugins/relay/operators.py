@@ -96,7 +96,7 @@ class PreflightOperator(RelayOperator):
             chaos = chaos_faults(context["dag_run"].conf, spec, Path(self.spec_file))
         except ChaosConfError as exc:
             raise AirflowFailException(str(exc)) from exc
-        self._warm_first_segment(spec, context["dag_run"].run_id)
+        self._warm_first_segment(spec, context["dag_run"].run_id, context["dag_run"].conf)
         lineage = lineage_store()
         nodes = NodePool().healthy()
         params = {
@@ -128,25 +128,30 @@ class PreflightOperator(RelayOperator):
             {"started_at": started, "ended_at": time.time(), "mlflow_run": parent}))
         return parent
 
-
     @staticmethod
-    def _warm_first_segment(spec: JobSpec, dag_run_id: str) -> None:
+    def _warm_first_segment(spec: JobSpec, dag_run_id: str, conf: object) -> None:
         """Have the first segment's agents preload meanwhile (MLflow, Airflow's hop).
 
         The launcher keeps an agent resident for the DAG run (:meth:`Launcher.reside`; the
         local launcher one per run, its nodes sharing one host), started now on the first
         of the nodes the first lease will pick unless the pool changes first. The
         segment's launch then gets its standbys forked from it, preloaded, and so does
-        every later retry: the run imports the training stack once.
+        every later retry: the run imports the training stack once. A resident that
+        Relay's runner prestarted beside Airflow's start-up (named in the conf,
+        :mod:`relay.launchers.local_prestart`) is the run's if the launcher can use it,
+        and stopped if not.
         """
-        from relay.launchers import launcher_for
+        from relay.launchers import launcher_for, local_prestart
         from relay.segment_fault import _lease_holder
 
+        prestarted = local_prestart.prestarted(conf)
         nodes = NodePool().next_lease(_lease_holder(spec.dag_id, dag_run_id), spec.nodes)
-        if nodes is None:
-            return  # the segment waits for nodes (or fails): nothing to warm up
-        launcher = launcher_for(spec)
-        launcher.reside(segment_dir(spec, dag_run_id, 0).parent, launcher.slots(nodes)[:1])
+        if nodes is not None:  # else the segment waits for nodes (or fails): nothing to warm
+            launcher = launcher_for(spec)
+            launcher.reside(segment_dir(spec, dag_run_id, 0).parent, launcher.slots(nodes)[:1],
+                            prestarted)
+        if prestarted is not None:
+            local_prestart.release_unclaimed(prestarted)
 
 
 class FinalizeOperator(RelayOperator):

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from processes import write_heartbeat_for
 
 from relay.launchers.local import LocalLauncher
 from relay.launchers.local_standby import live_resident, record, recorded_pid, release_run
@@ -176,14 +177,7 @@ def test_a_resident_leaves_once_its_run_writes_no_heartbeat(
     monkeypatch.setattr(Resident, "preload", lambda self: 0.0)
     beat = tmp_path / "segment-000" / "try-1" / "heartbeats" / "rank-0.json"
     beat.parent.mkdir(parents=True)
-
-    def ranks_write_for(seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            beat.write_text("{}")
-            time.sleep(0.05)
-
-    threading.Thread(target=ranks_write_for, args=(1.2,), daemon=True).start()
+    write_heartbeat_for(beat, 1.2)
     directory = tmp_path / RESIDENT_DIR
     directory.mkdir()
     started = time.monotonic()

@@ -153,11 +153,13 @@ class Launcher(Protocol):
         being wound down, if any) is stopped."""
         ...
 
-    def reside(self, run_dir: Path, nodes: list[str]) -> None:
+    def reside(self, run_dir: Path, nodes: list[str], prestarted: Path | None = None) -> None:
         """Keep an agent preloaded on each of ``nodes`` for the DAG run (the first
         segment's, from preflight; spares, from a watch), from which a launch or
         :meth:`prestart` forks a standby at once; they leave with the run
-        (:func:`relay.adopt.end_run`)."""
+        (:func:`relay.adopt.end_run`). ``prestarted``: a resident started before the
+        run existed (:mod:`relay.launchers.local_prestart`), for a launcher that can
+        use one."""
         ...
 
     def enforce_quarantines(self, held: dict[str, Quarantine]) -> None:

@@ -404,7 +404,7 @@ class KubernetesLauncher:
         """Do nothing: pods are not pre-created; kubelets keep the image (IfNotPresent)."""
         log.info("No standby pods on Kubernetes; the next attempt's pods start cold")
 
-    def reside(self, run_dir: Path, nodes: list[str]) -> None:
+    def reside(self, run_dir: Path, nodes: list[str], prestarted: Path | None = None) -> None:
         """Do nothing: a spare's pod is created at the retry (kubelets keep the image)."""
 
     def enforce_quarantines(self, held: dict[str, Quarantine]) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relay.channel import MAX_PARALLEL, AgentChannel
+from relay.launchers import local_prestart
 from relay.launchers.base import LaunchState, LaunchStatus, NodeStatus, overall_state
 from relay.launchers.local_standby import (
     LINGER_SECONDS,
@@ -177,7 +178,7 @@ class LocalLauncher:
                     directory, node)
                 log.info("Standby agent for %s: pid %d, started", node, pid)
 
-    def reside(self, run_dir: Path, nodes: list[str]) -> None:
+    def reside(self, run_dir: Path, nodes: list[str], prestarted: Path | None = None) -> None:
         """Start a resident agent (:mod:`relay_train.resident`) for ``nodes``, so that a
         launch or a retry onto one of them gets a standby forked, preloaded, instead of a
         new interpreter.
@@ -185,7 +186,12 @@ class LocalLauncher:
         One per DAG run, on the first of ``nodes``: this launcher's nodes share one host,
         so that resident forks the standbys of any of them (preflight starts it for the
         first segment's), and a second would import the same stack again on the CPUs the
-        ranks train on."""
+        ranks train on. A live ``prestarted`` one (:mod:`relay.launchers.local_prestart`)
+        becomes the run's instead."""
+        if prestarted is not None and local_prestart.claim(run_dir, prestarted):
+            log.info("Resident agent for this host's nodes: the one prestarted beside "
+                     "Airflow's start-up (%s)", prestarted)
+            return
         directory = run_dir / RESIDENT_DIR
         directory.mkdir(parents=True, exist_ok=True)
         if nodes and live_resident(directory) is None:

@@ -54,13 +54,14 @@ def record(directory: Path, node: str, pid: int) -> None:
         {"pid": pid, "started": pids.start_time(pid), "started_at": time.time()}))
 
 
-def start_recorded(module_args: list[str], directory: Path, node: str) -> int:
+def start_recorded(module_args: list[str], directory: Path, node: str,
+                   env: dict[str, str] | None = None) -> int:
     """Start ``python -m MODULE ARGS`` in a session of its own, logging to
     ``directory/<node>.log``; record it; return its PID."""
     with (directory / f"{node}.log").open("ab") as out:
         pid = subprocess.Popen(
             [sys.executable, "-m", *module_args], stdout=out, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, cwd=directory, start_new_session=True,
+            stdin=subprocess.DEVNULL, cwd=directory, start_new_session=True, env=env,
         ).pid
     record(directory, node, pid)
     return pid

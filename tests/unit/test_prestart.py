@@ -1,0 +1,148 @@
+"""A resident agent prestarted before its DAG run: the conf that names it, the claim,
+the release, and the resident's own wait for a claim."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from processes import write_heartbeat_for
+
+from relay.launchers import local_prestart
+from relay.launchers.local import LocalLauncher
+from relay.launchers.local_prestart import (
+    CONF_KEY,
+    HOST,
+    claim,
+    prestarted,
+    release_unclaimed,
+    residents_dir,
+)
+from relay.launchers.local_standby import live_resident, record, recorded_pid
+from relay_train import resident
+from relay_train.resident import CLAIM_FILE, RESIDENT_DIR, Resident
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("RELAY_HOME", str(tmp_path))
+    return tmp_path
+
+
+def _sleeper() -> subprocess.Popen[bytes]:
+    """A live process in a session of its own, to stand in for a resident."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            start_new_session=True)
+
+
+def _folder(home: Path, pid: int | None) -> Path:
+    folder = residents_dir(home) / "abc123"
+    folder.mkdir(parents=True)
+    if pid is not None:
+        record(folder, HOST, pid)
+    return folder
+
+
+def test_the_conf_names_a_prestarted_resident_only_in_this_homes_residents_folder(
+        home: Path) -> None:
+    mine = residents_dir(home) / "abc123"
+    assert prestarted({CONF_KEY: str(mine), "chaos": []}) == mine
+    for refused in (str(home / "elsewhere" / "abc123"), str(residents_dir(home)),
+                    str(residents_dir(home) / ".." / "x"), "/etc", "", 7, None):
+        assert prestarted({CONF_KEY: refused}) is None, refused
+    assert prestarted({"chaos": []}) is None
+    assert prestarted(None) is None
+
+
+def test_a_run_claims_a_live_prestarted_resident_once(home: Path) -> None:
+    proc = _sleeper()
+    try:
+        folder = _folder(home, proc.pid)
+        run, other = home / "runs" / "dag" / "run-1", home / "runs" / "dag" / "run-2"
+        assert claim(run, folder)
+        assert (run / RESIDENT_DIR).resolve() == folder.resolve()
+        assert (folder / CLAIM_FILE).read_text() == str(run)
+        assert live_resident(run / RESIDENT_DIR) == HOST  # the launcher finds it there
+        assert not claim(other, folder), "a second run claimed the same resident"
+        assert not (other / RESIDENT_DIR).exists()
+        assert sorted(p.name for p in folder.iterdir() if p.name.startswith(CLAIM_FILE)) == \
+            [CLAIM_FILE], "a staged claim file was left"
+        release_unclaimed(folder)
+        assert proc.poll() is None, "a claimed resident was stopped"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_dead_prestarted_resident_is_not_claimed_and_the_launcher_starts_its_own(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = _sleeper()
+    proc.kill()
+    proc.wait()
+    folder = _folder(home, proc.pid)
+    started: list[list[str]] = []
+    monkeypatch.setattr("relay.launchers.local.start_recorded",
+                        lambda args, directory, node, env=None: started.append(args) or 1)
+    run = home / "runs" / "dag" / "run-1"
+    LocalLauncher().reside(run, ["node-a"], folder)
+    assert not (run / RESIDENT_DIR).is_symlink()
+    assert started and started[0][0] == "relay_train.resident"
+    assert not (folder / CLAIM_FILE).exists()
+
+
+def test_an_unclaimed_prestarted_resident_is_stopped(home: Path) -> None:
+    proc = _sleeper()
+    try:
+        folder = _folder(home, proc.pid)
+        release_unclaimed(folder)
+        assert proc.wait(timeout=10) == -signal.SIGTERM
+        assert recorded_pid(folder, HOST) is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_prestarted_resident_leaves_unless_claimed_in_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resident.signal, "signal", lambda *_: None)  # pytest's own SIGTERM
+    monkeypatch.setattr(Resident, "preload", lambda self: 0.0)
+    started = time.monotonic()
+    assert Resident(tmp_path, HOST, claim_within=0.3).run() == 0
+    assert time.monotonic() - started >= 0.3
+
+
+def test_a_claimed_resident_watches_the_heartbeats_of_the_run_that_claimed_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resident, "IDLE_CHECK_SECONDS", 0.05)
+    monkeypatch.setattr(resident.signal, "signal", lambda *_: None)
+    monkeypatch.setattr(Resident, "preload", lambda self: 0.0)
+    folder, run = tmp_path / "residents" / "abc", tmp_path / "runs" / "run-1"
+    folder.mkdir(parents=True)
+    (folder / CLAIM_FILE).write_text(str(run))
+    beat = run / "segment-000" / "try-1" / "heartbeats" / "rank-0.json"
+    beat.parent.mkdir(parents=True)
+    write_heartbeat_for(beat, 1.2)
+    started = time.monotonic()
+    assert Resident(folder, HOST, idle_seconds=0.3, claim_within=0.1).run() == 0
+    assert time.monotonic() - started >= 1.2, "left while the claiming run wrote heartbeats"
+
+
+def test_prestart_starts_a_recorded_resident_in_a_folder_of_its_own(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[list[str], Path, str, dict[str, str] | None]] = []
+    monkeypatch.setattr(local_prestart, "start_recorded",
+                        lambda args, directory, node, env=None:
+                        calls.append((args, directory, node, env)) or os.getpid())
+    env = {"RELAY_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    folder = local_prestart.prestart_resident(home, env)
+    assert folder.parent == residents_dir(home) and folder.is_dir()
+    (args, directory, node, passed), = calls
+    assert directory == folder and node == HOST and passed == env
+    assert args[:3] == ["relay_train.resident", "--dir", str(folder)]
+    assert "--claim-within" in args

@@ -22,22 +22,22 @@ OUTCOME_COLOURS = {"completed": "#3a9d5d", "fault": "#d1495b", "running": "#2e86
                    "abandoned": "#9a9a9a", "skipped": "#bdbdbd"}
 
 
-def _pyplot() -> Any:  # noqa: ANN401 - matplotlib.pyplot
-    import matplotlib
+def _figure(width: float, height: float) -> Any:  # noqa: ANN401 - a matplotlib Figure
+    """Return a new figure, outside pyplot: pyplot keeps every open figure in global
+    state that is not thread-safe, and the Recovery page draws in the API server's
+    threads (matplotlib's advice for web servers: use ``Figure`` directly)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")  # no display here; also safe inside the API server
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(figsize=(width, height))
 
 
 def plot_timeline(view: RunView, path: Path) -> Path:
     """Draw segments and attempts across nodes; faults marked, time lost shaded."""
-    plt = _pyplot()
     t0 = view.started_at
     nodes = sorted({n for a in view.attempts for n in a.nodes})
     row = {n: i for i, n in enumerate(nodes)}
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * max(len(nodes), 1)))
+    fig = _figure(10, 1.2 + 0.55 * max(len(nodes), 1))
+    ax = fig.subplots()
     now = max([view.ended_at or 0.0, *(a.ended_at or a.started_at for a in view.attempts)])
     for a in view.attempts:
         end = (a.ended_at or now) - t0
@@ -62,7 +62,6 @@ def plot_timeline(view: RunView, path: Path) -> Path:
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
@@ -85,8 +84,8 @@ def _mark_fault(ax: Any, view: RunView, a: Any, row: dict[str, int],  # noqa: AN
 
 def plot_loss(view: RunView, lineage: Lineage, path: Path) -> Path:
     """Draw the loss against the step, one line per attempt; faulty attempts dashed."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(10, 4))
+    fig = _figure(10, 4)
+    ax = fig.subplots()
     for a in view.attempts:
         history = sorted((m.step, m.value) for m in
                          lineage.client.get_metric_history(a.run_id, "loss"))
@@ -109,7 +108,6 @@ def plot_loss(view: RunView, lineage: Lineage, path: Path) -> Path:
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

@@ -1,7 +1,8 @@
 """The cheap benchmarks' smoke modes run and say what they compare (no figure is asserted).
 
 `relay bench goodput --smoke`, `detect --smoke` and `overhead --smoke` take
-minutes on 2 cores and are run by hand (see the README).
+minutes on 2 cores and are run by hand (see the README); `relay.bench.prestart`
+runs one short pair in `make test-slow`.
 """
 
 from __future__ import annotations
@@ -9,8 +10,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+from processes import workload_processes
 
 from relay.settings import REPO_ROOT
 
@@ -39,3 +43,19 @@ def test_watcher_smoke_stays_silent_on_healthy_ranks() -> None:
 
     assert "Compared with: one core" in text
     assert text.count("events: none") == 2
+
+
+@pytest.mark.slow  # two short runs through airflow dags test: `make test-slow`
+def test_prestart_bench_runs_a_pair_and_prints_both_sides(tmp_path: Path) -> None:
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=os.pathsep.join(
+        [str(REPO_ROOT / "plugins"), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "relay.bench.prestart", "40", "1"], env=env,
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if "prestart" in line and "wall" in line]
+    assert len(lines) == 2 and "prestart on " in lines[0] and "prestart off" in lines[1], lines
+    assert all("exit 0" in line and "Relay" in line for line in lines), lines
+    deadline = time.monotonic() + 30  # the last resident was sent SIGTERM as the bench ended
+    while left := workload_processes(tmp_path):
+        assert time.monotonic() < deadline, f"outlived the bench: {left}"
+        time.sleep(0.1)

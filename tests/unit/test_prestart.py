@@ -40,8 +40,8 @@ def _sleeper() -> subprocess.Popen[bytes]:
                             start_new_session=True)
 
 
-def _folder(home: Path, pid: int | None) -> Path:
-    folder = residents_dir(home) / "abc123"
+def _folder(home: Path, pid: int | None, name: str = "abc123") -> Path:
+    folder = residents_dir(home) / name
     folder.mkdir(parents=True)
     if pid is not None:
         record(folder, HOST, pid)
@@ -74,6 +74,12 @@ def test_a_run_claims_a_live_prestarted_resident_once(home: Path) -> None:
             [CLAIM_FILE], "a staged claim file was left"
         release_unclaimed(folder)
         assert proc.poll() is None, "a claimed resident was stopped"
+        gone = home / "runs" / "dag" / "run-3"
+        gone.mkdir()
+        (gone / RESIDENT_DIR).symlink_to(home / "deleted")  # a dangling link is the run's too
+        unclaimed = _folder(home, proc.pid, "def456")
+        assert not claim(gone, unclaimed)
+        assert not (unclaimed / CLAIM_FILE).exists()
     finally:
         proc.kill()
         proc.wait()

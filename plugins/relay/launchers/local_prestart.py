@@ -70,8 +70,8 @@ def claim(run_dir: Path, folder: Path) -> bool:
     """Make the prestarted resident in ``folder`` the DAG run's; False if it is gone or
     another run claimed it (the caller starts one then)."""
     link = run_dir / RESIDENT_DIR
-    if link.exists() or live_resident(folder) is None:
-        return False
+    if link.exists() or link.is_symlink() or live_resident(folder) is None:
+        return False  # the run has a resident folder (a dangling link too), or it is gone
     staged = folder / f"{CLAIM_FILE}.{uuid.uuid4().hex}"
     staged.write_text(str(run_dir))
     try:

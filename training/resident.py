@@ -32,11 +32,12 @@ down``), or by itself once no rank of its run has written a heartbeat for
 
 A resident can also be started before its DAG run exists (prestarted: Relay's own
 ``airflow dags test`` runner starts it beside Airflow's start-up, see
-:func:`relay.launchers.local_standby.prestart_resident`), in a folder of its own.
-Preflight claims it by writing ``run`` there (the DAG run's folder, created
+:mod:`relay.launchers.local_prestart`), in a folder of its own. Preflight claims it
+by creating ``run`` there (:func:`take_claim`: the DAG run's folder, created
 exclusively: one run only) and links the run's ``resident`` folder to it. Until
 then it has no run whose heartbeats it could watch; unclaimed after
-``claim_within`` seconds, it leaves.
+``claim_within`` seconds, it takes the claim itself (so that no run claims it as
+it leaves) and leaves.
 
 The asking side is stdlib only: the launcher imports it without torch.
 """
@@ -64,6 +65,21 @@ IDLE_CHECK_SECONDS = 5.0  # how often the resident looks at its run's heartbeats
 ASK_WAIT_SECONDS = 1.0  # a ready resident forks within its poll; longer means it is stuck
 POLL_SECONDS = 0.05
 CLAIM_FILE = "run"  # in a prestarted resident's folder: the DAG run folder that claimed it
+UNCLAIMED = ""  # what ``run`` holds when no run claimed it in time (or it was released)
+
+
+def take_claim(directory: Path, owner: str) -> bool:
+    """Create a prestarted resident's ``run`` file naming ``owner``, whole, unless it
+    exists; return whether this call created it (exactly one caller ever does)."""
+    staged = directory / f"{CLAIM_FILE}.{uuid.uuid4().hex}"
+    try:
+        staged.write_text(owner)
+        os.link(staged, directory / CLAIM_FILE)  # fails if it exists: exclusive
+    except FileExistsError:
+        return False
+    finally:
+        staged.unlink(missing_ok=True)
+    return True
 
 
 def ready_file(directory: Path, node: str) -> Path:
@@ -128,6 +144,7 @@ class Resident:
         self.node = node
         self.idle_seconds = idle_seconds
         self.claim_within = claim_within  # prestarted: leave unless a run claims it by then
+        self.prestarted = claim_within is not None
         self.stopping = False
 
     def preload(self) -> float:
@@ -166,11 +183,12 @@ class Resident:
                 last_active = time.monotonic()
             _reap()
             now = time.monotonic()
-            if self.claim_within is not None and now - started > self.claim_within \
-                    and self._run_dir() is None:
-                log.info("resident on %s: no DAG run claimed it within %.0fs; leaving",
-                         self.node, self.claim_within)
-                break
+            if self.claim_within is not None and now - started > self.claim_within:
+                if take_claim(self.directory, UNCLAIMED):
+                    log.info("resident on %s: no DAG run claimed it within %.0fs; leaving",
+                             self.node, self.claim_within)
+                    break
+                self.claim_within = None  # a run claimed it: its heartbeats decide now
             if now - checked > IDLE_CHECK_SECONDS:
                 checked = now
                 last_active = max(last_active, now - self._heartbeat_age())
@@ -226,12 +244,13 @@ class Resident:
     def _run_dir(self) -> Path | None:
         """Return the DAG run's folder: the one that claimed a prestarted resident (None
         while none did), else the folder this one was started in."""
-        if self.claim_within is None:
+        if not self.prestarted:
             return self.directory.parent
         try:
-            return Path((self.directory / CLAIM_FILE).read_text().strip() or "-")
+            owner = (self.directory / CLAIM_FILE).read_text().strip()
         except OSError:
             return None
+        return Path(owner) if owner else None
 
     def _heartbeat_age(self) -> float:
         """Return the seconds since any rank of this run wrote a heartbeat (inf: none yet)."""

@@ -47,6 +47,16 @@ class DagTest(subprocess.Popen[bytes]):
             self._release()
         return code
 
+    def kill(self) -> None:
+        """SIGKILL the process (see :meth:`subprocess.Popen.kill`): its DAG run is over."""
+        super().kill()
+        self._release()
+
+    def terminate(self) -> None:
+        """SIGTERM the process (see :meth:`subprocess.Popen.terminate`): the run is over."""
+        super().terminate()
+        self._release()
+
     def _release(self) -> None:
         if self.resident is not None:
             from relay.launchers.local_standby import release
@@ -67,22 +77,22 @@ def run_dag_test(
     from relay.launchers.local_prestart import CONF_KEY, prestart_resident
 
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    resident = prestart_resident(Path(env["RELAY_HOME"]), env) \
+    resident = prestart_resident(Path(env["RELAY_HOME"]), dag_id, env) \
         if prestart and env.get("RELAY_HOME") else None
-    if resident is not None:
-        conf = {**conf, CONF_KEY: str(resident)}
-    with log_file.open("ab") as out:
-        try:
+    try:
+        if resident is not None:
+            conf = {**conf, CONF_KEY: str(resident)}
+        with log_file.open("ab") as out:
             proc = DagTest(
                 [airflow_bin(), "dags", "test", dag_id, "-c", json.dumps(conf)],
                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
-        except OSError:
-            if resident is not None:
-                from relay.launchers.local_standby import release
+    except BaseException:
+        if resident is not None:
+            from relay.launchers.local_standby import release
 
-                release(resident)
-            raise
+            release(resident)
+        raise
     proc.resident = resident
     return proc
 
@@ -232,9 +242,13 @@ def run_once(spec: JobSpec, conf: dict[str, Any], env: dict[str, str], label: st
     started = time.time()
     proc = run_dag_test(spec.dag_id, conf, env, log_file)
     progress = ProgressPrinter(settings.runs_dir() / spec.dag_id, spec.total_steps, started)
-    while proc.poll() is None:
-        progress.poll()
-        time.sleep(1.0)
+    try:
+        while proc.poll() is None:
+            progress.poll()
+            time.sleep(1.0)
+    finally:  # interrupted (Ctrl-C): the DAG run ends here, its prestarted resident too
+        if proc.poll() is None:
+            proc.terminate()
     progress.poll()
     took = time.time() - started
     if proc.returncode != 0:

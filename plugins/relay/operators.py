@@ -144,14 +144,16 @@ class PreflightOperator(RelayOperator):
         from relay.launchers import launcher_for, local_prestart
         from relay.segment_fault import _lease_holder
 
-        prestarted = local_prestart.prestarted(conf)
-        nodes = NodePool().next_lease(_lease_holder(spec.dag_id, dag_run_id), spec.nodes)
-        if nodes is not None:  # else the segment waits for nodes (or fails): nothing to warm
-            launcher = launcher_for(spec)
-            launcher.reside(segment_dir(spec, dag_run_id, 0).parent, launcher.slots(nodes)[:1],
-                            prestarted)
-        if prestarted is not None:
-            local_prestart.release_unclaimed(prestarted)
+        prestarted = local_prestart.prestarted(conf, spec.dag_id)
+        try:
+            nodes = NodePool().next_lease(_lease_holder(spec.dag_id, dag_run_id), spec.nodes)
+            if nodes is not None:  # else the segment waits for nodes (or fails): nothing to do
+                launcher = launcher_for(spec)
+                launcher.reside(segment_dir(spec, dag_run_id, 0).parent,
+                                launcher.slots(nodes)[:1], prestarted)
+        finally:
+            if prestarted is not None:
+                local_prestart.release_unclaimed(prestarted)
 
 
 class FinalizeOperator(RelayOperator):

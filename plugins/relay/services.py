@@ -36,7 +36,8 @@ from relay import pgcluster, settings
 from relay.airflow_api import AirflowApi, ServiceError
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
 from relay.launchers.local import HANDLE_FILE, LocalLauncher, free_port
-from relay.launchers.local_standby import release_run
+from relay.launchers.local_prestart import residents_dir
+from relay.launchers.local_standby import release, release_run
 from relay.proctree import alive, descendants, group_members, stop_pids
 
 log = logging.getLogger(__name__)
@@ -331,16 +332,17 @@ def down(home: Path | None = None, grace: float = 10.0) -> list[int]:
     while any(port_open(p) for p in ports) and time.monotonic() < deadline:
         time.sleep(0.2)
     state_file(home).unlink(missing_ok=True)
-    survivors = stop_workloads(settings.runs_dir(home))
+    survivors = stop_workloads(settings.runs_dir(home), residents_dir(home))
     if survivors:
         log.error("make down: processes %s of interrupted DAG runs survived SIGKILL", survivors)
     return stopped
 
 
-def stop_workloads(runs: Path) -> list[str]:
+def stop_workloads(runs: Path, residents: Path | None = None) -> list[str]:
     """Stop every attempt, unclaimed standby and resident agent under ``runs`` that has
-    processes (a DAG run stopped mid-flight); mark each attempt let go, so that no task
-    adopts it later. Return the PIDs that survived."""
+    processes (a DAG run stopped mid-flight), and every prestarted resident agent in
+    ``residents``; mark each attempt let go, so that no task adopts it later. Return the
+    PIDs that survived."""
     from relay.adopt import let_go
 
     launcher = LocalLauncher()
@@ -352,6 +354,8 @@ def stop_workloads(runs: Path) -> list[str]:
             let_go(handle.parent)
     for run_dir in runs.glob("*/*"):  # <dag>/<run>: its residents and unclaimed standbys
         release_run(run_dir)
+    for folder in residents.iterdir() if residents is not None and residents.is_dir() else ():
+        release(folder)  # prestarted (relay.launchers.local_prestart), claimed or not
     return survivors
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,13 +18,14 @@ from relay.launchers import local_prestart
 from relay.launchers.local import LocalLauncher
 from relay.launchers.local_prestart import (
     CONF_KEY,
+    DAG_FILE,
     HOST,
     claim,
     prestarted,
     release_unclaimed,
     residents_dir,
 )
-from relay.launchers.local_standby import live_resident, record, recorded_pid
+from relay.launchers.local_standby import live_resident, record, recorded_pid, release_run
 from relay_train import resident
 from relay_train.resident import CLAIM_FILE, RESIDENT_DIR, Resident
 
@@ -43,6 +45,7 @@ def _sleeper() -> subprocess.Popen[bytes]:
 def _folder(home: Path, pid: int | None, name: str = "abc123") -> Path:
     folder = residents_dir(home) / name
     folder.mkdir(parents=True)
+    (folder / DAG_FILE).write_text("relay_demo")
     if pid is not None:
         record(folder, HOST, pid)
     return folder
@@ -50,13 +53,17 @@ def _folder(home: Path, pid: int | None, name: str = "abc123") -> Path:
 
 def test_the_conf_names_a_prestarted_resident_only_in_this_homes_residents_folder(
         home: Path) -> None:
-    mine = residents_dir(home) / "abc123"
-    assert prestarted({CONF_KEY: str(mine), "chaos": []}) == mine
-    for refused in (str(home / "elsewhere" / "abc123"), str(residents_dir(home)),
-                    str(residents_dir(home) / ".." / "x"), "/etc", "", 7, None):
-        assert prestarted({CONF_KEY: refused}) is None, refused
-    assert prestarted({"chaos": []}) is None
-    assert prestarted(None) is None
+    mine = _folder(home, None)
+    assert prestarted({CONF_KEY: str(mine), "chaos": []}, "relay_demo") == mine
+    assert prestarted({CONF_KEY: str(mine)}, "relay_other") is None, "another DAG's resident"
+    elsewhere = home / "elsewhere" / "abc123"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / DAG_FILE).write_text("relay_demo")
+    for refused in (str(elsewhere), str(residents_dir(home)), str(residents_dir(home) / "gone"),
+                    str(residents_dir(home) / ".." / "x"), "/etc", "", "/a\x00/b", 7, ["x"]):
+        assert prestarted({CONF_KEY: refused}, "relay_demo") is None, refused
+    assert prestarted({"chaos": []}, "relay_demo") is None
+    assert prestarted(None, "relay_demo") is None
 
 
 def test_a_run_claims_a_live_prestarted_resident_once(home: Path) -> None:
@@ -74,6 +81,8 @@ def test_a_run_claims_a_live_prestarted_resident_once(home: Path) -> None:
             [CLAIM_FILE], "a staged claim file was left"
         release_unclaimed(folder)
         assert proc.poll() is None, "a claimed resident was stopped"
+        release_run(run)  # the run's end stops it, through the link
+        assert proc.wait(timeout=10) == -signal.SIGTERM
         gone = home / "runs" / "dag" / "run-3"
         gone.mkdir()
         (gone / RESIDENT_DIR).symlink_to(home / "deleted")  # a dangling link is the run's too
@@ -101,26 +110,42 @@ def test_a_dead_prestarted_resident_is_not_claimed_and_the_launcher_starts_its_o
     assert not (folder / CLAIM_FILE).exists()
 
 
-def test_an_unclaimed_prestarted_resident_is_stopped(home: Path) -> None:
+def test_an_unclaimed_prestarted_resident_is_stopped_and_no_run_can_claim_it_then(
+        home: Path) -> None:
     proc = _sleeper()
     try:
         folder = _folder(home, proc.pid)
         release_unclaimed(folder)
         assert proc.wait(timeout=10) == -signal.SIGTERM
         assert recorded_pid(folder, HOST) is None
+        record(folder, HOST, os.getpid())  # even were it alive: released is taken
+        assert not claim(home / "runs" / "dag" / "run-1", folder)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
-def test_a_prestarted_resident_leaves_unless_claimed_in_time(
+def _run_within(resident_: Resident, seconds: float) -> float:
+    """Run a resident in a thread; fail (and stop it) unless it leaves within
+    ``seconds``; return how long it ran."""
+    started = time.monotonic()
+    thread = threading.Thread(target=resident_.run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        resident_.stopping = True
+        pytest.fail(f"the resident did not leave within {seconds}s")
+    return time.monotonic() - started
+
+
+def test_a_prestarted_resident_leaves_unless_claimed_in_time_and_cannot_be_claimed_then(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(resident.signal, "signal", lambda *_: None)  # pytest's own SIGTERM
     monkeypatch.setattr(Resident, "preload", lambda self: 0.0)
-    started = time.monotonic()
-    assert Resident(tmp_path, HOST, claim_within=0.3).run() == 0
-    assert time.monotonic() - started >= 0.3
+    took = _run_within(Resident(tmp_path, HOST, idle_seconds=600, claim_within=0.3), 30)
+    assert took >= 0.3
+    assert (tmp_path / CLAIM_FILE).read_text() == "", "it left without taking the claim"
 
 
 def test_a_claimed_resident_watches_the_heartbeats_of_the_run_that_claimed_it(
@@ -134,9 +159,24 @@ def test_a_claimed_resident_watches_the_heartbeats_of_the_run_that_claimed_it(
     beat = run / "segment-000" / "try-1" / "heartbeats" / "rank-0.json"
     beat.parent.mkdir(parents=True)
     write_heartbeat_for(beat, 1.2)
-    started = time.monotonic()
-    assert Resident(folder, HOST, idle_seconds=0.3, claim_within=0.1).run() == 0
-    assert time.monotonic() - started >= 1.2, "left while the claiming run wrote heartbeats"
+    took = _run_within(Resident(folder, HOST, idle_seconds=0.3, claim_within=0.1), 30)
+    assert took >= 1.2, "left while the claiming run wrote heartbeats"
+
+
+def test_make_down_stops_prestarted_residents_claimed_or_not(home: Path) -> None:
+    from relay import services
+
+    procs = [_sleeper(), _sleeper()]
+    try:
+        _folder(home, procs[0].pid, "unclaimed")
+        claim(home / "runs" / "dag" / "run-1", _folder(home, procs[1].pid, "claimed"))
+        assert services.stop_workloads(home / "runs", residents_dir(home)) == []
+        assert [p.wait(timeout=10) for p in procs] == [-signal.SIGTERM] * 2
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def test_prestart_starts_a_recorded_resident_in_a_folder_of_its_own(
@@ -146,8 +186,9 @@ def test_prestart_starts_a_recorded_resident_in_a_folder_of_its_own(
                         lambda args, directory, node, env=None:
                         calls.append((args, directory, node, env)) or os.getpid())
     env = {"RELAY_HOME": str(home), "OMP_NUM_THREADS": "1"}
-    folder = local_prestart.prestart_resident(home, env)
+    folder = local_prestart.prestart_resident(home, "relay_demo", env)
     assert folder.parent == residents_dir(home) and folder.is_dir()
+    assert (folder / DAG_FILE).read_text() == "relay_demo"
     (args, directory, node, passed), = calls
     assert directory == folder and node == HOST and passed == env
     assert args[:3] == ["relay_train.resident", "--dir", str(folder)]

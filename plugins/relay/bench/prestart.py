@@ -22,20 +22,24 @@ from relay.airflow_env import airflow_env, ensure_airflow_db
 from relay.bench.goodput import NODE_POOL, Run, _job_yaml, ends
 
 
-def one_run(home: Path, env: dict[str, str], prestart: bool, name: str) -> str:
-    """Run the job once; return its line."""
+def one_run(home: Path, env: dict[str, str], prestart: bool, name: str) -> tuple[int, str]:
+    """Run the job once; return its exit code and its line."""
     from relay.demo import run_dag_test
 
     (home / "nodes.json").unlink(missing_ok=True)
     started = time.time()
-    code = run_dag_test("relay_goodput", {"chaos": []}, env, home / "logs" / f"{name}.log",
-                        prestart=prestart).wait()
+    log = home / "logs" / f"{name}.log"
+    code = run_dag_test("relay_goodput", {"chaos": []}, env, log, prestart=prestart).wait()
     wall = time.time() - started
-    runs = sorted((home / "runs" / "relay_goodput").iterdir(), key=lambda p: p.stat().st_mtime)
+    dag_dir = home / "runs" / "relay_goodput"
+    if not dag_dir.is_dir():
+        return code or 1, f"  prestart {'on ' if prestart else 'off'}  exit {code}: no DAG run; " \
+            f"see {log}"
+    runs = sorted(dag_dir.iterdir(), key=lambda p: p.stat().st_mtime)
     attempts = sorted(runs[-1].glob("segment-*/try-*"))
     run = Run(name, code == 0, wall, len(attempts), started=started)
-    return (f"  prestart {'on ' if prestart else 'off'}  exit {code}  wall {wall:5.1f}s; "
-            f"{ends(run, attempts)}")
+    return code, (f"  prestart {'on ' if prestart else 'off'}  exit {code}  wall {wall:5.1f}s; "
+                  f"{ends(run, attempts)}")
 
 
 def main(steps: int = 200, pairs: int = 3) -> int:
@@ -45,7 +49,7 @@ def main(steps: int = 200, pairs: int = 3) -> int:
     home = Path(tempfile.mkdtemp(prefix="relay-bench-prestart-"))
     jobs = home / "jobs"
     jobs.mkdir()
-    (jobs / "goodput.yaml").write_text(_job_yaml(steps, steps // 2, 25))
+    (jobs / "goodput.yaml").write_text(_job_yaml(steps, steps // 2, min(25, steps // 2)))
     os.environ.update({"RELAY_HOME": str(home), "RELAY_JOBS_DIR": str(jobs),
                        "RELAY_NODES": ",".join(NODE_POOL)})
     env = airflow_env(home)
@@ -54,11 +58,13 @@ def main(steps: int = 200, pairs: int = 3) -> int:
     print(f"{steps} steps in 2 segments, fault-free, {pairs} pair(s) of runs with and without "
           f"the resident agent prestarted, alternating which goes first; files under {home}",
           flush=True)
+    failed = 0
     for pair in range(pairs):
         for prestart in (True, False) if pair % 2 == 0 else (False, True):
-            print(one_run(home, env, prestart, f"pair{pair}-{'on' if prestart else 'off'}"),
-                  flush=True)
-    return 0
+            code, line = one_run(home, env, prestart, f"pair{pair}-{'on' if prestart else 'off'}")
+            failed += code != 0
+            print(line, flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -16,17 +16,18 @@ test``) starts its resident in preflight, as before.
 from __future__ import annotations
 
 import logging
-import os
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 from relay import settings
 from relay.launchers.local_standby import live_resident, release, start_recorded
-from relay_train.resident import CLAIM_FILE, RESIDENT_DIR
+from relay_train.resident import RESIDENT_DIR, UNCLAIMED, take_claim
 
 log = logging.getLogger(__name__)
 
 CONF_KEY = "relay_resident"  # in a DAG run's conf: the prestarted resident's folder
+DAG_FILE = "dag_id"  # in its folder: the DAG whose run it was prestarted for
 PRESTART_FOLDER = "residents"  # in $RELAY_HOME
 HOST = "host"  # the prestarted resident's name: it serves every node of this host
 # Unclaimed this long after its start, a prestarted resident leaves by itself (its
@@ -40,28 +41,40 @@ def residents_dir(home: Path | None = None) -> Path:
     return (home or settings.relay_home()) / PRESTART_FOLDER
 
 
-def prestart_resident(home: Path, env: dict[str, str] | None = None) -> Path:
-    """Start a resident agent for a DAG run about to be started; return its folder."""
-    directory = residents_dir(home) / uuid.uuid4().hex
+def prestart_resident(home: Path, dag_id: str, env: dict[str, str] | None = None) -> Path:
+    """Start a resident agent for a DAG run of ``dag_id`` about to be started; return its
+    folder."""
+    directory = residents_dir(home.resolve()) / uuid.uuid4().hex
     directory.mkdir(parents=True)
+    (directory / DAG_FILE).write_text(dag_id)
     pid = start_recorded(["relay_train.resident", "--dir", str(directory), "--node", HOST,
                           "--claim-within", str(CLAIM_WITHIN_SECONDS)], directory, HOST, env)
-    log.info("Prestarted a resident agent for the DAG run: pid %d in %s", pid, directory)
+    log.info("Prestarted a resident agent for a DAG run of %s: pid %d in %s", dag_id, pid,
+             directory)
     return directory
 
 
-def prestarted(conf: object) -> Path | None:
-    """Return the prestarted resident a DAG run's conf names, if it names one of ours.
+def prestarted(conf: object, dag_id: str) -> Path | None:
+    """Return the prestarted resident a DAG run's conf names, if it names one of ours,
+    prestarted for a run of ``dag_id``.
 
     The conf comes from whoever triggered the run: only a folder directly in this
-    home's ``residents`` folder is taken, never a path elsewhere."""
-    value = conf.get(CONF_KEY) if isinstance(conf, dict) else None
-    if not isinstance(value, str) or not value:
+    home's ``residents`` folder is taken, never a path elsewhere, and only for the DAG
+    it was started for (a conf copied into another DAG's run does not take it)."""
+    value = conf.get(CONF_KEY) if isinstance(conf, Mapping) else None
+    if value is None:
         return None
-    folder = Path(value)
-    if folder.parent.resolve() != residents_dir().resolve() or folder.name in ("", ".", ".."):
-        log.warning("DAG run conf %s=%r is not a folder in %s; starting a resident here "
-                    "instead", CONF_KEY, value, residents_dir())
+    try:
+        folder = Path(value)
+        ours = folder.name not in ("", ".", "..") and \
+            folder.parent.resolve() == residents_dir().resolve()
+        ours = ours and (folder / DAG_FILE).read_text() == dag_id
+    except (TypeError, ValueError, OSError):  # not a string, a NUL byte, no such folder
+        ours = False
+    if not ours:
+        log.warning("DAG run conf %s=%r does not name a resident agent prestarted in %s for "
+                    "a run of %s; starting one here instead", CONF_KEY, value,
+                    residents_dir(), dag_id)
         return None
     return folder
 
@@ -72,20 +85,15 @@ def claim(run_dir: Path, folder: Path) -> bool:
     link = run_dir / RESIDENT_DIR
     if link.exists() or link.is_symlink() or live_resident(folder) is None:
         return False  # the run has a resident folder (a dangling link too), or it is gone
-    staged = folder / f"{CLAIM_FILE}.{uuid.uuid4().hex}"
-    staged.write_text(str(run_dir))
-    try:
-        os.link(staged, folder / CLAIM_FILE)  # exclusive, and whole when it appears
-    except FileExistsError:
+    if not take_claim(folder, str(run_dir)):
         return False
-    finally:
-        staged.unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     link.symlink_to(folder.resolve(), target_is_directory=True)
     return True
 
 
 def release_unclaimed(folder: Path) -> None:
-    """Stop the prestarted resident in ``folder`` unless a DAG run claimed it."""
-    if not (folder / CLAIM_FILE).exists():
+    """Stop the prestarted resident in ``folder`` unless a DAG run claimed it (claiming
+    it first, so that no run claims it while it stops)."""
+    if take_claim(folder, UNCLAIMED):
         release(folder)

@@ -14,7 +14,7 @@ from relay import settings
 from relay.adopt import read_adopted, workload_of
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
 from relay.notify import redact
-from relay.spec import JobSpec, load_job_spec
+from relay.spec import JobSpec, load_job_spec, load_job_specs
 
 # The three failure modes Relay exists for, one per segment of the demo job.
 DEMO_FAULTS = [
@@ -65,20 +65,31 @@ class DagTest(subprocess.Popen[bytes]):
             self.resident = None
 
 
+def starts_resident(dag_id: str, env: dict[str, str]) -> bool:
+    """Return whether a DAG run of ``dag_id`` starts a resident agent on this host: the
+    DAG of a job spec (in ``env``'s jobs folder) on the local launcher. Any other DAG
+    (``relay_watch_external``, a Kubernetes job) would leave a prestarted one unused."""
+    folder = Path(env.get("RELAY_JOBS_DIR") or settings.jobs_dir())
+    if not folder.is_dir():
+        return False
+    specs, _ = load_job_specs(folder)
+    return any(spec.dag_id == dag_id and spec.launcher == "local" for spec in specs.values())
+
+
 def run_dag_test(
     dag_id: str, conf: dict[str, Any], env: dict[str, str], log_file: Path,
     prestart: bool = True,
 ) -> DagTest:
     """Start ``airflow dags test`` for one DAG run, its output going to ``log_file``.
 
-    ``prestart``: start the run's resident agent first, so that it imports the
-    training stack while Airflow starts (:mod:`relay.launchers.local_prestart`); a
-    job on another launcher stops it in preflight."""
+    ``prestart``: start the run's resident agent first, if the run would start one
+    (:func:`starts_resident`), so that it imports the training stack while Airflow
+    starts (:mod:`relay.launchers.local_prestart`)."""
     from relay.launchers.local_prestart import CONF_KEY, prestart_resident
 
     log_file.parent.mkdir(parents=True, exist_ok=True)
     resident = prestart_resident(Path(env["RELAY_HOME"]), dag_id, env) \
-        if prestart and env.get("RELAY_HOME") else None
+        if prestart and env.get("RELAY_HOME") and starts_resident(dag_id, env) else None
     try:
         if resident is not None:
             conf = {**conf, CONF_KEY: str(resident)}

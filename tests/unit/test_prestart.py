@@ -193,3 +193,22 @@ def test_prestart_starts_a_recorded_resident_in_a_folder_of_its_own(
     assert directory == folder and node == HOST and passed == env
     assert args[:3] == ["relay_train.resident", "--dir", str(folder)]
     assert "--claim-within" in args
+
+
+def test_the_runner_prestarts_only_for_a_job_dag_on_the_local_launcher(tmp_path: Path) -> None:
+    from relay.demo import starts_resident
+
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    (jobs / "tiny.yaml").write_text(
+        "job: tiny\nseed: 1\ntotal_steps: 20\nsteps_per_segment: 10\ncheckpoint_every: 5\n"
+        "nodes: 1\nranks_per_node: 2\n"
+        "model: {context: 32, d_model: 32, n_layers: 1, n_heads: 4, dropout: 0.1}\n"
+        'data: {corpus: "builtin:python_docs", batch_size: 8}\n')
+    env = {"RELAY_JOBS_DIR": str(jobs)}
+    assert starts_resident("relay_tiny", env)
+    assert not starts_resident("relay_watch_external", env), "a DAG without preflight"
+    assert not starts_resident("relay_tiny", {"RELAY_JOBS_DIR": str(tmp_path / "none")})
+    (jobs / "tiny.yaml").write_text((jobs / "tiny.yaml").read_text() + "launcher: kubernetes\n"
+                                    "kubernetes: {image: relay:test}\n")
+    assert not starts_resident("relay_tiny", env), "a Kubernetes job starts no local resident"

@@ -144,7 +144,6 @@ class Resident:
         self.node = node
         self.idle_seconds = idle_seconds
         self.claim_within = claim_within  # prestarted: leave unless a run claims it by then
-        self.prestarted = claim_within is not None
         self.stopping = False
 
     def preload(self) -> float:
@@ -177,18 +176,19 @@ class Resident:
             {"pid": os.getpid(), "ready_at": time.time(), "preload_seconds": preloaded}))
         log.info("resident on %s: preloaded in %.2fs; waiting for requests", self.node,
                  preloaded)
-        checked = last_active = started = time.monotonic()
+        checked = last_active = time.monotonic()
+        claim_by = None if self.claim_within is None else checked + self.claim_within
         while not self.stopping:
             if self._answer():
                 last_active = time.monotonic()
             _reap()
             now = time.monotonic()
-            if self.claim_within is not None and now - started > self.claim_within:
+            if claim_by is not None and now > claim_by:
                 if take_claim(self.directory, UNCLAIMED):
                     log.info("resident on %s: no DAG run claimed it within %.0fs; leaving",
                              self.node, self.claim_within)
                     break
-                self.claim_within = None  # a run claimed it: its heartbeats decide now
+                claim_by = None  # a run claimed it: its heartbeats decide now
             if now - checked > IDLE_CHECK_SECONDS:
                 checked = now
                 last_active = max(last_active, now - self._heartbeat_age())
@@ -244,7 +244,7 @@ class Resident:
     def _run_dir(self) -> Path | None:
         """Return the DAG run's folder: the one that claimed a prestarted resident (None
         while none did), else the folder this one was started in."""
-        if not self.prestarted:
+        if self.claim_within is None:
             return self.directory.parent
         try:
             owner = (self.directory / CLAIM_FILE).read_text().strip()

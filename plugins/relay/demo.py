@@ -13,6 +13,8 @@ from typing import Any
 from relay import settings
 from relay.adopt import read_adopted, workload_of
 from relay.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
+from relay.launchers.local_prestart import CONF_KEY, prestart_resident
+from relay.launchers.local_standby import release
 from relay.notify import redact
 from relay.spec import JobSpec, load_job_spec, load_job_specs
 
@@ -59,8 +61,6 @@ class DagTest(subprocess.Popen[bytes]):
 
     def _release(self) -> None:
         if self.resident is not None:
-            from relay.launchers.local_standby import release
-
             release(self.resident)
             self.resident = None
 
@@ -85,8 +85,6 @@ def run_dag_test(
     ``prestart``: start the run's resident agent first, if the run would start one
     (:func:`starts_resident`), so that it imports the training stack while Airflow
     starts (:mod:`relay.launchers.local_prestart`)."""
-    from relay.launchers.local_prestart import CONF_KEY, prestart_resident
-
     log_file.parent.mkdir(parents=True, exist_ok=True)
     resident = prestart_resident(Path(env["RELAY_HOME"]), dag_id, env) \
         if prestart and env.get("RELAY_HOME") and starts_resident(dag_id, env) else None
@@ -100,8 +98,6 @@ def run_dag_test(
             )
     except BaseException:
         if resident is not None:
-            from relay.launchers.local_standby import release
-
             release(resident)
         raise
     proc.resident = resident

@@ -143,18 +143,35 @@ def relay_faults(attempts: list[Path]) -> list[dict[str, Any]]:
     return rows
 
 
-def run_relay(home: Path, schedule: list[dict[str, Any]], name: str) -> tuple[Run, list[Path]]:
-    """Run the job through Airflow under Relay; return its outcome and attempt folders."""
+def prepare_home(home: Path, job_yaml: str) -> None:
+    """Make ``home`` the benchmark's Relay home with the goodput job; create Airflow's and
+    MLflow's databases, before any run's clock starts."""
+    jobs = home / "jobs"
+    jobs.mkdir()
+    (jobs / "goodput.yaml").write_text(job_yaml)
+    os.environ.update({"RELAY_HOME": str(home), "RELAY_JOBS_DIR": str(jobs),
+                       "RELAY_NODES": ",".join(NODE_POOL)})
+    ensure_airflow_db(airflow_env(home), home / "logs" / "airflow-db.log")
+    Lineage.from_settings().ensure_store()  # MLflow's tables too
+
+
+def run_relay(home: Path, schedule: list[dict[str, Any]], name: str,
+              prestart: bool = True) -> tuple[Run, list[Path]]:
+    """Run the job through Airflow under Relay (``prestart``: see
+    :func:`relay.demo.run_dag_test`); return its outcome and attempt folders (none if
+    the DAG run never started)."""
     from relay.demo import run_dag_test
 
     (home / "nodes.json").unlink(missing_ok=True)  # no quarantine carries over between runs
     env = airflow_env(home)
     log_file = home / "logs" / f"{name.replace(' ', '-')}.log"
     started = time.time()
-    code = run_dag_test("relay_goodput", {"chaos": schedule}, env, log_file).wait()
+    code = run_dag_test("relay_goodput", {"chaos": schedule}, env, log_file,
+                        prestart=prestart).wait()
     wall = time.time() - started
-    runs = sorted((home / "runs" / "relay_goodput").iterdir(), key=lambda p: p.stat().st_mtime)
-    attempts = sorted(runs[-1].glob("segment-*/try-*"))
+    dag_dir = home / "runs" / "relay_goodput"
+    runs = sorted(dag_dir.iterdir(), key=lambda p: p.stat().st_mtime) if dag_dir.is_dir() else []
+    attempts = sorted(runs[-1].glob("segment-*/try-*")) if runs else []
     return Run(name, code == 0, wall, len(attempts), relay_faults(attempts),
                started=started), attempts
 
@@ -314,14 +331,8 @@ def main(steps: int = 1200, segment: int = 300, every: int = 25, collective_time
           else tempfile.TemporaryDirectory(prefix="relay-bench-goodput-")) as tmp:
         home = Path(tmp)
         home.mkdir(parents=True, exist_ok=True)
-        jobs = home / "jobs"
-        jobs.mkdir()
-        (jobs / "goodput.yaml").write_text(_job_yaml(args["steps"], args["segment"],
-                                                     args["every"], segment_boundary))
-        os.environ.update({"RELAY_HOME": str(home), "RELAY_JOBS_DIR": str(jobs),
-                           "RELAY_NODES": ",".join(NODE_POOL)})
-        ensure_airflow_db(airflow_env(home), home / "logs" / "airflow-db.log")
-        Lineage.from_settings().ensure_store()  # MLflow's tables too, before any clock starts
+        prepare_home(home, _job_yaml(args["steps"], args["segment"], args["every"],
+                                     segment_boundary))
         for repeat in range(1, args["repeats"] + 1):
             print(f"  repeat {repeat}/{args['repeats']}:", flush=True)
             runs, prod = one_repeat(home, repeat, args)

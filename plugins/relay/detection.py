@@ -22,7 +22,9 @@ from relay.slowness import StragglerRule, ThroughputRule
 from relay.steptime import HangLimit, StepTimes
 from relay_train.heartbeat import Heartbeat, Phase
 
-AGENT_STATUS_INTERVAL_SECONDS = 1.0  # relay_train.agent rewrites its status this often
+# How late a live agent's word may come: it answers every poll, and a poll waits up to
+# this long for an answer (relay.channel.FRESH_WAIT_SECONDS; a later one counts next poll).
+AGENT_STATUS_INTERVAL_SECONDS = 1.0
 _WAITING = {Phase.COLLECTIVE.value}
 _WORKING = {Phase.COMPUTE.value, Phase.COLLECTIVE.value}
 
@@ -220,9 +222,11 @@ class Detector:
         return {r for r in obs.expected_ranks if r not in obs.heartbeats}
 
     def _stale(self, obs: Observation) -> Fault | None:
-        # A frozen node's ranks fall silent within one heartbeat interval of each
-        # other, and its agent a little later; wait for that before blaming a rank.
-        agent_limit = self.cfg.heartbeat_timeout + AGENT_STATUS_INTERVAL_SECONDS
+        # A node is unresponsive once its ranks and its agent have all been silent for
+        # heartbeat_timeout (the policy's "silent"). A frozen node's ranks fall silent
+        # within one heartbeat interval of each other, its agent at the same time: wait
+        # for that before blaming a rank (below).
+        agent_limit = self.cfg.heartbeat_timeout
         unheard = self._unheard(obs, agent_limit)
         stale = {r for r, b in obs.heartbeats.items() if self._is_stale(b, obs.now)}
         if not stale and not unheard:
@@ -259,6 +263,28 @@ class Detector:
                           f"{beat.phase}", "heartbeat_age_seconds": round(age, 2),
                           "pid": beat.pid}, obs.now)
         return None
+
+    def due_at(self, obs: Observation) -> float | None:
+        """Return the soonest time after ``obs.now`` at which a liveness or hang threshold
+        falls due should nothing new be heard (None: none pending).
+
+        The watcher looks again then instead of up to a poll interval later, so these
+        faults are called when the policy's threshold says, not up to ``poll_interval``
+        after. It costs nothing while the job is healthy: fresh heartbeats put every such
+        time seconds away, past the next poll.
+        """
+        beats = [b for b in obs.heartbeats.values() if b.phase != Phase.DONE.value]
+        times: list[float] = []
+        if FaultKind.HANG in self.enabled and any(b.phase in _WAITING for b in beats):
+            limit = self.hang_limit(obs).seconds
+            times += [b.phase_started_at + limit for b in beats if b.phase == Phase.COMPUTE.value]
+        if self.enabled & {FaultKind.NODE_UNRESPONSIVE, FaultKind.RANK_UNRESPONSIVE}:
+            times += [b.wall_clock + self.cfg.heartbeat_timeout for b in beats]
+            if obs.launch is not None:
+                times += [n.last_seen + self.cfg.heartbeat_timeout
+                          for n in obs.launch.nodes.values() if n.last_seen is not None]
+        later = [t for t in times if t > obs.now]
+        return min(later) if later else None
 
     def suspects(self, obs: Observation) -> str | None:
         """Return why a fault seems on its way though none is called yet (see relay.spare):

@@ -258,8 +258,10 @@ def test_done_rank_with_old_heartbeat_is_not_stale() -> None:
 AGENT_SILENT = CFG.heartbeat_timeout + AGENT_STATUS_INTERVAL_SECONDS + 0.5
 # The agent still speaks (within one status interval plus two heartbeats): a lone rank froze.
 AGENT_ALIVE = AGENT_STATUS_INTERVAL_SECONDS + 2 * INTERVAL - 0.1
-# Between alive and silent: the node may be going dark as a whole, so wait.
-AGENT_FADING = CFG.heartbeat_timeout + AGENT_STATUS_INTERVAL_SECONDS - 0.1
+# Between alive and silent: its last word came too soon after the ranks' last beats to
+# show the node alive (under AGENT_STATUS_INTERVAL_SECONDS + 0.25 s after them), yet it
+# has not been silent for heartbeat_timeout: the node may be going dark as a whole, so wait.
+AGENT_FADING = CFG.heartbeat_timeout - 0.02
 
 
 def node_b_silent(now: float) -> list[Heartbeat]:
@@ -860,6 +862,20 @@ def test_detector_enabled_for_rank_unresponsive_reports_a_stale_rank() -> None:
     assert detector.check(observe(T0, hung(T0))) is None
 
 
+def test_a_node_is_unresponsive_once_its_ranks_and_agent_are_silent_heartbeat_timeout() -> None:
+    # Frozen just over heartbeat_timeout ago: the agent's last answer (a poll) and the
+    # ranks' last beats all came just before the freeze. No extra wait for the agent.
+    beats = [hb(r, T0, phase=COLLECTIVE) for r in (0, 1)]
+    beats += [hb(2, T0, age=CFG.heartbeat_timeout + 0.2),
+              hb(3, T0, age=CFG.heartbeat_timeout + 0.05)]
+    launch = running(T0, agent_age={"node-b": CFG.heartbeat_timeout + 0.05})
+    assert_fault(check(observe(T0, beats, launch=launch)), FaultKind.NODE_UNRESPONSIVE, None,
+                 "node-b")
+    # An agent that answered within heartbeat_timeout is not silent yet: look again.
+    launch = running(T0, agent_age={"node-b": CFG.heartbeat_timeout - 0.05})
+    assert check(observe(T0, beats, launch=launch)) is None
+
+
 def test_detector_enabled_for_rank_unresponsive_never_reports_a_node() -> None:
     detector = Detector(CFG, frozenset({FaultKind.RANK_UNRESPONSIVE}))
     fault = detector.check(observe(T0, node_b_silent(T0), launch=None))
@@ -1045,3 +1061,43 @@ def test_a_blip_of_two_slow_steps_is_not_suspected() -> None:
         obs = observe(now, straggling(now, i, {3: 3.0} if i < 2 else {}))
         assert detector.check(obs) is None
         assert detector.suspects(obs) is None
+
+
+# -- when the watcher should look again -----------------------------------------------
+
+
+def test_due_at_is_when_a_stalled_rank_would_be_called_a_hang() -> None:
+    # Rank 1 in compute for 1.5 s while the others wait: due once it has been hang_timeout
+    # (before any heartbeat, fresh at T0, could go stale).
+    stuck = T0 - 1.5
+    beats = [hb(1, T0, in_phase=1.5)] + [hb(r, T0, phase=COLLECTIVE) for r in (0, 2, 3)]
+    detector = Detector(CFG)
+    assert detector.check(observe(T0, beats)) is None
+    due = detector.due_at(observe(T0, beats))
+    assert due == pytest.approx(stuck + CFG.hang_timeout)
+    later = due + 0.01
+    fault = detector.check(observe(later, [hb(1, later, in_phase=later - stuck)] + [
+        hb(r, later, phase=COLLECTIVE) for r in (0, 2, 3)]))
+    assert_fault(fault, FaultKind.HANG, 1, "node-a")
+
+
+def test_due_at_is_when_the_oldest_silence_reaches_heartbeat_timeout() -> None:
+    # Node-b (ranks and agent) went quiet 1.5 s ago, the rest is fresh.
+    beats = [hb(r, T0, phase=COLLECTIVE) for r in (0, 1)] + [
+        hb(2, T0, age=1.5), hb(3, T0, age=1.4)]
+    obs = observe(T0, beats, launch=running(T0, agent_age={"node-b": 1.45}))
+    assert check(obs) is None
+    assert Detector(CFG).due_at(obs) == pytest.approx(T0 - 1.5 + CFG.heartbeat_timeout)
+
+
+def test_due_at_of_a_healthy_job_is_past_the_next_poll() -> None:
+    """Fresh heartbeats and answers put every threshold seconds away: no extra looks."""
+    beats = [hb(r, T0, age=INTERVAL) for r in (0, 1)] + [
+        hb(r, T0, phase=COLLECTIVE, age=INTERVAL) for r in (2, 3)]
+    due = Detector(CFG).due_at(observe(T0, beats))
+    assert due is not None and due - T0 > CFG.poll_interval
+
+
+def test_due_at_leaves_out_kinds_the_watcher_does_not_report() -> None:
+    beats = [hb(1, T0, in_phase=1.0)] + [hb(r, T0, phase=COLLECTIVE) for r in (0, 2, 3)]
+    assert Detector(CFG, frozenset({FaultKind.STRAGGLER})).due_at(observe(T0, beats)) is None

@@ -282,6 +282,41 @@ def test_a_slow_answer_counts_at_the_next_poll_with_the_time_it_arrived(
     channel.close()
 
 
+def test_a_frozen_agent_costs_one_wait_not_one_per_poll(
+    root: Path, agents: ServedAttempt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A poll waits (up to FRESH_WAIT_SECONDS) only for the requests it sent: node-b's
+    request from the first poll is still unanswered at the second, which asks node-a again
+    and does not wait on node-b a second time (the watcher keeps its pace while a node is
+    frozen, so the node is called as soon as it has been silent heartbeat_timeout)."""
+    from agents import FrozenAgent
+
+    import relay.channel as channel_module
+
+    _beat_all(root)
+    waited: list[int] = []
+    real_wait = channel_module.wait
+
+    def spy(futures: list, timeout: float) -> object:  # type: ignore[type-arg]
+        waited.append(len(futures))
+        return real_wait(futures, timeout=timeout)
+
+    monkeypatch.setattr(channel_module, "wait", spy)
+    monkeypatch.setattr(channel_module, "FRESH_WAIT_SECONDS", 0.3)
+    frozen = FrozenAgent()
+    try:
+        channel = agents.channel(root)
+        channel.addresses["node-b"] = frozen.address
+        first = channel.poll()
+        second = channel.poll()
+        assert first["node-b"] is None and second["node-b"] is None
+        assert first["node-a"] is not None and second["node-a"] is not None
+        assert waited == [2, 1]  # the second poll waited on node-a's new request only
+        channel.close()
+    finally:
+        frozen.close()
+
+
 def test_a_node_marked_silent_is_not_asked_again_and_keeps_its_last_word(
     root: Path, agents: ServedAttempt
 ) -> None:

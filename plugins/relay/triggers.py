@@ -76,11 +76,22 @@ def finishing(obs: Observation) -> bool:
                for r in obs.expected_ranks)
 
 
-def next_pause(poll_interval: float, finishing_since: float | None, now: float) -> float:
-    """Return how long to wait before the next poll (short while the ranks are exiting)."""
+# A threshold falls due once strictly past it: look this long after (and never sooner
+# than DUE_MIN_PAUSE_SECONDS after the last look, whatever the clocks say).
+DUE_MARGIN_SECONDS = 0.01
+DUE_MIN_PAUSE_SECONDS = 0.02
+
+
+def next_pause(poll_interval: float, finishing_since: float | None, now: float,
+               due_in: float | None = None) -> float:
+    """Return how long to wait before the next poll: short while the ranks are exiting,
+    and no later than ``due_in`` s from now, when a threshold falls due (Detector.due_at)."""
+    pause = poll_interval
     if finishing_since is not None and now - finishing_since < FINISHING_FOR_SECONDS:
-        return min(poll_interval, FINISHING_POLL_SECONDS)
-    return poll_interval
+        pause = min(poll_interval, FINISHING_POLL_SECONDS)
+    if due_in is not None:
+        pause = min(pause, max(due_in + DUE_MARGIN_SECONDS, DUE_MIN_PAUSE_SECONDS))
+    return pause
 
 
 class SegmentWatchTrigger(BaseTrigger):
@@ -214,8 +225,10 @@ class SegmentWatchTrigger(BaseTrigger):
                     return
                 if finishing_since is None and finishing(obs):
                     finishing_since = time.monotonic()
+                due = detector.due_at(obs)
                 await asyncio.sleep(next_pause(self.poll_interval_seconds, finishing_since,
-                                               time.monotonic()))
+                                               time.monotonic(),
+                                               None if due is None else due - time.time()))
         except Exception as exc:  # an error event, never a dead trigger
             yield TriggerEvent({**_error_event(self.attempt_dir, exc).payload, **carried})
 

@@ -20,6 +20,8 @@ from relay.detection import Observation
 from relay.faults import Fault, FaultKind, classify_exit
 from relay.launchers.local import HANDLE_FILE, LaunchState, LaunchStatus, LocalLauncher, NodeStatus
 from relay.triggers import (
+    DUE_MARGIN_SECONDS,
+    DUE_MIN_PAUSE_SECONDS,
     FINISHING_FOR_SECONDS,
     FINISHING_POLL_SECONDS,
     SegmentWatchTrigger,
@@ -223,13 +225,15 @@ def test_the_watcher_finds_the_agents_through_the_launch_record_it_was_given(
     assert event.payload["launch_record"] == record  # back to execute_complete, wherever
 
 
-def write_training_heartbeats(root: Path, step: int = 5) -> None:
-    """Every rank past start-up: a later death is a crash, not a failed launch."""
+def write_training_heartbeats(root: Path, step: int = 5, age: float = 0.0) -> None:
+    """Every rank past start-up: a later death is a crash, not a failed launch. ``age``:
+    how long ago the beats were written."""
     folder = root / "heartbeats"
     folder.mkdir(parents=True, exist_ok=True)
     for node, ranks in NODE_RANKS.items():
         for rank in ranks:
-            beat = Heartbeat(rank=rank, node=node, pid=1, step=step, phase="compute")
+            beat = Heartbeat(rank=rank, node=node, pid=1, step=step, phase="compute",
+                             wall_clock=time.time() - age)
             write_atomically(heartbeat_path(folder, rank), beat.to_json())
 
 
@@ -327,6 +331,36 @@ def test_the_watcher_polls_briefly_faster_while_the_ranks_exit() -> None:
     assert next_pause(0.05, 100.0, 100.2) == 0.05  # never slower than the policy's
     # a rank stuck on its way out: back to the policy's interval (its hang rule decides)
     assert next_pause(0.5, 100.0, 100.0 + FINISHING_FOR_SECONDS) == 0.5
+
+
+def test_the_watcher_looks_again_when_a_threshold_falls_due() -> None:
+    """Not up to a poll interval later: sooner, just past the threshold."""
+    assert next_pause(0.5, None, 100.0, due_in=0.2) == pytest.approx(0.2 + DUE_MARGIN_SECONDS)
+    assert next_pause(0.5, None, 100.0, due_in=3.0) == 0.5  # no later than the policy's
+    assert next_pause(0.5, None, 100.0, due_in=-1.0) == DUE_MIN_PAUSE_SECONDS  # never spins
+    assert next_pause(0.5, 100.0, 100.2, due_in=0.3) == FINISHING_POLL_SECONDS
+
+
+def test_run_looks_again_when_silent_ranks_reach_heartbeat_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks' last beats are 1 s old and the policy looks every 5 s: the watcher looks
+    again when they reach heartbeat_timeout (2 s), not 5 s later."""
+    root = fabricate(
+        tmp_path / "try-1",
+        {"node-a": ("running", {0: None, 1: None}), "node-b": ("running", {2: None, 3: None})},
+    )
+    write_training_heartbeats(root, step=40, age=1.0)
+    pauses: list[float] = []
+    pause = triggers.next_pause
+    monkeypatch.setattr(triggers, "next_pause",
+                        lambda *args: pauses.append(pause(*args)) or pauses[-1])
+    trigger = SegmentWatchTrigger(str(root), NODE_RANKS, poll_interval_seconds=5.0)
+
+    event = asyncio.run(first_event(trigger))
+
+    assert event.payload["fault"]["kind"] == "rank_unresponsive"
+    assert pauses and max(pauses) < 2.0  # not the policy's 5 s
 
 
 def test_run_polls_faster_once_every_rank_reported_its_loop_done(

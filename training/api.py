@@ -115,6 +115,7 @@ class Session:
         self._metrics: list[tuple[int, dict[str, float], int]] = []
         self._clock: dict[str, float] = {}
         self._compute, self._natural, self._rate = Ewma(), Ewma(), Ewma()
+        self._compute_total = 0.0  # seconds of compute over this rank's steps (heartbeat)
         self._step_time = Ewma()  # logged as step_seconds: checkpoint_every auto's pace
         self._injected = 0.0
         self._last_step = cfg.start_step
@@ -401,8 +402,10 @@ class Session:
             self._natural.add(computed - self._injected)
         rate = self._rate.add(samples * self.world_size / max(done - started, 1e-9))
         step_time = self._step_time.add(done - started)
+        self._compute_total += computed
         self._heartbeat.beat(step=step + 1, compute_seconds=self._compute.add(computed),
-                             samples_per_second=rate, loss=loss)
+                             samples_per_second=rate, loss=loss,
+                             compute_total=self._compute_total)
         self._last_step = step + 1
         newly_poisoned = loss is not None and not math.isfinite(loss) and self._training.finite
         if newly_poisoned:

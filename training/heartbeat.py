@@ -76,7 +76,8 @@ class Heartbeat:
     step: int = 0
     phase: str = Phase.STARTING.value
     phase_started_at: float = field(default_factory=node_clock)
-    compute_seconds: float | None = None
+    compute_seconds: float | None = None  # per step, smoothed (an EWMA)
+    compute_total: float | None = None  # every step's compute added up: the exact figure
     samples_per_second: float | None = None
     loss: float | None = None
     nonfinite_step: int | None = None  # the first step whose loss was NaN/inf, once seen
@@ -189,12 +190,15 @@ class HeartbeatWriter:
         compute_seconds: float | None = None,
         samples_per_second: float | None = None,
         loss: float | None = None,
+        compute_total: float | None = None,
     ) -> None:
         """Record a finished step (cheap: memory only)."""
         with self._lock:
             self._beat.step = step
             if compute_seconds is not None:
                 self._beat.compute_seconds = compute_seconds
+            if compute_total is not None:
+                self._beat.compute_total = compute_total
             if samples_per_second is not None:
                 self._beat.samples_per_second = samples_per_second
             if loss is not None:

@@ -14,6 +14,15 @@ the rank's smoothed compute time) is not enough. ``sustained`` stays the upper
 bound: a rank over ``ratio`` that long always fires, as it did before
 ``lost_seconds`` existed.
 
+**The excess is counted exactly where the ranks say their total compute time**
+(the heartbeat's ``compute_total``): between two polls, a rank's excess is its
+compute over the steps it finished minus the others' median over theirs. The
+smoothed per-step figure, which reaches a sudden slowdown only over several steps,
+still decides *whether* a rank is over the ratio (one jittery step does not put it
+there), but no longer undercounts what it cost; and the interval in which a rank
+first went over the ratio counts too (its steps were slow already). Ranks that do
+not report the total (an older worker) are counted on the smoothed figure.
+
 When compute is the whole step, a rank at ``r`` x the others' compute costs the
 job ``1 - 1/r`` of each second: a 40x straggler ~97% (called after ~1 s), a 1.6x
 one ~38% (~2.7 s). Where the collective or the input pipeline takes most of the
@@ -99,14 +108,41 @@ class StragglerRule:
         self._runs: dict[int, _SlowRun] = {}
         # When two ranks were first seen stepping; -inf: past start-up before we looked.
         self._stepping_since: float | None = -math.inf if settled else None
+        # rank -> (step, compute_total, when) at the last poll: the exact excess (above)
+        self._totals: dict[int, tuple[int, float, float]] = {}
 
-    def _track(self, beat: Heartbeat, extra: float, now: float) -> _SlowRun:
+    def _interval_excess(self, active: list[Heartbeat], now: float) -> dict[int, float]:
+        """Return each rank's compute beyond the others' median over the steps it finished
+        since the last poll (at most the time that passed), where every figure is known;
+        remember this poll's totals for the next."""
+        per_step: dict[int, tuple[float, int, float]] = {}  # rank -> (per step, steps, since)
+        for beat in active:
+            seen = self._totals.get(beat.rank)
+            if beat.compute_total is None:
+                continue
+            if seen is not None and beat.step > seen[0] and beat.compute_total >= seen[1]:
+                steps = beat.step - seen[0]
+                per_step[beat.rank] = ((beat.compute_total - seen[1]) / steps, steps, seen[2])
+            if seen is None or beat.step != seen[0]:
+                self._totals[beat.rank] = (beat.step, beat.compute_total, now)
+        if len(per_step) < 2:
+            return {}
+        ordered = sorted(p for p, _, _ in per_step.values())
+        return {rank: min(max(p - median_without(ordered, p), 0.0) * steps, now - since)
+                for rank, (p, steps, since) in per_step.items()}
+
+    def _track(self, beat: Heartbeat, extra: float, now: float,
+               exact: float | None) -> _SlowRun:
+        """Count what ``beat``'s rank cost the job since the last poll: ``exact`` where the
+        totals say it, else ``extra`` (the smoothed excess) x the steps it finished."""
         run = self._runs.get(beat.rank)
         if run is None:
             run = self._runs[beat.rank] = _SlowRun(last_seen=now, last_step=beat.step)
+            run.lost = exact or 0.0  # the interval it went over the ratio in was slow already
             return run
         if beat.step > run.last_step:  # each finished step kept the others waiting ``extra`` s
-            run.lost += min(extra * (beat.step - run.last_step), now - run.last_seen)
+            run.lost += exact if exact is not None else min(
+                extra * (beat.step - run.last_step), now - run.last_seen)
             run.steps += 1
         if beat.step != run.last_step:
             run.last_seen, run.last_step = now, beat.step
@@ -131,6 +167,7 @@ class StragglerRule:
         active = [b for b in active if b.compute_seconds]
         if len(active) < 2:
             return None
+        exact = self._interval_excess(active, now)
         if self._stepping_since is None:
             self._stepping_since = now
         if now - self._stepping_since < self.rule.sustained:
@@ -148,7 +185,7 @@ class StragglerRule:
             if beat not in over:
                 self._runs.pop(beat.rank, None)
                 continue
-            run = self._track(beat, extra[beat.rank], now)
+            run = self._track(beat, extra[beat.rank], now, exact.get(beat.rank))
             if self._due(run, held):
                 due.append((run.lost, held))
         if not due:

@@ -188,3 +188,40 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def _repeat(free_wall: float, faulty_wall: float, lost: int = 0,
+            faulty_ok: bool = True) -> list[Run]:
+    faults = [{"kind": k, "lost_steps": lost, "fault_to_resume": 3.0 + i}
+              for i, k in enumerate(("hang", "node_unresponsive", "straggler"))]
+    return [Run("relay fault-free", True, free_wall, 4),
+            Run("relay with faults", faulty_ok, faulty_wall, 7, faults),
+            Run("torchrun fault-free", True, 90.0, 1)]
+
+
+def test_relative_ettr_is_each_repeats_fault_free_wall_over_its_faulty_wall() -> None:
+    from relay.bench.goodput_report import relative_ettrs
+
+    runs = [_repeat(100.0, 110.0), _repeat(100.0, 125.0), _repeat(100.0, 120.0, faulty_ok=False)]
+    assert relative_ettrs(runs) == pytest.approx([100 / 110, 0.8, 0.0])
+
+
+def test_the_goals_say_met_or_not_by_the_median_and_per_repeat(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from relay.bench.goodput_report import print_goals
+
+    print_goals([_repeat(100.0, 110.0), _repeat(100.0, 115.0), _repeat(100.0, 108.0)],
+                [92.0, 92.0, 92.0])
+    out = capsys.readouterr().out
+    assert "relative to fault-free >= 0.9 (fault-free wall / faulty wall, same repeat): " \
+        "0.91 / 0.87 / 0.93: met by the median, in 2 of 3 repeat(s)" in out
+    assert "absolute ETTR fault-free >= 0.9: 0.92 / 0.92 / 0.92: met by the median, in 3 of 3" \
+        in out
+    assert "straggler          5.0s / 5.0s / 5.0s: met by the median, in 3 of 3" in out
+    assert "lost steps 0 for a stalled rank, a frozen node and a straggler: met" in out
+
+    print_goals([_repeat(100.0, 130.0, lost=3)], [85.0])
+    out = capsys.readouterr().out
+    assert "0.77: NOT met by the median, in 0 of 1 repeat(s)" in out
+    assert "absolute ETTR fault-free >= 0.9: 0.85: NOT met" in out
+    assert "straggler: NOT met (hang 3; node_unresponsive 3; straggler 3)" in out

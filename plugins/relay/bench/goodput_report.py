@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from relay.resume_time import PARTS
 
 if TYPE_CHECKING:
     from relay.bench.goodput import Run
+
+# Issue 12's goals under `airflow dags test` (figures of this machine, not test assertions).
+GOAL_RESUME_SECONDS = 7.0  # fault -> first productive step, median per kind
+GOAL_ETTR = 0.9  # absolute ETTR fault-free, and ETTR with faults relative to fault-free
+FREE, FAULTY = "relay fault-free", "relay with faults"  # Relay's two runs of a repeat
 
 
 def sec_text(value: float | None, digits: int = 1) -> str:
@@ -82,6 +88,54 @@ def print_summary(all_runs: list[list[Run]], productive: list[float], short: flo
             print(f"  {name:24} {kind:18} {spread(values):22} detected after "
                   f"{spread(detected)}")
     print_breakdown(all_runs)
+    print_goals(all_runs, productive)
+
+
+def relative_ettrs(all_runs: list[list[Run]]) -> list[float]:
+    """Return, per repeat, the faulty run's ETTR relative to its own repeat's fault-free run:
+    the same productive time, so fault-free wall / faulty wall (0 when either failed)."""
+    found = []
+    for runs in all_runs:
+        by_name = {r.name: r for r in runs}
+        free, faulty = by_name.get(FREE), by_name.get(FAULTY)
+        if free is not None and faulty is not None:
+            both = free.ok and faulty.ok and faulty.wall > 0
+            found.append(free.wall / faulty.wall if both else 0.0)
+    return found
+
+
+def verdict(values: list[float], meets: Callable[[float], bool]) -> str:
+    """Say whether the median meets a goal, and in how many repeats each value did."""
+    if not values:
+        return "no figure"
+    met = sum(meets(v) for v in values)
+    return (f"{'met' if meets(statistics.median(values)) else 'NOT met'} by the median, "
+            f"in {met} of {len(values)} repeat(s)")
+
+
+def print_goals(all_runs: list[list[Run]], productive: list[float]) -> None:
+    """Print Relay's figures against issue 12's goals, repeat by repeat."""
+    print("\n  Against issue 12's goals (Relay's runs):")
+    runs = _by_name(all_runs)
+    for kind, values in _faults_of(runs.get(FAULTY, []), "fault_to_resume").items():
+        print(f"  fault -> first productive step <= {GOAL_RESUME_SECONDS:g}s, {kind:18} "
+              f"{' / '.join(f'{v:.1f}s' for v in values)}: "
+              f"{verdict(values, lambda v: v <= GOAL_RESUME_SECONDS)}")
+    free = [ettr(r, productive[i]) for r, i in runs.get(FREE, [])]
+    print(f"  absolute ETTR fault-free >= {GOAL_ETTR:g}: {' / '.join(f'{v:.2f}' for v in free)}:"
+          f" {verdict(free, lambda v: v >= GOAL_ETTR)}")
+    relative = relative_ettrs(all_runs)
+    print(f"  ETTR with faults relative to fault-free >= {GOAL_ETTR:g} (fault-free wall / "
+          f"faulty wall, same repeat): {' / '.join(f'{v:.2f}' for v in relative)}: "
+          f"{verdict(relative, lambda v: v >= GOAL_ETTR)}")
+    recorded = _faults_of(runs.get(FAULTY, []), "lost_steps")
+    kinds = ("hang", "node_unresponsive", "straggler")
+    lost = {k: [int(v) for v in recorded.get(k, [])] for k in kinds}
+    every = all(len(lost[k]) == len(all_runs) for k in kinds)  # each fault, each repeat
+    met = every and not any(v for k in kinds for v in lost[k])
+    print(f"  lost steps 0 for a stalled rank, a frozen node and a straggler: "
+          f"{'met' if met else 'NOT met'} ("
+          + "; ".join(f"{k} {'/'.join(map(str, lost[k])) or 'no record'}" for k in kinds) + ")")
 
 
 def print_ettr(all_runs: list[list[Run]], productive: list[float]) -> None:

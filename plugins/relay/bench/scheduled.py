@@ -48,6 +48,7 @@ from relay.bench.goodput import (
     seconds_per_step,
 )
 from relay.bench.goodput_report import (
+    GOAL_ETTR,
     ettr,
     format_parts,
     print_breakdown,
@@ -59,7 +60,6 @@ from relay.paths import safe_name
 
 DAG_ID = "relay_goodput"
 GOAL_SECONDS = 9.5  # issue 12: fault -> first productive step with the real scheduler
-GOAL_ETTR = 0.9  # issue 12: absolute ETTR of the fault-free run
 BASELINE_COLLECTIVE_TIMEOUT = 120.0  # goodput's default; a fault-free run never reaches it
 ENV_VARS = ("RELAY_HOME", "RELAY_JOBS_DIR", "RELAY_NODES", "RELAY_MLFLOW_TRACKING_URI")
 

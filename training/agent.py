@@ -22,6 +22,7 @@ import argparse
 import importlib
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import signal
@@ -281,10 +282,13 @@ class NodeAgent:
             elif any(c not in (None, 0) for c in codes.values()):
                 failed = {r: c for r, c in codes.items() if c not in (None, 0)}
                 self.stop_ranks(f"rank(s) failed with exit codes {failed}")
-            if all(p.exitcode is not None for p in self.procs.values()):
+            running = [p.sentinel for p in self.procs.values() if p.exitcode is None]
+            if not running:
                 break
             self._fork_standbys()
-            time.sleep(0.1)
+            # Up to 0.1 s, as before, for a stop or a standby ask; a rank's exit ends it at
+            # once (the run's end and a crash are reported that much sooner).
+            multiprocessing.connection.wait(running, timeout=0.1)
         ok = all(p.exitcode == 0 for p in self.procs.values())
         self.set_state("succeeded" if ok else "failed")
         log.info("all ranks exited: %s", {r: p.exitcode for r, p in self.procs.items()})

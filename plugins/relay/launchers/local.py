@@ -67,6 +67,7 @@ STOP_GRACE_SECONDS = 5.0
 STANDBY_ASK_TIMEOUT_SECONDS = 1.5  # a fork answers within the agent's own 1 s wait
 ENV_PARTITIONED = "RELAY_TEST_PARTITIONED_NODES"  # test hook: nodes stop() cannot reach
 STOP_ASK_TIMEOUT_SECONDS = 0.5
+STOP_POLL_SECONDS = 0.02  # a stop looks this often whether the attempt's processes are gone
 
 
 class NotOursError(LookupError):
@@ -328,7 +329,7 @@ class LocalLauncher:
                 pids.signal_group(pgid, ours[pgid], sig)
         deadline = time.monotonic() + grace_seconds
         while time.monotonic() < deadline and any(group_members(g) for g in live):
-            time.sleep(0.1)
+            time.sleep(STOP_POLL_SECONDS)
         for pgid in live:
             if group_members(pgid):
                 log.warning("Process group %d ignored SIGTERM; sending SIGKILL", pgid)
@@ -339,7 +340,7 @@ class LocalLauncher:
             survivors = [p for g in live for p in group_members(g)]
             if not survivors:
                 break
-            time.sleep(0.05)
+            time.sleep(STOP_POLL_SECONDS)
         if survivors:
             log.error("Processes %s survived SIGKILL in %s", survivors, root)
         return [f"pid {p}" for p in survivors]

@@ -15,6 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from relay.channel import FRESH_WAIT_SECONDS
 from relay.faults import Fault, FaultKind, classify_exit, only_secondary_exits
 from relay.launchers.base import UNRESPONSIVE, LaunchState, LaunchStatus
 from relay.policy import Detection
@@ -23,8 +24,8 @@ from relay.steptime import HangLimit, StepTimes
 from relay_train.heartbeat import Heartbeat, Phase
 
 # How late a live agent's word may come: it answers every poll, and a poll waits up to
-# this long for an answer (relay.channel.FRESH_WAIT_SECONDS; a later one counts next poll).
-AGENT_STATUS_INTERVAL_SECONDS = 1.0
+# this long for an answer (a later one counts at the next poll).
+AGENT_STATUS_INTERVAL_SECONDS = FRESH_WAIT_SECONDS
 _WAITING = {Phase.COLLECTIVE.value}
 _WORKING = {Phase.COMPUTE.value, Phase.COLLECTIVE.value}
 

@@ -117,9 +117,9 @@ class StragglerRule:
         remember this poll's totals for the next."""
         per_step: dict[int, tuple[float, int, float]] = {}  # rank -> (per step, steps, since)
         for beat in active:
-            seen = self._totals.get(beat.rank)
             if beat.compute_total is None:
                 continue
+            seen = self._totals.get(beat.rank)
             if seen is not None and beat.step > seen[0] and beat.compute_total >= seen[1]:
                 steps = beat.step - seen[0]
                 per_step[beat.rank] = ((beat.compute_total - seen[1]) / steps, steps, seen[2])
@@ -137,8 +137,9 @@ class StragglerRule:
         totals say it, else ``extra`` (the smoothed excess) x the steps it finished."""
         run = self._runs.get(beat.rank)
         if run is None:
-            run = self._runs[beat.rank] = _SlowRun(last_seen=now, last_step=beat.step)
-            run.lost = exact or 0.0  # the interval it went over the ratio in was slow already
+            # The interval it went over the ratio in was slow already: it counts.
+            run = self._runs[beat.rank] = _SlowRun(last_seen=now, last_step=beat.step,
+                                                   lost=exact or 0.0)
             return run
         if beat.step > run.last_step:  # each finished step kept the others waiting ``extra`` s
             run.lost += exact if exact is not None else min(

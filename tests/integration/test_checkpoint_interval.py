@@ -97,8 +97,8 @@ def test_auto_interval_is_chosen_recorded_and_used_per_attempt(
     ratio = retry["young_daly_seconds"] / retry["step_seconds"]
     slack = 0.0005 / retry["step_seconds"] + 1e-9
     unbounded = retry["unbounded_steps"]
-    assert unbounded == 1 if ratio < 0.5 - slack else abs(unbounded - ratio) <= 0.5 + slack, (
-        unbounded, ratio)
+    nearest = (unbounded == 1) if ratio < 0.5 - slack else (abs(unbounded - ratio) <= 0.5 + slack)
+    assert nearest, (unbounded, ratio)
     assert retry["steps"] == min(max(unbounded, LOW), HIGH)
     assert retry["bound_hit"] == ("min" if unbounded < LOW else "max" if unbounded > HIGH
                                   else None)

@@ -105,6 +105,12 @@ def _assert_same_weights(clean_run: str, run_id: str, where: Path) -> None:
     assert same, detail
 
 
+def _faults(view: RunView) -> str:
+    """Say what each attempt ended in, and any fault's kind and evidence (for a failure)."""
+    return "\n".join(f"segment {a.segment} try {a.try_number}: {a.outcome}"
+                     + (f" {a.fault}" if a.fault else "") for a in view.attempts)
+
+
 def _crash(deployment: services.Deployment, name: str) -> None:
     """SIGKILL a component's main process only, as a crash would (its children live on)."""
     os.kill(services.read_deployment(Path(deployment.home)).pids[name], signal.SIGKILL)
@@ -129,8 +135,9 @@ def test_triggerer_and_scheduler_crashes_do_not_stop_the_run(
     view = _view(run_id)
     # One workload per segment: no attempt faulted, none was started twice beside another.
     assert [(a.segment, a.outcome) for a in view.attempts if a.outcome != "abandoned"] == [
-        (s, "completed") for s in range(4)], view.attempts
-    assert not [a for a in view.attempts if a.fault], "a crash of Airflow is not a training fault"
+        (s, "completed") for s in range(4)], _faults(view)
+    assert not [a for a in view.attempts if a.fault], (
+        f"a crash of Airflow is not a training fault:\n{_faults(view)}")
     _assert_same_weights(clean_run, run_id, tmp_path)
 
 

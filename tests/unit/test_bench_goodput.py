@@ -214,14 +214,23 @@ def test_the_goals_say_met_or_not_by_the_median_and_per_repeat(
                 [92.0, 92.0, 92.0])
     out = capsys.readouterr().out
     assert "relative to fault-free >= 0.9 (fault-free wall / faulty wall, same repeat): " \
-        "0.91 / 0.87 / 0.93: met by the median, in 2 of 3 repeat(s)" in out
-    assert "absolute ETTR fault-free >= 0.9: 0.92 / 0.92 / 0.92: met by the median, in 3 of 3" \
+        "0.909 / 0.869 / 0.925: met by the median, in 2 of 3 repeat(s)" in out
+    assert "absolute ETTR fault-free >= 0.9: 0.920 / 0.920 / 0.920: met by the median, in 3 of 3" \
         in out
     assert "straggler          5.0s / 5.0s / 5.0s: met by the median, in 3 of 3" in out
     assert "lost steps 0 for a stalled rank, a frozen node and a straggler: met" in out
 
     print_goals([_repeat(100.0, 130.0, lost=3)], [85.0])
     out = capsys.readouterr().out
-    assert "0.77: NOT met by the median, in 0 of 1 repeat(s)" in out
-    assert "absolute ETTR fault-free >= 0.9: 0.85: NOT met" in out
+    assert "0.769: NOT met by the median, in 0 of 1 repeat(s)" in out
+    assert "absolute ETTR fault-free >= 0.9: 0.850: NOT met" in out
     assert "straggler: NOT met (hang 3; node_unresponsive 3; straggler 3)" in out
+
+
+def test_a_figure_printed_beside_a_goal_never_rounds_across_it() -> None:
+    from relay.bench.goodput_report import toward_goal
+
+    assert toward_goal(0.8996, 3, at_least=True) == "0.899"  # rounding said 0.900
+    assert toward_goal(0.92, 3, at_least=True) == "0.920"
+    assert toward_goal(7.04, 1, at_least=False) == "7.1"  # rounding said 7.0 (<= 7 s)
+    assert toward_goal(5.0, 1, at_least=False) == "5.0"

@@ -73,19 +73,36 @@ def median_without(ordered: list[float], value: float) -> float:
 
 @dataclass
 class Sustained:
-    """How long a condition has held, per key."""
+    """How long a condition has held, per key, counting only while it is judged: a key
+    left unjudged for a while (:meth:`pause`) has its clock stopped from its last
+    judgement to its next, so a pause is never taken for the condition going on."""
 
     since: dict[object, float] = field(default_factory=dict)
+    last: dict[object, float] = field(default_factory=dict)  # key -> its last judgement
+    paused: set[object] = field(default_factory=set)
 
     def hold(self, key: object, condition: bool, now: float) -> float:
         """Return for how long ``condition`` has held for ``key`` (0 when it does not)."""
         if not condition:
             self.since.pop(key, None)
+            self.last.pop(key, None)
+            self.paused.discard(key)
             return 0.0
+        if key in self.paused and key in self.since:
+            self.since[key] += now - self.last[key]  # the pause did not count
+        self.paused.discard(key)
+        self.last[key] = now
         return now - self.since.setdefault(key, now)
+
+    def pause(self, key: object) -> None:
+        """Say ``key`` is not judged now: its clock stands still until it is again."""
+        if key in self.since:
+            self.paused.add(key)
 
     def held(self, key: object, now: float) -> float:
         """Return for how long the condition has held for ``key``, without updating it."""
+        if key in self.paused:
+            return self.last[key] - self.since[key]
         return now - self.since.get(key, now)
 
 
@@ -166,7 +183,13 @@ class StragglerRule:
     def check(self, active: list[Heartbeat], now: float) -> Fault | None:
         """Return a straggler fault once one is due (``active``: the stepping ranks)."""
         active = [b for b in active if b.compute_seconds]
-        if len(active) < 2:
+        judged = {b.rank for b in active} if len(active) >= 2 else set()
+        for rank in [r for r in self._held.since if r not in judged]:
+            # Not stepping now (a boundary's publish, a node whose answer is late): how
+            # long a rank has been over the ratio counts only while it is seen stepping,
+            # or the first poll after a pause would find it "slow" for the whole pause.
+            self._held.pause(rank)
+        if not judged:
             return None
         exact = self._interval_excess(active, now)
         if self._stepping_since is None:

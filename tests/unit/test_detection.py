@@ -514,6 +514,29 @@ def test_a_stalled_jobs_frozen_figures_cost_nothing() -> None:
     assert found is None, found[1].describe() if found else ""
 
 
+def test_a_pause_in_stepping_is_not_counted_as_a_straggler_sustained() -> None:
+    """A 1.6x rank (called at ``sustained`` only), then the whole job stops stepping for
+    longer than ``sustained`` (a boundary waiting for its checkpoint to publish): on the
+    first poll after it, the rank has not been slow for the pause as well. It is still
+    called once it has been seen slow for ``sustained`` in all."""
+    rule = NO_BUDGET
+    detector = settled(CFG.model_copy(update={"straggler": rule}))
+    before = polls(T0, rule.sustained - 2.0)
+    for i, now in enumerate(before):
+        assert detector.check(observe(now, straggling(now, i, {3: 1.6}))) is None
+    last = len(before) - 1
+    paused = polls(before[-1] + INTERVAL, 2 * rule.sustained)  # every record frozen
+    for now in paused:  # judged while the frozen records are recent, then dropped
+        assert detector.check(observe(now, straggling(now, last, {3: 1.6}))) is None
+    back = paused[-1] + INTERVAL
+    found = first_fault(detector, polls(back, rule.sustained),
+                        lambda now, i: straggling(now, last + 1 + i, {3: 1.6}))
+    assert found is not None, "a real straggler is still called"
+    when, fault = found
+    assert when > back, "called on the first poll after the pause: the pause was counted"
+    assert_fault(fault, FaultKind.STRAGGLER, 3, "node-b", "1.6x")
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_single_jittery_steps_raise_no_straggler(seed: int) -> None:
     """Every rank's steps vary by 20%, and 1 record in 20 carries one step 2-6x as slow."""

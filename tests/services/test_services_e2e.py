@@ -19,7 +19,7 @@ from browser import Chromium
 
 from relay import services
 from relay.airflow_api import AirflowApi
-from relay.lineage import TAG_EXPERIMENT_KIND, Lineage
+from relay.lineage import TAG_EXPERIMENT_KIND, TAG_FAULT, Lineage
 from relay.report import final_state, same_bits
 from relay.run_view import RunView, find_parent, run_view
 from relay.settings import REPO_ROOT
@@ -106,9 +106,13 @@ def _assert_same_weights(clean_run: str, run_id: str, where: Path) -> None:
 
 
 def _faults(view: RunView) -> str:
-    """Say what each attempt ended in, and any fault's kind and evidence (for a failure)."""
-    return "\n".join(f"segment {a.segment} try {a.try_number}: {a.outcome}"
-                     + (f" {a.fault}" if a.fault else "") for a in view.attempts)
+    """Say what each attempt ended in, and any fault's kind (its run's tag, should its
+    decision.json not be read) and evidence (for a failure)."""
+    client = Lineage.from_settings().client
+    return "\n".join(
+        f"segment {a.segment} try {a.try_number}: {a.outcome}"
+        + (f" {client.get_run(a.run_id).data.tags.get(TAG_FAULT)} {a.fault}"
+           if a.outcome == "fault" else "") for a in view.attempts)
 
 
 def _crash(deployment: services.Deployment, name: str) -> None:

@@ -25,17 +25,21 @@ from relay_train.resident import RESIDENT_DIR
 def use_jobs(relay_home: Path, jobs_dir: Path) -> dict[str, str]:
     """Point the DAG file at ``jobs_dir``, start from a healthy pool, prepare Airflow's DB."""
     os.environ["RELAY_JOBS_DIR"] = str(jobs_dir)
-    release_quarantines()
+    free_the_pool()
     env = airflow_env(relay_home)
     ensure_airflow_db(env, relay_home / "logs" / "airflow-db.log")
     return env
 
 
-def release_quarantines() -> None:
-    """Start from a healthy pool: release the quarantines earlier tests left."""
+def free_the_pool() -> None:
+    """Start from a healthy, free pool: release the quarantines and the leases earlier
+    runs left (a lease outlives a run whose task was killed, for LEASE_SECONDS); a test
+    whose faults name a node must get that node."""
     pool = NodePool()
     for node in pool.quarantines():
         pool.release(node)
+    for holder in {lease["holder"] for lease in pool.leases().values()}:
+        pool.release_lease(holder)
 
 
 def run_job(env: dict[str, str], relay_home: Path, job: str, conf: dict[str, Any],

@@ -18,8 +18,8 @@ from airflow_jobs import (
     assert_same_bits,
     fault_records,
     final_state,
+    free_the_pool,
     prepare_jobs,
-    release_quarantines,
     run_job_ok,
 )
 from processes import workload_processes
@@ -221,7 +221,7 @@ def test_a_node_frozen_just_after_a_boundary_is_the_next_segments_fault(
     # workload: segment 0 is not retried for it (CI once recorded it there, and segment 0's
     # retry was a no-op).
     freeze = {"kind": "stop_node", "segment": 1, "step": 31, "rank": 0, "attempt": 1}
-    release_quarantines()  # the tests before this one took nodes out of the pool
+    free_the_pool()  # the tests before this one took nodes out of the pool
     lineage = Lineage.from_settings()
     faulty = _run(airflow_job, relay_home, {"chaos": [freeze]}, "frozen-after-boundary")
     records = fault_records(lineage, faulty, tmp_path)

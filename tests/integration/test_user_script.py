@@ -13,12 +13,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from airflow_jobs import assert_same_bits, fault_records, final_state, prepare_jobs, run_job_ok
+from airflow_jobs import (
+    assert_same_bits,
+    fault_records,
+    final_state,
+    free_the_pool,
+    prepare_jobs,
+    run_job_ok,
+)
 from processes import workload_processes
 
 from relay.bench.common import Store, launch_config, launched, watch
 from relay.lineage import Lineage
 from relay.policy import Detection
+from relay.run_view import run_view
 from relay.settings import REPO_ROOT
 from relay_train.launch import Entrypoint
 
@@ -61,9 +69,12 @@ def test_user_script_recovers_from_hang_node_and_crash_bit_for_bit(
     lineage = Lineage.from_settings()
     clean = run_job_ok(user_job, relay_home, "user", {"chaos": []}, "user-clean")
     reference = final_state(lineage, clean, tmp_path / "clean", [90, 10])
+    free_the_pool()  # the faults name node-a: segment 1's workload must run there
     faulty = run_job_ok(user_job, relay_home, "user", {"chaos": FAULTS}, "user-faults")
     records = fault_records(lineage, faulty, tmp_path)
-    assert sorted(records) == ["0", "1", "2"], records
+    assert sorted(records) == ["0", "1", "2"], "\n".join(
+        f"segment {a.segment} try {a.try_number} on {a.nodes}: {a.outcome}"
+        for a in run_view(lineage, faulty).attempts)
     hang, node, crash = records["0"], records["1"], records["2"]
     assert (hang["fault"]["kind"], hang["fault"]["culprit_rank"]) == ("hang", 2)
     assert (node["fault"]["kind"], node["fault"]["culprit_node"]) == ("node_unresponsive",

@@ -88,7 +88,7 @@ class Sustained:
             self.last.pop(key, None)
             self.paused.discard(key)
             return 0.0
-        if key in self.paused and key in self.since:
+        if key in self.paused:  # (only a key with a clock is ever paused)
             self.since[key] += now - self.last[key]  # the pause did not count
         self.paused.discard(key)
         self.last[key] = now

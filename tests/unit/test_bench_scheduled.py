@@ -43,8 +43,9 @@ def test_summarise_gathers_each_kind_over_the_repeats_and_skips_missing_figures(
 
 
 def test_the_goal_is_judged_on_the_median() -> None:
-    assert goal_verdict([9.0, 12.0, 9.5]) == "goal <= 9.5s: met"
-    assert goal_verdict([9.0, 12.0, 9.6]) == "goal <= 9.5s: NOT met"
+    assert goal_verdict([9.0, 12.0, 9.5]) == "goal <= 9.5s: met by the median, in 2 of 3 repeat(s)"
+    assert goal_verdict([9.0, 12.0, 9.6]) == (
+        "goal <= 9.5s: NOT met by the median, in 1 of 3 repeat(s)")
     assert goal_verdict([]) == "no figure"
 
 
@@ -118,9 +119,11 @@ def test_the_summary_gives_every_runs_ettr_and_judges_the_goal_on_the_median(
     out = capsys.readouterr().out
     assert "relay fault-free" in out and "0.90 [0.84-0.93]" in out  # 126/140, 126/150, 126/135
     assert "torchrun fault-free" in out and "0.97 [0.97-0.97]" in out
-    assert "absolute ETTR >= 0.9 fault-free: met (median 0.90)" in out
+    assert ("absolute ETTR >= 0.9 fault-free: 0.933 / 0.840 / 0.900: met by the median, "
+            "in 2 of 3 repeat(s)") in out
     print_summary([repeat(150.0)], [126.0])
-    assert "fault-free: NOT met (median 0.84)" in capsys.readouterr().out
+    assert "fault-free: 0.840: NOT met by the median, in 0 of 1 repeat(s)" in (
+        capsys.readouterr().out)
 
 
 def test_without_ettr_the_summary_has_no_ettr(capsys: pytest.CaptureFixture[str]) -> None:

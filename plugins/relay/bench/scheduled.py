@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -55,6 +54,8 @@ from relay.bench.goodput_report import (
     print_ettr,
     sec_text,
     spread,
+    toward_goal,
+    verdict,
 )
 from relay.paths import safe_name
 
@@ -82,11 +83,10 @@ def summarise(runs: list[Run]) -> dict[str, dict[str, list[float]]]:
 
 
 def goal_verdict(values: list[float], goal: float = GOAL_SECONDS) -> str:
-    """Say whether the median time to resume meets the goal."""
+    """Say whether the median time to resume meets the goal, and in how many repeats."""
     if not values:
         return "no figure"
-    median = statistics.median(values)
-    return f"goal <= {goal:g}s: {'met' if median <= goal else 'NOT met'}"
+    return f"goal <= {goal:g}s: {verdict(values, lambda v: v <= goal)}"
 
 
 def figure(values: list[float]) -> str:
@@ -125,11 +125,11 @@ def print_summary(all_runs: list[list[Run]], productives: list[float]) -> None:
     print_breakdown([runs])
     if productives:
         print_ettr(all_runs, productives)
-        free = statistics.median(ettr(r, p) for repeat, p in zip(all_runs, productives,
-                                                                  strict=True)
-                                 for r in repeat if r.name == "relay fault-free")
+        free = [ettr(r, p) for repeat, p in zip(all_runs, productives, strict=True)
+                for r in repeat if r.name == "relay fault-free"]
         print(f"  goal of issue 12: absolute ETTR >= {GOAL_ETTR:g} fault-free: "
-              f"{'met' if free >= GOAL_ETTR else 'NOT met'} (median {free:.2f})")
+              f"{' / '.join(toward_goal(v, 3, True) for v in free)}: "
+              f"{verdict(free, lambda v: v >= GOAL_ETTR)}")
 
 
 def wait_for_run(api: AirflowApi, run_id: str, timeout: float) -> str:

@@ -36,9 +36,8 @@ import json
 import logging
 import math
 import os
-import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -48,10 +47,9 @@ import torch.distributed as dist
 
 from relay_train.boundary import PUBLISH_WAIT_SECONDS, BoundaryKeeper
 from relay_train.chaos import ChaosMonkey
-from relay_train.checkpoint import Checkpointer, load_verified, restore_rng, snapshot_state
+from relay_train.checkpoint import Checkpointer
 from relay_train.device import RankDevice, setup_rank_device, wait_for_compute
 from relay_train.evidence import EvidenceResponder
-from relay_train.fetch import fetch_resume
 from relay_train.heartbeat import ENV_NODE, HeartbeatWriter, Phase
 from relay_train.launch import (
     DRAIN_FILE,
@@ -59,12 +57,12 @@ from relay_train.launch import (
     FIRST_STEP_FILE,
     RESULT_FILE,
     LaunchConfig,
-    ResumeFrom,
 )
 from relay_train.manifest import CheckpointRef
 from relay_train.reduce import comm_hook
 from relay_train.rendezvous import MAX_WAIT_SECONDS, wait_for_store
 from relay_train.rescue import DrainRequest, RescueResponder, TrainingState
+from relay_train.session_state import SessionState, StateFn
 from relay_train.timing import Ewma, StartupClock, keep_ddp_alive
 
 log = logging.getLogger("relay_train")
@@ -77,14 +75,11 @@ WARMUP_STEPS = 2
 # so an attempt that faults still shows its loss and throughput up to the fault.
 METRICS_EVERY = 5
 
-StateFn = Callable[[], dict[str, Any]]
-
-
 class NotUnderRelayError(RuntimeError):
     """The script was started without Relay's environment."""
 
 
-class Session:
+class Session(SessionState):
     """This rank's view of one segment attempt; made by :func:`init`."""
 
     def __init__(self, cfg: LaunchConfig, rank: int, node: str) -> None:
@@ -194,107 +189,6 @@ class Session:
             timeout=timedelta(seconds=self.cfg.collective_timeout_seconds),
         )
         self.startup.mark("rendezvous")
-
-    # -- state: resume, track, save ----------------------------------------------------
-
-    def resume_state(self, *, restore_rng_state: bool = True) -> dict[str, Any] | None:
-        """Return the verified state to resume from, or None when starting at step 0.
-
-        The file's sha256 is checked against its manifest and it is loaded with
-        ``weights_only=True``. The RNG states saved with it are restored.
-        """
-        resume = self.cfg.resume
-        if resume is None:
-            return None
-        if resume.format == "dcp":
-            raise RuntimeError(
-                f"relay_train: the resume checkpoint {resume.path} is a sharded "
-                "torch.distributed.checkpoint folder; expected session.resume_sharded(state).")
-        resume = self._fetched_resume()
-        state = load_verified(Path(resume.path), resume.sha256)
-        if int(state["step"]) != self.start_step:
-            raise RuntimeError(
-                f"checkpoint {resume.path}: expected step {self.start_step}, found "
-                f"{state['step']}; the launcher and the checkpoint disagree"
-            )
-        if restore_rng_state and "rng" in state:
-            restore_rng(state)
-        log.info("rank %d resumes from step %d (%s)", self.rank, self.start_step, resume.path)
-        self.startup.mark("restore")
-        return state
-
-    def _fetched_resume(self) -> ResumeFrom:
-        """Return the resume point as a verified copy on this node, fetched from MLflow."""
-        assert self.cfg.resume is not None
-        cache = self.cfg.root / "resume" / os.environ.get(ENV_NODE, "node")  # node-local
-        return fetch_resume(self.cfg.resume, self.cfg.tracking_uri, cache)
-
-    def track(self, state_fn: StateFn) -> None:
-        """Name the state to checkpoint and to hand over in a rescue (a function returning it).
-
-        It is called under the lock :meth:`update` holds, and its tensors are
-        copied at once, so it may return live ``state_dict()`` views.
-        """
-        self._state_fn = state_fn
-
-    def save(self, step: int, state: dict[str, Any] | None = None) -> float:
-        """Checkpoint ``state`` (or the tracked state) as of ``step`` steps; return the stall.
-
-        Rank 0 publishes (DDP replicas are identical); on other ranks this is a
-        no-op. Asynchronous: the loop waits only for an in-memory copy.
-        """
-        if self.rank != 0:
-            return 0.0
-        self._await_owner(step)
-        started = time.perf_counter()
-        if state is None:
-            state = self._tracked()
-        self._heartbeat.enter(Phase.CHECKPOINT)
-        self._publisher().save_state(snapshot_state(state, step))
-        return time.perf_counter() - started
-
-    def save_sharded(self, step: int, state: dict[str, Any]) -> float:
-        """Checkpoint a sharded state (FSDP2/DTensor) as a ``torch.distributed.checkpoint``
-        folder, from every rank; return the stall. Call it on every rank at the same step.
-
-        The folder is published with a sha256 per file in its manifest, and is
-        verified file by file before any resume (:meth:`resume_sharded`).
-        """
-        if self._dcp is None:
-            from relay_train.dcp import DcpCheckpointer
-
-            self._dcp = DcpCheckpointer(self.cfg.root / "staging",
-                                        self._publisher() if self.rank == 0 else None)
-        if self.rank == 0:
-            self._await_owner(step)
-        self._heartbeat.enter(Phase.CHECKPOINT)
-        return self._dcp.save(state, step).stall_seconds
-
-    def resume_sharded(self, state: dict[str, Any]) -> bool:
-        """Load the resume checkpoint into ``state`` in place; return False at step 0.
-
-        Every file is checked against its manifest's sha256 first (all ranks
-        refuse a folder with any damaged, missing or extra file).
-        """
-        resume = self.cfg.resume
-        if resume is None:
-            return False
-        if resume.format != "dcp":
-            raise RuntimeError(
-                f"relay_train: expected a torch.distributed.checkpoint folder to resume "
-                f"from; found a {resume.format!r} checkpoint at {resume.path}. Use "
-                "session.resume_state() for checkpoints made by session.save().")
-        from relay_train.dcp import load_dcp
-
-        load_dcp(self._fetched_resume(), state)
-        self.startup.mark("restore")
-        return True
-
-    def checkpoint_due(self, step: int) -> bool:
-        """Return whether the job's schedule (or a drain) checkpoints after ``step`` steps."""
-        return (step % self.cfg.checkpoint_every == 0
-                or step in (self.end_step, self._drain.last)
-                or step in self._bounds.checkpoint_steps())
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -449,22 +343,6 @@ class Session:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def finish_publishing(self, timeout_seconds: float = 3.0) -> None:
-        """After a failure: let checkpoints already saved reach MLflow before the rank dies.
-
-        A peer's crash ends this rank's loop within milliseconds, often while the
-        checkpoint of a few steps ago is still uploading. SIGTERM is ignored
-        meanwhile (the node agent SIGKILLs after its grace period anyway).
-        """
-        if self._checkpointer is None or self._closed:
-            return
-        self._closed = True
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        try:
-            self._checkpointer.close(timeout_seconds)
-        except Exception:  # noqa: BLE001 - the rank is failing already; say why and go on
-            log.exception("rank %d: checkpoints still unpublished at exit", self.rank)
-
     # -- internals ----------------------------------------------------------------------
 
     def _first_step(self, step: int) -> None:
@@ -478,64 +356,6 @@ class Session:
                      "spawned_at": self.startup.origin, "startup": self.startup.phases}
             (self.cfg.root / FIRST_STEP_FILE).write_text(json.dumps(first))
 
-    def _checkpoint(self, step: int, loss: float | None) -> None:
-        if not self._training.finite:
-            log.error("step %d: loss is not finite; not checkpointing poisoned weights", step)
-            return
-        stall = self._stall = self.save(step)
-        log.info("step %d loss %s checkpoint stall %.4fs", step,
-                 "-" if loss is None else f"{loss:.4f}", stall)
-        # What checkpoint_every: auto weighs a save at (relay.interval).
-        self._metrics.append((step, {"checkpoint_stall_seconds": stall}, int(time.time() * 1000)))
-        self._flush_metrics()
-
-    def _flush_metrics(self) -> None:
-        batch, self._metrics = self._metrics, []
-        if batch:
-            publisher, sink = self._publisher(), self._sink
-            publisher.submit(lambda: _log_metrics(sink, batch))
-
-    def _tracked(self) -> dict[str, Any]:
-        if self._state_fn is None:
-            raise RuntimeError(
-                "relay_train: nothing to checkpoint. Expected session.track(fn) or "
-                "session.save(step, state); found neither. Call session.track(lambda: "
-                "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}).")
-        return self._state_fn()
-
-    def _poison_tracked(self) -> None:
-        """Chaos ``nan``: make the tracked weights NaN, as a real divergence would.
-
-        The state dict's tensors share storage with the parameters, so the next
-        forward pass (and the gradient all-reduce) carries the NaN to every rank.
-        """
-        if self._state_fn is None:
-            return
-        model = self._state_fn().get("model", {})
-        with torch.no_grad():
-            for tensor in model.values():
-                if torch.is_tensor(tensor) and tensor.is_floating_point():
-                    tensor.fill_(math.nan)
-
-    def _snapshot(self, step: int) -> dict[str, Any]:
-        """Rescue: the tracked state after ``step`` steps (called under the update lock)."""
-        return snapshot_state(self._tracked(), step)
-
-    def _publisher(self) -> Checkpointer:
-        if self._checkpointer is None:
-            from relay_train.publish import MlflowCheckpointSink  # rank 0 only
-
-            self._sink = MlflowCheckpointSink(self.cfg.tracking_uri, self.cfg.run_id)
-            self._checkpointer = Checkpointer(
-                self._sink, self.cfg.root / "staging", job=self.cfg.job,
-                world_size=self.cfg.world_size, parent=self._parent)
-            self._checkpointer.submit(self._sink.connect)  # off the loop's thread
-        return self._checkpointer
-
-
-def _log_metrics(sink: Any, batch: list[tuple[int, dict[str, float], int]]) -> None:  # noqa: ANN401
-    for step, values, timestamp_ms in batch:
-        sink.log_metrics(step, values, timestamp_ms)
 
 
 _SESSION: Session | None = None

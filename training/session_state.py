@@ -1,0 +1,234 @@
+"""The state half of :class:`relay_train.api.Session`: resume, track, save, rescue.
+
+What a rank resumes from (sha256-verified, fetched from MLflow to the node),
+the state a script names with ``track``, its checkpoints (rank 0 publishes them
+to MLflow off the loop's thread; sharded ones from every rank) and what a rescue
+hands over. The loop, the heartbeat and the segment's bounds are in
+:mod:`relay_train.api`. Imports torch and the standard library only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relay_train.boundary import BoundaryKeeper
+from relay_train.checkpoint import Checkpointer, load_verified, restore_rng, snapshot_state
+from relay_train.fetch import fetch_resume
+from relay_train.heartbeat import ENV_NODE, HeartbeatWriter, Phase
+from relay_train.launch import LaunchConfig, ResumeFrom
+from relay_train.manifest import CheckpointRef
+from relay_train.rescue import DrainRequest, TrainingState
+from relay_train.timing import StartupClock
+
+log = logging.getLogger("relay_train")
+
+StateFn = Callable[[], dict[str, Any]]
+
+
+class SessionState:
+    """Resume, track, save and rescue for a :class:`~relay_train.api.Session`."""
+
+    # Set by Session.__init__; the loop's own parts stay there.
+    cfg: LaunchConfig
+    rank: int
+    startup: StartupClock
+    _state_fn: StateFn | None
+    _heartbeat: HeartbeatWriter
+    _training: TrainingState
+    _drain: DrainRequest
+    _bounds: BoundaryKeeper
+    _parent: CheckpointRef | None
+    _checkpointer: Checkpointer | None
+    _dcp: Any  # relay_train.dcp.DcpCheckpointer, made on the first sharded save
+    _sink: Any
+    _metrics: list[tuple[int, dict[str, float], int]]
+    _stall: float
+    _closed: bool
+    _await_owner: Callable[[int], None]
+    start_step: int
+    end_step: int
+
+    def resume_state(self, *, restore_rng_state: bool = True) -> dict[str, Any] | None:
+        """Return the verified state to resume from, or None when starting at step 0.
+
+        The file's sha256 is checked against its manifest and it is loaded with
+        ``weights_only=True``. The RNG states saved with it are restored.
+        """
+        resume = self.cfg.resume
+        if resume is None:
+            return None
+        if resume.format == "dcp":
+            raise RuntimeError(
+                f"relay_train: the resume checkpoint {resume.path} is a sharded "
+                "torch.distributed.checkpoint folder; expected session.resume_sharded(state).")
+        resume = self._fetched_resume()
+        state = load_verified(Path(resume.path), resume.sha256)
+        if int(state["step"]) != self.start_step:
+            raise RuntimeError(
+                f"checkpoint {resume.path}: expected step {self.start_step}, found "
+                f"{state['step']}; the launcher and the checkpoint disagree"
+            )
+        if restore_rng_state and "rng" in state:
+            restore_rng(state)
+        log.info("rank %d resumes from step %d (%s)", self.rank, self.start_step, resume.path)
+        self.startup.mark("restore")
+        return state
+
+    def _fetched_resume(self) -> ResumeFrom:
+        """Return the resume point as a verified copy on this node, fetched from MLflow."""
+        assert self.cfg.resume is not None
+        cache = self.cfg.root / "resume" / os.environ.get(ENV_NODE, "node")  # node-local
+        return fetch_resume(self.cfg.resume, self.cfg.tracking_uri, cache)
+
+    def track(self, state_fn: StateFn) -> None:
+        """Name the state to checkpoint and to hand over in a rescue (a function returning it).
+
+        It is called under the lock :meth:`update` holds, and its tensors are
+        copied at once, so it may return live ``state_dict()`` views.
+        """
+        self._state_fn = state_fn
+
+    def save(self, step: int, state: dict[str, Any] | None = None) -> float:
+        """Checkpoint ``state`` (or the tracked state) as of ``step`` steps; return the stall.
+
+        Rank 0 publishes (DDP replicas are identical); on other ranks this is a
+        no-op. Asynchronous: the loop waits only for an in-memory copy.
+        """
+        if self.rank != 0:
+            return 0.0
+        self._await_owner(step)
+        started = time.perf_counter()
+        if state is None:
+            state = self._tracked()
+        self._heartbeat.enter(Phase.CHECKPOINT)
+        self._publisher().save_state(snapshot_state(state, step))
+        return time.perf_counter() - started
+
+    def save_sharded(self, step: int, state: dict[str, Any]) -> float:
+        """Checkpoint a sharded state (FSDP2/DTensor) as a ``torch.distributed.checkpoint``
+        folder, from every rank; return the stall. Call it on every rank at the same step.
+
+        The folder is published with a sha256 per file in its manifest, and is
+        verified file by file before any resume (:meth:`resume_sharded`).
+        """
+        if self._dcp is None:
+            from relay_train.dcp import DcpCheckpointer
+
+            self._dcp = DcpCheckpointer(self.cfg.root / "staging",
+                                        self._publisher() if self.rank == 0 else None)
+        if self.rank == 0:
+            self._await_owner(step)
+        self._heartbeat.enter(Phase.CHECKPOINT)
+        return self._dcp.save(state, step).stall_seconds
+
+    def resume_sharded(self, state: dict[str, Any]) -> bool:
+        """Load the resume checkpoint into ``state`` in place; return False at step 0.
+
+        Every file is checked against its manifest's sha256 first (all ranks
+        refuse a folder with any damaged, missing or extra file).
+        """
+        resume = self.cfg.resume
+        if resume is None:
+            return False
+        if resume.format != "dcp":
+            raise RuntimeError(
+                f"relay_train: expected a torch.distributed.checkpoint folder to resume "
+                f"from; found a {resume.format!r} checkpoint at {resume.path}. Use "
+                "session.resume_state() for checkpoints made by session.save().")
+        from relay_train.dcp import load_dcp
+
+        load_dcp(self._fetched_resume(), state)
+        self.startup.mark("restore")
+        return True
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Return whether the job's schedule (or a drain) checkpoints after ``step`` steps."""
+        return (step % self.cfg.checkpoint_every == 0
+                or step in (self.end_step, self._drain.last)
+                or step in self._bounds.checkpoint_steps())
+
+    def finish_publishing(self, timeout_seconds: float = 3.0) -> None:
+        """After a failure: let checkpoints already saved reach MLflow before the rank dies.
+
+        A peer's crash ends this rank's loop within milliseconds, often while the
+        checkpoint of a few steps ago is still uploading. SIGTERM is ignored
+        meanwhile (the node agent SIGKILLs after its grace period anyway).
+        """
+        if self._checkpointer is None or self._closed:
+            return
+        self._closed = True
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            self._checkpointer.close(timeout_seconds)
+        except Exception:  # noqa: BLE001 - the rank is failing already; say why and go on
+            log.exception("rank %d: checkpoints still unpublished at exit", self.rank)
+
+    def _checkpoint(self, step: int, loss: float | None) -> None:
+        if not self._training.finite:
+            log.error("step %d: loss is not finite; not checkpointing poisoned weights", step)
+            return
+        stall = self._stall = self.save(step)
+        log.info("step %d loss %s checkpoint stall %.4fs", step,
+                 "-" if loss is None else f"{loss:.4f}", stall)
+        # What checkpoint_every: auto weighs a save at (relay.interval).
+        self._metrics.append((step, {"checkpoint_stall_seconds": stall}, int(time.time() * 1000)))
+        self._flush_metrics()
+
+    def _flush_metrics(self) -> None:
+        batch, self._metrics = self._metrics, []
+        if batch:
+            publisher, sink = self._publisher(), self._sink
+            publisher.submit(lambda: _log_metrics(sink, batch))
+
+    def _tracked(self) -> dict[str, Any]:
+        if self._state_fn is None:
+            raise RuntimeError(
+                "relay_train: nothing to checkpoint. Expected session.track(fn) or "
+                "session.save(step, state); found neither. Call session.track(lambda: "
+                "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}).")
+        return self._state_fn()
+
+    def _poison_tracked(self) -> None:
+        """Chaos ``nan``: make the tracked weights NaN, as a real divergence would.
+
+        The state dict's tensors share storage with the parameters, so the next
+        forward pass (and the gradient all-reduce) carries the NaN to every rank.
+        """
+        if self._state_fn is None:
+            return
+        model = self._state_fn().get("model", {})
+        with torch.no_grad():
+            for tensor in model.values():
+                if torch.is_tensor(tensor) and tensor.is_floating_point():
+                    tensor.fill_(math.nan)
+
+    def _snapshot(self, step: int) -> dict[str, Any]:
+        """Rescue: the tracked state after ``step`` steps (called under the update lock)."""
+        return snapshot_state(self._tracked(), step)
+
+    def _publisher(self) -> Checkpointer:
+        if self._checkpointer is None:
+            from relay_train.publish import MlflowCheckpointSink  # rank 0 only
+
+            self._sink = MlflowCheckpointSink(self.cfg.tracking_uri, self.cfg.run_id)
+            self._checkpointer = Checkpointer(
+                self._sink, self.cfg.root / "staging", job=self.cfg.job,
+                world_size=self.cfg.world_size, parent=self._parent)
+            self._checkpointer.submit(self._sink.connect)  # off the loop's thread
+        return self._checkpointer
+
+
+def _log_metrics(sink: Any, batch: list[tuple[int, dict[str, float], int]]) -> None:  # noqa: ANN401
+    for step, values, timestamp_ms in batch:
+        sink.log_metrics(step, values, timestamp_ms)
+
+

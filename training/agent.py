@@ -46,7 +46,12 @@ from relay_train.device import (
 from relay_train.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE, node_clock
 from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
 from relay_train.priority import yielding_thread
-from relay_train.standby import STANDBY_TTL_SECONDS, announce_ready, wait_for_launch
+from relay_train.standby import (
+    STANDBY_TTL_SECONDS,
+    announce_ready,
+    fork_detached,
+    wait_for_launch,
+)
 from relay_train.timing import ENV_SPAWNED_AT
 
 log = logging.getLogger("relay_train.agent")
@@ -202,7 +207,7 @@ class NodeAgent:
             self._behind.join()  # never fork while a thread holds the import lock
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        pid = fork_detached()
         if pid:
             log.info("forked a standby for %s's next attempt as pid %d in %s", self.node, pid,
                      ask.directory)
@@ -367,13 +372,12 @@ def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
 
 
 def become_standby(node: str, ask: StandbyAsk) -> int:
-    """In a child forked from a node's agent: drop the attempt, then run as a standby.
+    """In a child of ``fork_detached`` (it left the attempt's process group, so stopping
+    the attempt does not stop it): drop the attempt, then run as a standby.
 
-    The child leaves the attempt's process group (stopping the attempt must not stop
-    it), closes every socket it inherited (the attempt's channel, a request being
+    The child closes every socket it inherited (the attempt's channel, a request being
     answered) and forgets the attempt's ranks (not its children).
     """
-    os.setsid()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _close_inherited_sockets()
     multiprocessing.process._children.clear()  # type: ignore[attr-defined]  # the parent's ranks

@@ -56,6 +56,7 @@ from pathlib import Path
 
 from relay_train.heartbeat import write_atomically
 from relay_train.priority import restore_session, yield_session, yielding_thread
+from relay_train.standby import fork_detached
 
 log = logging.getLogger("relay_train.resident")
 
@@ -225,7 +226,7 @@ class Resident:
 
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        pid = fork_detached()
         if pid:
             log.info("resident on %s: forked a standby for %s, pid %d, into %s", self.node,
                      node, pid, directory)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import time
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from relay_train.heartbeat import write_atomically
 
 STANDBY_TTL_SECONDS = 60.0
 CLAIMED_GRACE_SECONDS = 10.0  # from a claim to its launch file: the launcher writes it at once
+DETACH_WAIT_SECONDS = 10.0  # a forked child calls setsid first thing: this is only a backstop
 
 
 def standby_file(directory: Path, node: str) -> Path:
@@ -64,6 +66,33 @@ def hand_over(directory: Path, node: str, launch: Path | None) -> None:
     """Give a claimed standby its launch file, or ``None`` to let it go."""
     write_atomically(launch_file(directory, node),
                      json.dumps({"launch": str(launch) if launch else None}))
+
+
+def fork_detached() -> int:
+    """Fork a child that leads a session (and process group) of its own: return its PID
+    in the parent, 0 in the child.
+
+    The parent returns only once the child has left the parent's process group (or
+    died), so stopping that group right after, as a launcher stopping the faulty
+    attempt does, cannot take the child with it.
+    """
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            os.setsid()
+            os.write(write_end, b"s")
+        except BaseException:  # noqa: BLE001 - the child must never return into the parent's code
+            os._exit(1)
+        os.close(write_end)
+        return 0
+    os.close(write_end)
+    try:  # a byte once the child leads its session; EOF if it died before
+        select.select([read_end], [], [], DETACH_WAIT_SECONDS)
+    finally:
+        os.close(read_end)
+    return pid
 
 
 def wait_for_launch(

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from relay.launchers.local import LocalLauncher
+from relay.launchers.local import LocalLauncher, group_members
 from relay_train.pids import start_time
 from relay_train.standby import (
     announce_ready,
@@ -89,3 +92,36 @@ def test_release_forgets_every_unclaimed_standby(tmp_path: Path, claimed: bool) 
         ready_file(tmp_path, "node-d").rename(claimed_file(tmp_path, "node-d"))
     LocalLauncher.release_standbys(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+_FORKING_ATTEMPT = """
+import os, sys, time
+from relay_train.standby import fork_detached
+pid = fork_detached()
+if pid == 0:
+    time.sleep(60)
+    os._exit(0)
+print(pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_detached_fork_survives_its_parents_group_stopped_at_once() -> None:
+    """What a launcher does to a faulty attempt right after asking its agent for a standby:
+    the standby has left the attempt's group by the time the agent reports its PID."""
+    attempt = subprocess.Popen([sys.executable, "-c", _FORKING_ATTEMPT],
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = 0
+    try:
+        assert attempt.stdout is not None
+        child = int(attempt.stdout.readline())
+        os.killpg(attempt.pid, signal.SIGKILL)
+        attempt.wait(timeout=30)
+        assert group_members(child) == [child], "stopping the parent's group took the child"
+        assert os.getsid(child) == child
+    finally:
+        if child:
+            os.kill(child, signal.SIGKILL)
+        if attempt.poll() is None:
+            os.killpg(attempt.pid, signal.SIGKILL)
+            attempt.wait()

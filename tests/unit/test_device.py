@@ -277,8 +277,9 @@ def test_agent_starts_ranks_with_the_device_environment(
     cfg = LaunchConfig(
         job="t", seed=1, model={}, data={}, optimizer={}, start_step=0, end_step=10,
         checkpoint_every=5, nodes=["node-a", "node-b"], ranks_per_node=2,
-        master_addr="127.0.0.1", master_port=1, tracking_uri="sqlite:///x.db", run_id="r",
-        attempt_dir=str(tmp_path), attempt=1, segment=0, backend="auto", deterministic=True,
+        master_addr="127.0.0.1", master_port=1, tracking_uri=f"sqlite:///{tmp_path / 'x.db'}",
+        run_id="r", attempt_dir=str(tmp_path), attempt=1, segment=0, backend="auto",
+        deterministic=True,
     )
     NodeAgent(cfg, tmp_path / "launch.json", "node-b").start_ranks()
     [context] = contexts
@@ -359,7 +360,8 @@ def test_spawned_rank_refuses_forced_nccl_on_cpu_with_the_fix_in_its_log(
     cfg = LaunchConfig(
         job="t", seed=1, model={}, data={}, optimizer={}, start_step=0, end_step=10,
         checkpoint_every=5, nodes=["node-a"], ranks_per_node=1, master_addr="127.0.0.1",
-        master_port=1, tracking_uri="sqlite:///x.db", run_id="r", attempt_dir=str(tmp_path),
+        master_port=1, tracking_uri=f"sqlite:///{tmp_path / 'x.db'}", run_id="r",
+        attempt_dir=str(tmp_path),
         attempt=1, segment=0, backend="nccl",
     )
     launch = tmp_path / "launch.json"

@@ -61,7 +61,8 @@ def test_old_launch_files_still_read(tmp_path: Path) -> None:
     cfg = LaunchConfig(
         job="t", seed=1, model={}, data={}, optimizer={}, start_step=0, end_step=10,
         checkpoint_every=5, nodes=["node-a"], ranks_per_node=2, master_addr="127.0.0.1",
-        master_port=1, tracking_uri="sqlite:///x.db", run_id="r", attempt_dir=str(tmp_path),
+        master_port=1, tracking_uri=f"sqlite:///{tmp_path / 'x.db'}", run_id="r",
+        attempt_dir=str(tmp_path),
         attempt=1, segment=0, backend="nccl", deterministic=False,
     )
     path = tmp_path / "launch.json"

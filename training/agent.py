@@ -19,23 +19,21 @@ is most of the time from launch to the first productive step.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import queue
 import signal
-import stat
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from relay_train.agent_standby import StandbyAsk, become_standby, run_standby
 from relay_train.channel import AgentServer
 from relay_train.device import (
     FLIGHT_RECORDER_DIR,
@@ -44,14 +42,10 @@ from relay_train.device import (
     rank_start_method,
 )
 from relay_train.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE, node_clock
-from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
+from relay_train.launch import LaunchConfig
+from relay_train.preload import preload_publisher, preload_worker
 from relay_train.priority import yielding_thread
-from relay_train.standby import (
-    STANDBY_TTL_SECONDS,
-    announce_ready,
-    fork_detached,
-    wait_for_launch,
-)
+from relay_train.standby import STANDBY_TTL_SECONDS, fork_detached
 from relay_train.timing import ENV_SPAWNED_AT
 
 log = logging.getLogger("relay_train.agent")
@@ -59,19 +53,6 @@ log = logging.getLogger("relay_train.agent")
 TERM_GRACE_SECONDS = 5.0
 LOCAL_BIND = "127.0.0.1"
 STANDBY_FORK_WAIT_SECONDS = 1.0  # the channel's wait for the main thread to fork a standby
-
-
-@dataclass
-class StandbyAsk:
-    """Relay's request for a standby forked from this agent (``NodeAgent.request_standby``)."""
-
-    directory: Path
-    ttl: float
-    linger: float
-    done: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    state: str = "asked"  # then "forking" (main thread) or "withdrawn" (asker gave up)
-    pid: int | None = None
 
 
 class NodeAgent:
@@ -310,36 +291,6 @@ class NodeAgent:
         self.stopping = True
 
 
-def preload_worker(entrypoint: Entrypoint, *, publisher: bool,
-                   tracking_uri: str | None = None) -> None:
-    """Import what the ranks need, without running anything: torch, the API, the example.
-
-    Constructing a torch optimizer imports ``torch._dynamo`` (about a second of
-    CPU); MLflow and its tracking store for ``tracking_uri`` (``None``: not known
-    yet) are rank 0's, for publishing checkpoints. A user's module is not
-    imported (its top level is theirs to run, as ``__main__``, in the rank). No
-    thread is started, no OpenMP region runs and CUDA is not touched, so forking
-    afterwards is safe.
-    """
-    import torch
-
-    import relay_train.api  # noqa: F401 - the import is the point
-
-    torch.set_num_threads(1)
-    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
-    if entrypoint.module == BUILTIN_ENTRYPOINT:
-        importlib.import_module(BUILTIN_ENTRYPOINT)
-    if publisher:
-        preload_publisher(tracking_uri)
-
-
-def preload_publisher(tracking_uri: str | None) -> None:
-    """Import MLflow and the tracking store that ``tracking_uri`` opens."""
-    from relay_train.publish import preload_store
-
-    preload_store(tracking_uri)
-
-
 def log_tail(path: Path, lines: int = 12, max_chars: int = 4000) -> str:
     """Return the last ``lines`` lines of a log file (empty if there is none)."""
     try:
@@ -369,64 +320,6 @@ def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
         traceback.print_exc()
         code = 1
     worker.exit_now(code)
-
-
-def become_standby(node: str, ask: StandbyAsk) -> int:
-    """In a child of ``fork_detached`` (it left the attempt's process group, so stopping
-    the attempt does not stop it): drop the attempt, then run as a standby.
-
-    The child closes every socket it inherited (the attempt's channel, a request being
-    answered) and forgets the attempt's ranks (not its children).
-    """
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _close_inherited_sockets()
-    multiprocessing.process._children.clear()  # type: ignore[attr-defined]  # the parent's ranks
-    ask.directory.mkdir(parents=True, exist_ok=True)
-    _redirect_output(ask.directory / f"{node}.log")
-    return run_standby(ask.directory, node, ask.ttl, ask.linger)
-
-
-def _close_inherited_sockets() -> None:
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        try:
-            if stat.S_ISSOCK(os.fstat(fd).st_mode):
-                os.close(fd)
-        except OSError:
-            continue  # the listing's own descriptor, already closed
-
-
-def _redirect_output(path: Path) -> None:
-    """Send this process's stdout and stderr to ``path`` (appended)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
-def run_standby(directory: Path, node: str, ttl_seconds: float,
-                linger_seconds: float = 0.0) -> int:
-    """Preload, wait to be claimed (see relay_train.standby), then run as the node's agent."""
-    started = time.perf_counter()
-    # The entrypoint is not known yet: preload the example's.
-    preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=True)
-    preloaded = time.perf_counter() - started
-    announce_ready(directory, node, preloaded)
-    log.info("standby for %s: preloaded in %.2fs; waiting to be claimed", node, preloaded)
-    launch = wait_for_launch(directory, node, ttl_seconds)
-    if launch is None:
-        log.info("standby for %s: released or unclaimed; leaving", node)
-        return 0
-    cfg = LaunchConfig.read(launch)
-    cfg.log_dir.mkdir(parents=True, exist_ok=True)
-    _redirect_output(cfg.log_dir / f"agent-{node}.log")
-    if node not in cfg.nodes:
-        log.error("node %s: expected one of %s in %s", node, cfg.nodes, launch)
-        return 2
-    log.info("took over as %s's agent, preloaded in advance (%.2fs)", node, preloaded)
-    return NodeAgent(cfg, launch, node, preloaded=True, linger_seconds=linger_seconds).run()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -222,7 +222,7 @@ class Resident:
         return bool(asks)
 
     def _fork(self, node: str, directory: Path, ttl: float, linger: float) -> int:
-        from relay_train.agent import StandbyAsk, become_standby
+        from relay_train.agent_standby import StandbyAsk, become_standby
 
         sys.stdout.flush()
         sys.stderr.flush()
@@ -270,8 +270,8 @@ class Resident:
 
 
 def _preload_stack() -> None:
-    from relay_train.agent import preload_worker
     from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint
+    from relay_train.preload import preload_worker
 
     preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=True)
 

@@ -30,17 +30,17 @@ def test_the_store_of_a_database_uri_is_imported_and_a_servers_is_not() -> None:
 
 def test_a_standby_preloading_for_a_uri_it_does_not_know_imports_the_database_store() -> None:
     assert _imported_after(
-        "from relay_train.agent import preload_worker\n"
+        "from relay_train.preload import preload_worker\n"
         "from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint\n"
         "preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=True)")
     assert not _imported_after(
-        "from relay_train.agent import preload_worker\n"
+        "from relay_train.preload import preload_worker\n"
         "from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint\n"
         "preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=False)")
 
 
 def test_rank_0s_node_preloads_only_what_its_tracking_uri_opens() -> None:
-    worker = ("from relay_train.agent import preload_worker\n"
+    worker = ("from relay_train.preload import preload_worker\n"
               "from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint\n"
               "preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=True, "
               "tracking_uri={!r})")

@@ -27,7 +27,7 @@ from relay.launchers.local_prestart import (
 )
 from relay.launchers.local_standby import live_resident, record, recorded_pid, release_run
 from relay_train import resident
-from relay_train.resident import CLAIM_FILE, RESIDENT_DIR, Resident
+from relay_train.resident import CLAIM_FILE, RESIDENT_DIR, UNCLAIMED, Resident
 
 
 @pytest.fixture
@@ -212,3 +212,35 @@ def test_the_runner_prestarts_only_for_a_job_dag_on_the_local_launcher(tmp_path:
     (jobs / "tiny.yaml").write_text((jobs / "tiny.yaml").read_text() + "launcher: kubernetes\n"
                                     "kubernetes: {image: relay:test}\n")
     assert not starts_resident("relay_tiny", env), "a Kubernetes job starts no local resident"
+
+
+def _age_by(folder: Path, seconds: float) -> None:
+    for path in folder.iterdir():
+        st = path.stat()
+        os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds))
+
+
+def test_prestarting_removes_the_folders_of_unclaimed_residents_that_left(home: Path) -> None:
+    proc = _sleeper()
+    try:
+        released = _folder(home, None, "released")  # released by its runner, gone since
+        assert resident.take_claim(released, UNCLAIMED)
+        orphan = _folder(home, None, "orphan")  # its runner died; it left unclaimed
+        just_released = _folder(home, None, "just-released")
+        assert resident.take_claim(just_released, UNCLAIMED)
+        _folder(home, None, "starting")  # not recorded yet: just made
+        alive = _folder(home, proc.pid, "alive")  # unclaimed in time, still leaving
+        assert resident.take_claim(alive, UNCLAIMED)
+        run = home / "runs" / "dag" / "run-1"
+        claimed = _folder(home, None, "claimed")  # a run's: its link points here
+        assert resident.take_claim(claimed, str(run))
+        for folder in (released, alive, claimed):
+            _age_by(folder, local_prestart.PRUNE_AFTER_SECONDS + 5)
+        _age_by(orphan, 2 * local_prestart.CLAIM_WITHIN_SECONDS + 5)
+        (residents_dir(home) / "stray-file").write_text("not a folder")
+        assert local_prestart.prune_unclaimed(home) == [orphan, released]
+        assert {p.name for p in residents_dir(home).iterdir()} == {
+            "just-released", "starting", "alive", "claimed", "stray-file"}
+    finally:
+        proc.kill()
+        proc.wait()

@@ -16,13 +16,15 @@ test``) starts its resident in preflight, as before.
 from __future__ import annotations
 
 import logging
+import shutil
+import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
 from relay import settings
 from relay.launchers.local_standby import live_resident, release, start_recorded
-from relay_train.resident import RESIDENT_DIR, UNCLAIMED, take_claim
+from relay_train.resident import CLAIM_FILE, RESIDENT_DIR, UNCLAIMED, take_claim
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,10 @@ HOST = "host"  # the prestarted resident's name: it serves every node of this ho
 # runner normally stops it when airflow dags test exits); Airflow's start-up takes
 # 5-6 s here.
 CLAIM_WITHIN_SECONDS = 180.0
+# An unclaimed resident's folder is removed this long after it was released (its
+# SIGTERM'd process has left by then) or, never released (its runner died), after
+# twice its claim window.
+PRUNE_AFTER_SECONDS = 60.0
 
 
 def residents_dir(home: Path | None = None) -> Path:
@@ -44,6 +50,7 @@ def residents_dir(home: Path | None = None) -> Path:
 def prestart_resident(home: Path, dag_id: str, env: dict[str, str] | None = None) -> Path:
     """Start a resident agent for a DAG run of ``dag_id`` about to be started; return its
     folder."""
+    prune_unclaimed(home)
     directory = residents_dir(home.resolve()) / uuid.uuid4().hex
     directory.mkdir(parents=True)
     (directory / DAG_FILE).write_text(dag_id)
@@ -97,3 +104,34 @@ def release_unclaimed(folder: Path) -> None:
     it first, so that no run claims it while it stops)."""
     if take_claim(folder, UNCLAIMED):
         release(folder)
+
+
+def prune_unclaimed(home: Path) -> list[Path]:
+    """Remove the folders of prestarted residents that no DAG run claimed and that have
+    left; return them. A claimed one is its run's (the run's ``resident`` folder links
+    to it, with its log) and stays as long as the run's folder."""
+    removed = []
+    now = time.time()
+    for folder in sorted(residents_dir(home).glob("*")):
+        try:
+            claimed = (folder / CLAIM_FILE).read_text()
+            idle = now - (folder / CLAIM_FILE).stat().st_mtime > PRUNE_AFTER_SECONDS
+        except FileNotFoundError:  # never claimed nor released: its runner died, or starting
+            claimed, idle = UNCLAIMED, _age(folder, now) > 2 * CLAIM_WITHIN_SECONDS
+        except OSError:
+            continue
+        if claimed == UNCLAIMED and idle and live_resident(folder) is None:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    if removed:
+        log.info("Removed %d folder(s) of prestarted resident agents no DAG run claimed, "
+                 "in %s", len(removed), residents_dir(home))
+    return removed
+
+
+def _age(folder: Path, now: float) -> float:
+    """Return the seconds since ``folder`` was created (its ``dag_id`` file's write)."""
+    try:
+        return now - (folder / DAG_FILE).stat().st_mtime
+    except OSError:
+        return 0.0

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, Discriminator, Field, Tag
 
-from relay.yamlsource import UNION_TAG, FieldValueError
-
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
+from relay.yamlsource import FROZEN, UNION_TAG, FieldValueError
 
 
 class AutoInterval(BaseModel):
@@ -24,7 +22,7 @@ class AutoInterval(BaseModel):
     :mod:`relay.interval`.
     """
 
-    model_config = _FROZEN
+    model_config = FROZEN
 
     auto: Literal[True] = True
     min: int = Field(1, strict=True, ge=1)

@@ -11,10 +11,11 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from relay.rules import Escalation, Mode, NodeRules, Rules
 from relay.yamlsource import (
+    FROZEN,
     ConfigError,
     Duration,
     FieldValueError,
@@ -22,7 +23,6 @@ from relay.yamlsource import (
     validate_model,
 )
 
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
 _DURATIONS = (
     "poll_interval", "startup_timeout", "heartbeat_timeout", "hang_timeout", "checkpoint_timeout",
     "evidence_timeout", "stop_unattended_after",
@@ -37,7 +37,7 @@ class StragglerDetection(BaseModel):
     the latest after ``sustained``. ``lost_seconds: null``: ``sustained`` alone.
     """
 
-    model_config = _FROZEN
+    model_config = FROZEN
 
     ratio: float = Field(1.5, gt=1.0)
     sustained: Duration = 3.0
@@ -59,7 +59,7 @@ class StragglerDetection(BaseModel):
 class ThroughputDetection(BaseModel):
     """Job throughput is degraded when it stays below floor x its own baseline."""
 
-    model_config = _FROZEN
+    model_config = FROZEN
 
     floor: float = Field(0.6, gt=0.0, lt=1.0)
     sustained: Duration = 5.0
@@ -75,7 +75,7 @@ class HangFromStepTime(BaseModel):
     warmup_steps are seen.
     """
 
-    model_config = _FROZEN
+    model_config = FROZEN
 
     safety_factor: float = Field(10.0, ge=2.0)
     min: Duration = 2.0  # no more sensitive than the default heartbeat_timeout
@@ -85,7 +85,7 @@ class HangFromStepTime(BaseModel):
 class Detection(BaseModel):
     """Thresholds of the watcher; a ``null`` rule section turns that rule off."""
 
-    model_config = _FROZEN
+    model_config = FROZEN
 
     poll_interval: Duration = 0.5
     startup_timeout: Duration = 120.0
@@ -112,7 +112,7 @@ class Detection(BaseModel):
 class Policy(BaseModel):
     """A recovery policy: how faults are detected and what is done about each kind."""
 
-    model_config = _FROZEN
+    model_config = FROZEN
 
     version: int = Field(1, ge=1)
     description: str = ""

@@ -23,7 +23,6 @@ from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     ValidationInfo,
     WithJsonSchema,
@@ -31,9 +30,14 @@ from pydantic import (
 )
 
 from relay.faults import FaultKind
-from relay.yamlsource import DURATION_JSON_SCHEMA, Duration, FieldValueError, parse_duration
+from relay.yamlsource import (
+    DURATION_JSON_SCHEMA,
+    FROZEN,
+    Duration,
+    FieldValueError,
+    parse_duration,
+)
 
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
 _OPTIONAL_SECONDS: dict[str, Any] = {"anyOf": [*DURATION_JSON_SCHEMA["anyOf"], {"type": "null"}],
                                      "description": "a duration such as 30m, or null for none"}
 
@@ -77,7 +81,7 @@ JOB_WIDE = frozenset({FaultKind.THROUGHPUT_DEGRADED, FaultKind.CORRUPT_CHECKPOIN
 class Backoff(BaseModel):
     """How long to wait before the next attempt, growing with each repeat of the fault."""
 
-    model_config = _FROZEN
+    model_config = FROZEN
 
     initial: Duration = 0.0
     multiplier: float = Field(1.0, ge=1.0)
@@ -95,7 +99,7 @@ class Backoff(BaseModel):
 class Rule(BaseModel):
     """What happens when one kind of fault strikes a segment."""
 
-    model_config = _FROZEN
+    model_config = FROZEN
 
     action: Action
     max_attempts: int = Field(3, ge=1, strict=True)
@@ -135,7 +139,7 @@ class Escalation(BaseModel):
     ``attempts`` times, each waiting up to ``timeout``.
     """
 
-    model_config = _FROZEN
+    model_config = FROZEN
 
     target: str = "ml-platform-oncall"
     webhook: str | None = None
@@ -177,7 +181,7 @@ class Escalation(BaseModel):
 class NodeRules(BaseModel):
     """What to do when too few healthy nodes are left for a segment."""
 
-    model_config = _FROZEN
+    model_config = FROZEN
 
     when_too_few: str = Field("wait", pattern="^(wait|escalate)$")
     wait_up_to: Duration = 300.0
@@ -186,7 +190,7 @@ class NodeRules(BaseModel):
 class Rules(BaseModel):
     """One rule per fault kind; every kind must be covered."""
 
-    model_config = _FROZEN
+    model_config = FROZEN
 
     hang: Rule
     rank_unresponsive: Rule

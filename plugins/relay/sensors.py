@@ -19,7 +19,7 @@ from relay.detection import Detector
 from relay.faults import Fault, FaultKind
 from relay.paths import ENV_WATCH_ROOTS, PathEscapeError, inside
 from relay.policy import Detection, load_policy
-from relay.spec import policies_dir
+from relay.policy_files import policies_dir
 from relay.triggers import HEARTBEAT_KINDS, THROUGHPUT_KINDS, HeartbeatWatchTrigger
 from relay_train.heartbeat import Phase
 

@@ -7,15 +7,28 @@ with the line of the offending key and a concrete fix.
 
 from __future__ import annotations
 
-import os
-import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from relay.checkpoint_spec import AutoInterval, CheckpointEvery, auto_bounds, auto_shorthand
+from relay.policy_files import (
+    DEFAULT_POLICY,
+    POLICY_NAME,
+    YAML_SUFFIXES,
+    missing_policy_problem,
+    resolve_policy,
+)
+from relay.spec_sections import (
+    DataSpec,
+    EntrypointSpec,
+    KubernetesSpec,
+    ModelSpec,
+    OptimizerSpec,
+)
 from relay.yamlsource import (
+    FROZEN,
     ConfigError,
     FieldValueError,
     KeyPath,
@@ -27,126 +40,12 @@ from relay.yamlsource import (
 )
 from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint
 
-MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 JOB_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
-POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-POLICY_SUFFIXES = (".yaml", ".yml")
-DEFAULT_POLICY = "default"
-
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
-
-
-class ModelSpec(BaseModel):
-    """Shape of the character transformer."""
-
-    model_config = _FROZEN
-
-    context: int = Field(64, strict=True, ge=2)
-    n_layers: int = Field(2, strict=True, ge=1)
-    n_heads: int = Field(4, strict=True, ge=1)
-    d_model: int = Field(64, strict=True, gt=0, validate_default=True)
-    dropout: float = Field(0.1, strict=True, ge=0, lt=1)
-
-    @field_validator("d_model")
-    @classmethod
-    def _divisible_by_heads(cls, value: int, info: ValidationInfo) -> int:
-        """Require d_model to split evenly across the attention heads."""
-        heads = info.data.get("n_heads")
-        if isinstance(heads, int) and value % heads:
-            up = (value // heads + 1) * heads
-            divisor = max(h for h in range(1, heads + 1) if value % h == 0)
-            raise FieldValueError(
-                f"a multiple of model.n_heads ({heads})",
-                value,
-                f"set model.d_model to a multiple of {heads} (e.g. d_model: {up}), "
-                f"or set model.n_heads to a divisor of {value} (e.g. n_heads: {divisor})",
-            )
-        return value
-
-
-class DataSpec(BaseModel):
-    """Where the training text comes from and how much of it one rank sees per step."""
-
-    model_config = _FROZEN
-
-    corpus: str = Field("builtin:python_docs", strict=True, min_length=1)
-    batch_size: int = Field(16, strict=True, ge=1)
-
-    @field_validator("corpus")
-    @classmethod
-    def _builtin_name(cls, value: str) -> str:
-        """A builtin corpus is a name, never a path out of the corpus folder."""
-        if value.startswith("builtin:") and not re.fullmatch(r"builtin:[A-Za-z0-9_-]+", value):
-            raise FieldValueError("builtin:<name> of letters, digits, '_' or '-'", value,
-                                  "name a builtin corpus (e.g. builtin:python_docs), or give "
-                                  "a path to a text file without the builtin: prefix")
-        return value
-
-
-class OptimizerSpec(BaseModel):
-    """AdamW settings."""
-
-    model_config = _FROZEN
-
-    lr: float = Field(0.003, strict=True, gt=0)
-    weight_decay: float = Field(0.01, strict=True, ge=0)
-
-
-class EntrypointSpec(BaseModel):
-    """The training script each rank runs: a module or a file, with its arguments."""
-
-    model_config = _FROZEN
-
-    module: str | None = Field(None, strict=True, pattern=MODULE_PATTERN)
-    script: str | None = Field(None, strict=True, min_length=1)
-    args: list[str] = Field(default_factory=list, strict=True)
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> EntrypointSpec:
-        """Require a module or a script, not both."""
-        if (self.module is None) == (self.script is None):
-            found = "both" if self.module else "neither"
-            raise FieldValueError(
-                "exactly one of entrypoint.module or entrypoint.script", found,
-                "write e.g. entrypoint: {module: mypkg.train, args: [--lr, '3e-4']} or "
-                "entrypoint: {script: train.py}")
-        return self
-
-    def resolved(self, spec_file: Path) -> Entrypoint:
-        """Return it for the launch file, a relative script taken from the spec's folder."""
-        script = None
-        if self.script is not None:
-            path = Path(self.script).expanduser()
-            script = str(path if path.is_absolute() else Path(spec_file).parent / path)
-        return Entrypoint(module=self.module, script=script, args=list(self.args))
-
-
-DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
-
-
-class KubernetesSpec(BaseModel):
-    """Where and how segment attempts run when ``launcher: kubernetes``."""
-
-    model_config = _FROZEN
-
-    image: str = Field(strict=True, min_length=1)
-    namespace: str = Field("default", strict=True, pattern=DNS_LABEL_PATTERN)
-    service_account: str = Field("relay-worker", strict=True, pattern=DNS_LABEL_PATTERN)
-    gpus_per_pod: int = Field(0, strict=True, ge=0)
-    active_deadline: float = Field(6 * 3600.0, gt=0)
-    taint_quarantine: bool = Field(False, strict=True)
-
-    @field_validator("active_deadline", mode="before")
-    @classmethod
-    def _duration(cls, value: object) -> float:
-        """Parse "30m", "6h" or a number of seconds."""
-        return parse_duration(value)
-
 
 class JobSpec(BaseModel):
     """One training job: what to train, how to cut it into segments, how to recover."""
 
-    model_config = _FROZEN
+    model_config = FROZEN
 
     job: str = Field(strict=True, pattern=JOB_NAME_PATTERN)
     description: str = Field("", strict=True)
@@ -220,7 +119,7 @@ class JobSpec(BaseModel):
     @classmethod
     def _policy_reference(cls, value: str) -> str:
         """Accept a policy name or a path ending in .yaml/.yml."""
-        if value.endswith(POLICY_SUFFIXES) or POLICY_NAME.fullmatch(value):
+        if value.endswith(YAML_SUFFIXES) or POLICY_NAME.fullmatch(value):
             return value
         raise FieldValueError("a policy name such as default, or a path ending in .yaml", value)
 
@@ -379,60 +278,12 @@ EMPTY_FIX = (
 )
 
 
-def policies_dir() -> Path:
-    """Return ``$RELAY_POLICIES_DIR`` (default: ``policies`` in the repository)."""
-    configured = os.environ.get("RELAY_POLICIES_DIR")
-    if configured:
-        return Path(configured)
-    return Path(__file__).resolve().parents[2] / "policies"
-
-
-def policy_names() -> list[str]:
-    """Return the names of the policies in :func:`policies_dir`, sorted."""
-    folder = policies_dir()
-    if not folder.is_dir():
-        return []
-    return sorted(p.stem for p in folder.glob("*.yaml") if p.is_file())
-
-
-def resolve_policy(policy: str, spec_file: Path) -> Path:
-    """Return the file a spec's ``policy`` value refers to."""
-    if policy.endswith(POLICY_SUFFIXES):
-        path = Path(policy).expanduser()
-        return path if path.is_absolute() else Path(spec_file).parent / path
-    return policies_dir() / f"{policy}.yaml"
-
-
-def _policy_problem(raw: dict, lines: dict[KeyPath, int], path: Path) -> Problem | None:
-    """Return a Problem if the spec's policy file does not exist."""
-    policy = raw.get("policy", DEFAULT_POLICY)
-    if not isinstance(policy, str):
-        return None
-    target = resolve_policy(policy, path)
-    if target.is_file():
-        return None
-    names = policy_names()
-    if names:
-        fix = (
-            f"set policy to one of: {', '.join(names)} (from {policies_dir()}), or to a "
-            "path ending in .yaml relative to this spec's folder"
-        )
-    else:
-        fix = (
-            f"no policies found in {policies_dir()}: add {policies_dir() / 'default.yaml'} "
-            "or point RELAY_POLICIES_DIR at a folder of policies"
-        )
-    found = f"{policy!r} ({target} does not exist)"
-    return Problem(str(path), line_for(lines, ("policy",)), "policy", "an existing policy file",
-                   found, fix)
-
-
 def _load(path: Path) -> tuple[JobSpec, dict[KeyPath, int]]:
     """Load and check one spec; return it with its line map or raise ConfigError."""
     raw, lines = load_yaml_with_lines(path, empty_fix=EMPTY_FIX)
     spec, problems = model_problems(JobSpec, raw, lines, path, FIXES)
     if not any(p.field == "policy" for p in problems):
-        missing = _policy_problem(raw, lines, path)
+        missing = missing_policy_problem(raw, lines, path)
         if missing is not None:
             problems.append(missing)
     if spec is None or problems:
@@ -449,7 +300,7 @@ def load_job_spec(path: Path) -> JobSpec:
 def load_job_specs(folder: Path) -> tuple[dict[Path, JobSpec], dict[Path, ConfigError]]:
     """Load every ``*.yaml``/``*.yml`` spec in ``folder``; return good specs and errors."""
     files = sorted(
-        p for p in Path(folder).iterdir() if p.suffix in POLICY_SUFFIXES and p.is_file()
+        p for p in Path(folder).iterdir() if p.suffix in YAML_SUFFIXES and p.is_file()
     )
     specs: dict[Path, JobSpec] = {}
     errors: dict[Path, ConfigError] = {}

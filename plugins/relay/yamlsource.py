@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ValidationError, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, WithJsonSchema
 
 M = TypeVar("M", bound=BaseModel)
 KeyPath = tuple[str | int, ...]
 LineMap = dict[KeyPath, int]
+# Every section of a spec or a policy: read-only once loaded, and an unknown key is a problem.
+FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 TOP_LEVEL = "(top level)"
 SYNTAX = "(yaml syntax)"

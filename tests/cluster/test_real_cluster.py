@@ -37,7 +37,7 @@ def launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 
     from relay.launchers.k8s import KubernetesLauncher
-    from relay.spec import KubernetesSpec
+    from relay.spec_sections import KubernetesSpec
 
     kubeconfig = os.environ.get("KUBECONFIG", str(Path.home() / ".kube" / "config"))
     hook = KubernetesHook(conn_id=None, kubernetes_conn_id=None, config_file=kubeconfig)

@@ -28,7 +28,7 @@ from relay.launchers.k8s_objects import QUARANTINE_TAINT_KEY, AttemptKey
 from relay.nodes import NodePool
 from relay.policy import Detection, load_policy
 from relay.recovery import quarantine
-from relay.spec import KubernetesSpec
+from relay.spec_sections import KubernetesSpec
 from relay_train.launch import LaunchConfig
 
 HOSTS = ["gpu-1", "gpu-2", "gpu-3"]

@@ -21,7 +21,7 @@ from relay.launchers.k8s_objects import (
     quarantine_taint,
     service_manifest,
 )
-from relay.spec import KubernetesSpec
+from relay.spec_sections import KubernetesSpec
 
 SCHEMA = "1.37"
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from relay.spec import JobSpec, load_job_spec, load_job_specs, policies_dir
+from relay.policy_files import policies_dir
+from relay.spec import JobSpec, load_job_spec, load_job_specs
 from relay.yamlsource import ConfigError, Problem, load_yaml_with_lines, parse_duration
 
 VALID = """\

@@ -28,8 +28,8 @@ from typing import Any
 from relay.bench.common import Store, launch_config, launched, summary, watch
 from relay.launchers.local import LocalLauncher
 from relay.policy import Detection, load_policy
+from relay.policy_files import policies_dir
 from relay.report import chaos_strikes
-from relay.spec import policies_dir
 
 GLOO_DEFAULT_TIMEOUT_SECONDS = 1800.0
 # What notices each scenario without Relay (None: nothing does).

@@ -32,7 +32,7 @@ def launcher_from(config: Mapping[str, Any] | None = None) -> Launcher:
         return LocalLauncher()
     if kind == "kubernetes":
         from relay.launchers.k8s import KubernetesLauncher
-        from relay.spec import KubernetesSpec
+        from relay.spec_sections import KubernetesSpec
 
         conn_id = settings.pop("conn_id", None) or os.environ.get(ENV_KUBERNETES_CONN_ID)
         return KubernetesLauncher(KubernetesSpec.model_validate(settings), conn_id=conn_id)

@@ -58,7 +58,7 @@ from relay.launchers.k8s_status import (
     slot_status,
     stuck,
 )
-from relay.spec import KubernetesSpec
+from relay.spec_sections import KubernetesSpec
 from relay_train.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 
 if TYPE_CHECKING:

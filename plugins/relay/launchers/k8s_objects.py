@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relay.spec import KubernetesSpec
+from relay.spec_sections import KubernetesSpec
 from relay_train.channel import AGENT_PORT
 
 GROUP = "relay.dev"

@@ -100,10 +100,11 @@ def test_only_the_local_launcher_signals_processes() -> None:
     # pgcluster.py and proctree.py stop the services `make up` started (Airflow, MLflow,
     # PostgreSQL), never a workload; bench/torchrun_baseline.py breaks the benchmark's
     # plain-torchrun baseline (not Relay's); every signal to a Relay workload goes through
-    # LocalLauncher and its standby/resident records (a rank's faulthandler is signalled by
-    # its own node's agent, asked over the channel).
+    # LocalLauncher, its chaos hooks and its standby/resident records (a rank's faulthandler
+    # is signalled by its own node's agent, asked over the channel).
     assert users == ["bench/torchrun_baseline.py", "launchers/local.py",
-                     "launchers/local_standby.py", "pgcluster.py", "proctree.py"]
+                     "launchers/local_signals.py", "launchers/local_standby.py", "pgcluster.py",
+                     "proctree.py"]
 
 
 def test_the_documented_kubernetes_example_spec_is_valid() -> None:

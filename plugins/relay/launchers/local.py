@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from relay.channel import MAX_PARALLEL, AgentChannel
 from relay.launchers import local_prestart
 from relay.launchers.base import LaunchState, LaunchStatus, NodeStatus, overall_state
+from relay.launchers.local_signals import LocalSignals, NotOursError
 from relay.launchers.local_standby import (
     LINGER_SECONDS,
     STANDBY_DIR,
@@ -70,10 +71,6 @@ STOP_ASK_TIMEOUT_SECONDS = 0.5
 STOP_POLL_SECONDS = 0.02  # a stop looks this often whether the attempt's processes are gone
 
 
-class NotOursError(LookupError):
-    """A recorded process is gone and its PID (or PGID) may now belong to another process."""
-
-
 def free_port() -> int:
     """Return a free TCP port on loopback for a fresh rendezvous."""
     with socket.socket() as sock:
@@ -86,7 +83,7 @@ def agent_handle(pid: int) -> dict[str, int | None]:
     return {"pid": pid, "pgid": pid, "started": pids.start_time(pid)}
 
 
-class LocalLauncher:
+class LocalLauncher(LocalSignals):
     """Start, watch and stop segment attempts as local process groups."""
 
     name = "local"
@@ -385,66 +382,3 @@ class LocalLauncher:
         """Return the running attempts under ``base``, newest first."""
         handles = sorted(base.rglob(HANDLE_FILE), key=lambda p: p.stat().st_mtime, reverse=True)
         return [h.parent for h in handles if self.status(h.parent).state is LaunchState.RUNNING]
-
-    def signal_node(self, root: Path, node: str, sig: signal.Signals) -> int:
-        """Send ``sig`` to every process of ``node`` (its agent and its ranks); return the PGID.
-
-        Raise KeyError for a node the attempt does not have, and :class:`NotOursError`
-        when the group's recorded leader PID now belongs to another process.
-        """
-        handle = self._handle(root)
-        if node not in handle:
-            raise KeyError(f"node {node!r}: expected one of {sorted(handle)} in {root}")
-        pgid = handle[node]["pgid"]
-        if not pids.signal_group(pgid, handle[node]["started"], sig):
-            raise NotOursError(f"node {node!r} (process group {pgid})")
-        return pgid
-
-    def _rank(self, root: Path, rank: int) -> tuple[int, int | None] | None:
-        """Return a rank's PID and start time from its heartbeat (None before its first one)."""
-        beat = self.heartbeats(root).get(rank)
-        return None if beat is None else (beat.pid, beat.pid_started)
-
-    def rank_pid(self, root: Path, rank: int) -> int | None:
-        """Return the PID a rank reported in its heartbeat (None before its first one).
-
-        Raise :class:`NotOursError` if that PID is no longer the rank's process.
-        """
-        found = self._rank(root, rank)
-        if found is None:
-            return None
-        if not pids.is_same_process(*found):
-            raise NotOursError(f"rank {rank} (pid {found[0]})")
-        return found[0]
-
-    def _rank_or_raise(self, root: Path, rank: int) -> tuple[int, int | None]:
-        found = self._rank(root, rank)
-        if found is None:
-            raise KeyError(f"rank {rank}: no heartbeat from its node's agent for {root} yet")
-        return found
-
-    def signal_rank(self, root: Path, rank: int, sig: signal.Signals) -> int:
-        """Send ``sig`` to one rank (by the PID in its heartbeat, if still its); return the PID."""
-        pid, started = self._rank_or_raise(root, rank)
-        if not pids.signal_process(pid, started, sig):
-            raise NotOursError(f"rank {rank} (pid {pid})")
-        return pid
-
-    def throttle_rank(self, root: Path, rank: int, running: float, period: float,
-                      seconds: float) -> bool:
-        """Freeze a rank for ``1 - running`` of every ``period`` for ``seconds``.
-
-        Return False if the rank ended meanwhile (its PID is then never signalled again).
-        """
-        pid, started = self._rank_or_raise(root, rank)
-        deadline = time.monotonic() + seconds
-        try:
-            while time.monotonic() < deadline:
-                if not pids.signal_process(pid, started, signal.SIGSTOP):
-                    return False
-                time.sleep(period * (1 - running))
-                pids.signal_process(pid, started, signal.SIGCONT)
-                time.sleep(period * running)
-        finally:
-            pids.signal_process(pid, started, signal.SIGCONT)
-        return True

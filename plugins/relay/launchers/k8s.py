@@ -34,12 +34,12 @@ from urllib3.exceptions import HTTPError
 
 from relay.channel import AgentChannel
 from relay.launchers.base import LaunchState, LaunchStatus, overall_state
+from relay.launchers.k8s_nodes import LEASE_STALE_SECONDS, NODE_CHECK_SECONDS, KubernetesNodes
 from relay.launchers.k8s_objects import (
     ANNOTATION_LAUNCHED_AT,
     ANNOTATION_NODES,
     LABEL_SEGMENT_KEY,
     POD_ATTEMPT_DIR,
-    QUARANTINE_TAINT_KEY,
     RENDEZVOUS_PORT,
     TERMINATION_GRACE_SECONDS,
     AttemptKey,
@@ -48,7 +48,6 @@ from relay.launchers.k8s_objects import (
     job_manifest,
     master_addr,
     owner_reference,
-    quarantine_taint,
     service_manifest,
 )
 from relay.launchers.k8s_status import (
@@ -64,16 +63,12 @@ from relay_train.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 if TYPE_CHECKING:
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 
-    from relay.nodes import Quarantine
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
-LEASE_NAMESPACE = "kube-node-lease"
-LEASE_STALE_SECONDS = 20.0  # the kubelet renews its Lease every 10 s
 DELETION_WAIT_SECONDS = 30.0  # for a same-named Job still being deleted before a create
-NODE_CHECK_SECONDS = 2.0  # a node's Ready condition and lease are read at most this often
 
 
 def _transient(exc: BaseException) -> bool:
@@ -82,7 +77,7 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, HTTPError)
 
 
-class KubernetesLauncher:
+class KubernetesLauncher(KubernetesNodes):
     """Start, watch and stop segment attempts as Indexed Jobs."""
 
     name = "kubernetes"
@@ -290,47 +285,6 @@ class KubernetesLauncher:
                 attempt_id_of(root), {s: self.agent_url(key, i) for i, s in enumerate(slots)})
         return self._channels[key.name]
 
-    def _node_problem(self, host: str) -> str | None:
-        """Return why ``host`` counts as unresponsive, or None (re-read every few seconds)."""
-        checked = self._checked.get(host)
-        if checked is not None and time.monotonic() - checked[0] < self.node_check_seconds:
-            return checked[1]
-        problem = self._read_node_problem(host)
-        self._checked[host] = (time.monotonic(), problem)
-        return problem
-
-    def _read_node_problem(self, host: str) -> str | None:
-        try:
-            node = self._call(self.core.read_node, host)
-        except ApiException as exc:
-            if exc.status == 404:
-                return f"node {host} is gone from the cluster"
-            raise
-        ready = next((c for c in node.status.conditions or [] if c.type == "Ready"), None)
-        if ready is not None and ready.status != "True":
-            return (f"node {host} is NotReady ({ready.reason or 'no reason'}) since "
-                    f"{ready.last_transition_time}")
-        return self._lease_problem(host)
-
-    def _lease_problem(self, host: str) -> str | None:
-        """Return a problem if the kubelet's Lease stopped moving, measured on Relay's clock."""
-        try:
-            lease = self._call(self.coordination.read_namespaced_lease, host, LEASE_NAMESPACE)
-        except ApiException as exc:
-            if exc.status in (403, 404):  # no RBAC for leases, or no lease: rely on Ready
-                return None
-            raise
-        renewed = lease.spec.renew_time
-        seen = self._leases.get(host)
-        now = time.monotonic()
-        if seen is None or seen[0] != renewed:
-            self._leases[host] = (renewed, now)
-            return None
-        quiet = now - seen[1]
-        if quiet > self.lease_stale_seconds:
-            return f"the kubelet of {host} has not renewed its lease for {quiet:.0f}s"
-        return None
-
     def host_of(self, root: Path, node: str) -> str:
         """Return the Kubernetes node the slot's pod runs on (the slot itself if unknown)."""
         key = AttemptKey.from_dir(root)
@@ -406,48 +360,3 @@ class KubernetesLauncher:
 
     def reside(self, run_dir: Path, nodes: list[str], prestarted: Path | None = None) -> None:
         """Do nothing: a spare's pod is created at the retry (kubelets keep the image)."""
-
-    def enforce_quarantines(self, held: dict[str, Quarantine]) -> None:
-        """Taint quarantined nodes NoSchedule (value: expiry), untaint released ones."""
-        if not self.settings.taint_quarantine:
-            return
-        now = time.time()
-        try:
-            for node in self._call(self.core.list_node).items:
-                quarantine = held.get(node.metadata.name)
-                want = quarantine_taint(quarantine.until) \
-                    if quarantine and quarantine.active(now) else None
-                self._set_taint(node, want)
-        except ApiException as exc:
-            if exc.status != 403:
-                raise
-            # The nodeAffinity NotIn of every attempt still keeps quarantined nodes out.
-            log.warning("taint_quarantine is on, but Relay may not list or patch nodes (403 "
-                        "Forbidden: %s). Quarantines are still enforced by nodeAffinity; to "
-                        "taint nodes too, bind ClusterRole relay-node-tainter "
-                        "(deploy/rbac.yaml) to Relay's service account, or set "
-                        "kubernetes.taint_quarantine: false", exc.reason)
-
-    def _set_taint(self, node: Any, want: dict[str, Any] | None) -> None:  # noqa: ANN401
-        """Make ``want`` the node's only Relay taint; retry on a concurrent change (409)."""
-        for _ in range(3):
-            taints = [self._as_dict(t) for t in node.spec.taints or []]
-            ours = [t for t in taints if t["key"] == QUARANTINE_TAINT_KEY]
-            if (want is None and not ours) or (want is not None and ours == [want]):
-                return
-            others = [t for t in taints if t["key"] != QUARANTINE_TAINT_KEY]
-            body = {"metadata": {"resourceVersion": node.metadata.resource_version},
-                    "spec": {"taints": others + ([want] if want else [])}}
-            try:
-                self._call(self.core.patch_node, node.metadata.name, body,
-                           _content_type="application/merge-patch+json")
-                log.warning("Node %s: %s", node.metadata.name,
-                            f"tainted {QUARANTINE_TAINT_KEY} until {want['value']}" if want
-                            else "quarantine taint removed")
-                return
-            except ApiException as exc:
-                if exc.status != 409:
-                    raise
-                node = self._call(self.core.read_node, node.metadata.name)
-        raise RuntimeError(f"node {node.metadata.name}: its taints kept changing under Relay; "
-                           "try again, or check who else edits them")

@@ -79,7 +79,8 @@ def test_the_bench_home_is_set_up_and_the_environment_restored(tmp_path: Path) -
 
 
 def test_the_cli_wires_the_benchmark_with_one_repeat_by_default() -> None:
-    from relay.cli import _cmd_bench_scheduled, build_parser
+    from relay.cli import build_parser
+    from relay.cli_bench import _cmd_bench_scheduled
 
     args = build_parser().parse_args(["bench", "scheduled", "--smoke"])
 

@@ -33,7 +33,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from relay_train.agent_standby import StandbyAsk, become_standby, run_standby
+from relay_train.agent_standby import StandbyAsk, leave_attempt, redirect_output
 from relay_train.channel import AgentServer
 from relay_train.device import (
     FLIGHT_RECORDER_DIR,
@@ -42,10 +42,15 @@ from relay_train.device import (
     rank_start_method,
 )
 from relay_train.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE, node_clock
-from relay_train.launch import LaunchConfig
+from relay_train.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
 from relay_train.preload import preload_publisher, preload_worker
 from relay_train.priority import yielding_thread
-from relay_train.standby import STANDBY_TTL_SECONDS, fork_detached
+from relay_train.standby import (
+    STANDBY_TTL_SECONDS,
+    announce_ready,
+    fork_detached,
+    wait_for_launch,
+)
 from relay_train.timing import ENV_SPAWNED_AT
 
 log = logging.getLogger("relay_train.agent")
@@ -195,7 +200,8 @@ class NodeAgent:
             return pid
         code = 1
         try:
-            code = become_standby(self.node, ask)
+            leave_attempt(self.node, ask.directory)
+            code = run_standby(ask.directory, self.node, ask.ttl, ask.linger)
         except BaseException:  # noqa: BLE001 - the child must never return into the agent
             traceback.print_exc()
         finally:
@@ -320,6 +326,29 @@ def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
         traceback.print_exc()
         code = 1
     worker.exit_now(code)
+
+
+def run_standby(directory: Path, node: str, ttl_seconds: float,
+                linger_seconds: float = 0.0) -> int:
+    """Preload, wait to be claimed (see relay_train.standby), then run as the node's agent."""
+    started = time.perf_counter()
+    # The entrypoint is not known yet: preload the example's.
+    preload_worker(Entrypoint(BUILTIN_ENTRYPOINT), publisher=True)
+    preloaded = time.perf_counter() - started
+    announce_ready(directory, node, preloaded)
+    log.info("standby for %s: preloaded in %.2fs; waiting to be claimed", node, preloaded)
+    launch = wait_for_launch(directory, node, ttl_seconds)
+    if launch is None:
+        log.info("standby for %s: released or unclaimed; leaving", node)
+        return 0
+    cfg = LaunchConfig.read(launch)
+    cfg.log_dir.mkdir(parents=True, exist_ok=True)
+    redirect_output(cfg.log_dir / f"agent-{node}.log")
+    if node not in cfg.nodes:
+        log.error("node %s: expected one of %s in %s", node, cfg.nodes, launch)
+        return 2
+    log.info("took over as %s's agent, preloaded in advance (%.2fs)", node, preloaded)
+    return NodeAgent(cfg, launch, node, preloaded=True, linger_seconds=linger_seconds).run()
 
 
 def main(argv: list[str] | None = None) -> int:

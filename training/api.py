@@ -75,6 +75,7 @@ WARMUP_STEPS = 2
 # so an attempt that faults still shows its loss and throughput up to the fault.
 METRICS_EVERY = 5
 
+
 class NotUnderRelayError(RuntimeError):
     """The script was started without Relay's environment."""
 

@@ -222,7 +222,8 @@ class Resident:
         return bool(asks)
 
     def _fork(self, node: str, directory: Path, ttl: float, linger: float) -> int:
-        from relay_train.agent_standby import StandbyAsk, become_standby
+        from relay_train.agent import run_standby
+        from relay_train.agent_standby import leave_attempt
 
         sys.stdout.flush()
         sys.stderr.flush()
@@ -236,7 +237,8 @@ class Resident:
             handler.setFormatter(logging.Formatter(
                 f"%(asctime)s agent {node} %(levelname)s: %(message)s"))
         try:
-            code = become_standby(node, StandbyAsk(directory, ttl, linger))
+            leave_attempt(node, directory)
+            code = run_standby(directory, node, ttl, linger)
         except BaseException:  # noqa: BLE001 - the child must never return into the resident
             logging.exception("standby forked from the resident failed")
         finally:

@@ -24,7 +24,9 @@ The handshake, in the DAG run's ``resident`` folder, ``<node>`` being the node:
   the standby is for: ``<node>`` itself unless the ask names another). The resident
   takes it by renaming it to ``<id>.taken`` and answers ``<id>.pid`` once forked;
   an asker that gives up withdraws it by renaming it to ``<id>.withdrawn``: the
-  rename is atomic, so an ask is either forked or withdrawn, never both.
+  rename is atomic, so an ask is either forked or withdrawn, never both. An ask
+  taken as its asker gives up is waited for until its PID comes (a resident killed
+  between the two is given up on after ``TAKEN_WAIT_SECONDS``).
 
 A resident leaves when its run is over: stopped by the run's end (or ``make
 down``), or by itself once no rank of its run has written a heartbeat for
@@ -64,6 +66,7 @@ RESIDENT_DIR = "resident"  # in a DAG run's folder
 IDLE_SECONDS = 600.0  # no heartbeat of the run this long: the run is over, leave
 IDLE_CHECK_SECONDS = 5.0  # how often the resident looks at its run's heartbeats
 ASK_WAIT_SECONDS = 1.0  # a ready resident forks within its poll; longer means it is stuck
+TAKEN_WAIT_SECONDS = 15.0  # a taken ask is answered once forked (fork_detached: 10 s at most)
 POLL_SECONDS = 0.05
 CLAIM_FILE = "run"  # in a prestarted resident's folder: the DAG run folder that claimed it
 UNCLAIMED = ""  # what ``run`` holds when no run claimed it in time (or it was released)
@@ -116,17 +119,18 @@ def ask_standby(directory: Path, node: str, standby_dir: Path, ttl: float, linge
     write_atomically(ask, json.dumps({"directory": str(standby_dir), "ttl": ttl,
                                       "linger": linger, "node": for_node or node}))
     reply = asks / f"{name}.pid"
-    deadline = time.monotonic() + wait_seconds
-    while not reply.exists():
-        if time.monotonic() >= deadline:
-            try:
-                os.rename(ask, asks / f"{name}.withdrawn")
-            except FileNotFoundError:  # taken this instant: it forks now, wait for the PID
-                deadline = time.monotonic() + wait_seconds
-                continue
+    if not _wait_for(reply, wait_seconds):
+        try:
+            os.rename(ask, asks / f"{name}.withdrawn")
+        except FileNotFoundError:  # taken this instant: it forks now, wait for the PID
+            if not _wait_for(reply, TAKEN_WAIT_SECONDS):
+                log.warning("the resident on %s took a standby ask and gave no PID in %.0f s;"
+                            " starting the standby the slow way", node, TAKEN_WAIT_SECONDS)
+                (asks / f"{name}.taken").unlink(missing_ok=True)
+                return None
+        else:
             (asks / f"{name}.withdrawn").unlink(missing_ok=True)
             return None
-        time.sleep(0.01)
     try:
         pid = json.loads(reply.read_text())["pid"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -134,6 +138,16 @@ def ask_standby(directory: Path, node: str, standby_dir: Path, ttl: float, linge
     for f in (reply, asks / f"{name}.taken"):
         f.unlink(missing_ok=True)
     return pid if isinstance(pid, int) and pid > 0 else None
+
+
+def _wait_for(path: Path, seconds: float) -> bool:
+    """Return whether ``path`` exists within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 class Resident:

@@ -120,7 +120,7 @@ def test_a_preloaded_resident_waits_at_its_sessions_weight(
 def test_an_answered_ask_returns_the_forked_pid(tmp_path: Path) -> None:
     _ready(tmp_path)
     _answer(tmp_path, "node-c", 4242)
-    assert ask_standby(tmp_path, "node-c", tmp_path / "standby", 60, 0) == 4242
+    assert ask_standby(tmp_path, "node-c", tmp_path / "standby", 60, 0, wait_seconds=60) == 4242
     assert list(asks_dir(tmp_path, "node-c").iterdir()) == []  # nothing left behind
 
 
@@ -137,7 +137,8 @@ def test_an_ask_names_the_node_its_standby_is_for(tmp_path: Path) -> None:
         asks[0].with_suffix(".pid").write_text(json.dumps({"pid": 4545}))
 
     threading.Thread(target=answer, daemon=True).start()
-    assert ask_standby(tmp_path, "node-c", tmp_path / "standby", 60, 0, for_node="node-d") == 4545
+    assert ask_standby(tmp_path, "node-c", tmp_path / "standby", 60, 0, wait_seconds=60,
+                       for_node="node-d") == 4545
     assert seen[0]["node"] == "node-d"
 
 
@@ -163,11 +164,39 @@ def test_an_unanswered_ask_is_withdrawn(tmp_path: Path) -> None:
     assert list(asks_dir(tmp_path, "node-c").iterdir()) == [], "a resident could still fork it"
 
 
-def test_an_ask_taken_at_the_deadline_waits_for_its_pid(tmp_path: Path) -> None:
+def _take_on_ask(monkeypatch: pytest.MonkeyPatch, pid: int | None, delay: float) -> None:
+    """Play a resident that takes each ask the instant it is written, and answers
+    ``pid`` ``delay`` seconds later (never when ``pid`` is None): whatever the CI
+    machine's load, the ask is taken before its asker's wait ends."""
+    write = resident.write_atomically
+
+    def write_and_take(path: Path, text: str) -> None:
+        write(path, text)
+        os.rename(path, path.with_suffix(".taken"))
+        if pid is not None:
+            reply = path.with_suffix(".pid")
+            threading.Timer(delay, reply.write_text, [json.dumps({"pid": pid})]).start()
+
+    monkeypatch.setattr(resident, "write_atomically", write_and_take)
+
+
+def test_an_ask_taken_at_the_deadline_waits_for_its_pid(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Taken, then answered after the asker's wait: never a standby nobody recorded."""
     _ready(tmp_path)
-    _answer(tmp_path, "node-c", 4343, delay=0.4)
+    _take_on_ask(monkeypatch, 4343, delay=0.4)
     assert ask_standby(tmp_path, "node-c", tmp_path / "standby", 60, 0, wait_seconds=0.2) == 4343
+    assert list(asks_dir(tmp_path, "node-c").iterdir()) == []
+
+
+def test_an_ask_taken_and_never_answered_is_given_up_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resident killed between taking an ask and answering it must not hang the retry."""
+    _ready(tmp_path)
+    _take_on_ask(monkeypatch, None, delay=0)
+    monkeypatch.setattr(resident, "TAKEN_WAIT_SECONDS", 0.3)
+    assert ask_standby(tmp_path, "node-c", tmp_path / "standby", 60, 0, wait_seconds=0.1) is None
+    assert list(asks_dir(tmp_path, "node-c").iterdir()) == []
 
 
 def test_a_resident_leaves_once_its_run_writes_no_heartbeat(

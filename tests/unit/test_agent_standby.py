@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,13 +28,15 @@ class _Agent(NodeAgent):
         return 4242
 
 
-def test_the_main_thread_forks_what_the_channel_asked(tmp_path: Path) -> None:
+def test_the_main_thread_forks_what_the_channel_asked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent_module, "STANDBY_FORK_WAIT_SECONDS", 60.0)  # busy CI cores
     agent = _Agent()
     got: list[int | None] = []
     asker = threading.Thread(target=lambda: got.append(agent.request_standby(tmp_path, 60, 0)))
     asker.start()
     while agent._standby_asks.empty():
-        pass
+        time.sleep(0.001)
     agent._fork_standbys()  # the main loop's turn
     asker.join()
     assert got == [4242] and agent.forked == [tmp_path]

@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from relay.interval import INTERVAL_FILE
 from relay.launchers import LaunchState, LaunchStatus
 from relay.nodes import NodePool
 from relay.triggers import SegmentWatchTrigger
+from relay_train import boundary as boundary_module
 from relay_train.boundary import Adoption, BoundaryKeeper
 from relay_train.chaos import ChaosMonkey
 from relay_train.heartbeat import Heartbeat, HeartbeatWriter
@@ -97,9 +99,9 @@ def test_a_later_segments_end_is_checkpointed_only_once_its_task_adopted_the_wor
     assert keeper.owner_pending(45) is None  # not a segment end
     assert keeper.owner_pending(60) == 1
     writer = threading.Timer(0.2, _adopt_file, (tmp_path, 90, 1, 3))
+    started = time.monotonic()
     writer.start()
 
-    started = time.monotonic()
     assert keeper.await_owner(60) is True
     assert 0.2 <= time.monotonic() - started < 30.0
     assert keeper.adoption == Adoption(90, "run-1", 1, 3)
@@ -111,17 +113,22 @@ def test_a_later_segments_end_is_checkpointed_only_once_its_task_adopted_the_wor
     assert keeper.await_owner(90) is True and keeper.adoption.segment == 2
 
 
+def _no_second_wait(seconds: float) -> None:
+    raise AssertionError(f"waited again ({seconds} s) at a limit already waited at")
+
+
 def test_a_task_that_never_comes_costs_one_bounded_wait_then_the_ranks_finish(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     keeper = BoundaryKeeper(_cfg(tmp_path, adopt_wait_seconds=0.3), rank=0)
 
     started = time.monotonic()
     assert keeper.await_owner(60) is False  # the checkpoint goes to the earlier run
     assert time.monotonic() - started >= 0.3
-    again = time.monotonic()
-    assert keeper.agree(60, CPU) is False  # no second wait at the same limit
-    assert time.monotonic() - again < 0.3
+    with monkeypatch.context() as patch:  # no second wait at the same limit
+        patch.setattr(boundary_module, "time", SimpleNamespace(
+            monotonic=time.monotonic, time=time.time, sleep=_no_second_wait))
+        assert keeper.agree(60, CPU) is False
     keeper.record(60, stall=0.01, agreed=0.0)
     [entry] = [json.loads(line) for line in (tmp_path / BOUNDARIES_FILE).read_text().splitlines()]
     assert entry["agree"] >= 0.3  # the wait is part of what the boundary cost the loop
@@ -389,6 +396,13 @@ def test_waiting_for_a_boundary_checkpoint_ends_once_relay_stopped_the_workload(
     assert time.monotonic() - started < 30.0  # not the whole checkpoint_timeout
 
 
+def _wait_until_stopped(launcher: FakeLauncher, seconds: float = 30.0) -> None:
+    """Give the freeze guard's thread its time, however busy the machine."""
+    deadline = time.monotonic() + seconds
+    while not launcher.stopped and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_the_freeze_guard_leaves_a_workload_this_task_adopted_to_its_watcher(
     tmp_path: Path,
 ) -> None:
@@ -405,7 +419,7 @@ def test_the_freeze_guard_leaves_a_workload_this_task_adopted_to_its_watcher(
         time.sleep(1.5)
     assert launcher.stopped == []  # segment 1's watcher judges the silence (node_unresponsive)
     with adopt.freeze_guard(run, 2, launcher, silent_seconds=2.0, grace_seconds=0.0):
-        time.sleep(1.5)  # segment 2's task, before adopting: nobody watches it
+        _wait_until_stopped(launcher)  # segment 2's task, before adopting: nobody watches it
     assert launcher.stopped == [workload]
 
 
@@ -419,7 +433,7 @@ def test_a_workload_the_freeze_guard_stopped_is_never_adopted(tmp_path: Path) ->
         beat.write_text(json.dumps({**record, "wall_clock": time.time() - 60}))
     launcher = FakeLauncher({workload: LaunchState.RUNNING})
     with adopt.freeze_guard(run, 1, launcher, silent_seconds=2.0, grace_seconds=0.0):
-        time.sleep(1.5)
+        _wait_until_stopped(launcher)
     assert launcher.stopped == [workload]
     record = run / "segment-001" / "try-1"
     assert adopt.adopt(record, workload, run_id="r1", segment=1, attempt=1, resume_step=30,

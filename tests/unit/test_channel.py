@@ -268,16 +268,18 @@ def test_a_slow_answer_counts_at_the_next_poll_with_the_time_it_arrived(
     _beat_all(root)
     slow = agents.nodes["node-b"]
     answer = slow.status_record
-    monkeypatch.setattr(slow, "status_record", lambda: (time.sleep(1.8), answer())[1])
+    monkeypatch.setattr(slow, "status_record", lambda: (time.sleep(4.0), answer())[1])
     channel = agents.channel(root)
     started = time.monotonic()
     first = channel.poll()
-    assert time.monotonic() - started < 1.7  # the poll did not wait for the slow agent
+    assert time.monotonic() - started < 3.5  # the poll did not wait for the slow agent
     assert first["node-a"] is not None and first["node-b"] is None
-    time.sleep(1.5)
-    second = channel.poll()  # node-b's answer arrived meanwhile: it counts, from then
+    channel._inflight["node-b"].result(timeout=30)  # node-b's answer arrives meanwhile
+    time.sleep(0.3)
+    asked = time.time()
+    second = channel.poll()  # ...and counts at the next poll, from when it arrived
     assert second["node-b"] is not None
-    assert second["node-b"].received_at < time.time() - 0.2
+    assert second["node-b"].received_at < asked - 0.2
     assert sorted(channel.beats) == [0, 1, 2, 3]
     channel.close()
 
@@ -302,7 +304,7 @@ def test_a_frozen_agent_costs_one_wait_not_one_per_poll(
         return real_wait(futures, timeout=timeout)
 
     monkeypatch.setattr(channel_module, "wait", spy)
-    monkeypatch.setattr(channel_module, "FRESH_WAIT_SECONDS", 0.3)
+    monkeypatch.setattr(channel_module, "FRESH_WAIT_SECONDS", 2.0)  # node-a's bound
     frozen = FrozenAgent()
     try:
         channel = agents.channel(root)

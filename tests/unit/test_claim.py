@@ -98,10 +98,11 @@ def test_a_warden_leaves_an_attempt_execute_complete_took_on_another_machine(
         tmp_path: Path) -> None:
     attempt, proc = _attempt(tmp_path)
     try:
+        # execute_complete on another machine: no claimed.json here, only the agents know.
+        # It claims before the warden's deadline (made first, whatever CI's load).
+        assert claim_attempt(LocalLauncher(), attempt, "execute_complete elsewhere").won
         pid = unattended.start_warden(attempt, _event(attempt), unattended.STOP, DETECTION, None)
         assert pid is not None
-        # execute_complete on another machine: no claimed.json here, only the agents know.
-        assert claim_attempt(LocalLauncher(), attempt, "execute_complete elsewhere").won
         wait_exit(pid)
         assert group_members(proc.pid) == [proc.pid], "the warden touched the workload"
         assert unattended.Stopped.read(attempt) is None

@@ -169,8 +169,8 @@ async def first_event(trigger: SegmentWatchTrigger, timeout: float = 10.0) -> Tr
         await events.aclose()
 
 
-def watch(root: Path) -> SegmentWatchTrigger:
-    return SegmentWatchTrigger(str(root), NODE_RANKS, poll_interval_seconds=0.02)
+def watch(root: Path, detection: dict[str, float] | None = None) -> SegmentWatchTrigger:
+    return SegmentWatchTrigger(str(root), NODE_RANKS, detection, poll_interval_seconds=0.02)
 
 
 def test_run_fires_completed_when_every_node_succeeded(tmp_path: Path) -> None:
@@ -265,7 +265,9 @@ def test_run_keeps_watching_while_running_then_reports(tmp_path: Path) -> None:
     write_training_heartbeats(root)
 
     async def scenario() -> tuple[bool, TriggerEvent]:
-        task = asyncio.create_task(first_event(watch(root)))
+        # beats written once: only the crash may end the watch, however slow the machine
+        patient = {"heartbeat_timeout": 60.0, "hang_timeout": 60.0}
+        task = asyncio.create_task(first_event(watch(root, patient)))
         await asyncio.sleep(0.2)  # ten polls of a running workload
         fired_early = task.done()
         write_records(root, {"node-a": ("failed", {0: -9, 1: -15})})
@@ -275,6 +277,7 @@ def test_run_keeps_watching_while_running_then_reports(tmp_path: Path) -> None:
 
     assert not fired_early
     assert event.payload["status"] == "fault"
+    assert event.payload["fault"]["kind"] == "crash"
     assert event.payload["fault"]["culprit_rank"] == 0
     assert event.payload["fault"]["culprit_node"] == "node-a"
 

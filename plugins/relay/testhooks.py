@@ -15,6 +15,8 @@ import os
 import time
 from pathlib import Path
 
+from relay_train.heartbeat import write_atomically
+
 ENV = "RELAY_TEST_PAUSE_DIR"
 MAX_PAUSE_SECONDS = 600.0
 
@@ -33,7 +35,7 @@ def pause(point: str, **detail: str) -> None:
     except OSError:
         return
     paused = Path(root) / f"{point}.paused"
-    paused.write_text(json.dumps({"pid": os.getpid(), **detail}))
+    write_atomically(paused, json.dumps({"pid": os.getpid(), **detail}))  # read once it exists
     log.warning("Test pause point %r: pid %d waits until %s is removed", point, os.getpid(),
                 paused)
     deadline = time.monotonic() + MAX_PAUSE_SECONDS

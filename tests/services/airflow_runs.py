@@ -37,6 +37,9 @@ def wait_for_success(api: AirflowApi, run_id: str, timeout: float = 900) -> None
     assert state == "success", f"DAG run {run_id} ended {state}: {tries}"
 
 
+PASSED = {"success", "failed", "up_for_retry", "upstream_failed", "skipped"}
+
+
 def wait_for_task_state(api: AirflowApi, run_id: str, task_id: str, states: set[str],
                          timeout: float = 600) -> str:
     """Wait until one task instance of a run is in one of ``states``."""
@@ -50,7 +53,7 @@ def wait_for_task_state(api: AirflowApi, run_id: str, task_id: str, states: set[
             continue
         if tis.get(task_id) in states:
             return str(tis[task_id])
-        if tis.get(task_id) == "failed":
-            break
+        if tis.get(task_id) in PASSED:
+            break  # it went past the states waited for: say so now, not after the timeout
         time.sleep(1)
     raise AssertionError(f"{task_id} of {run_id} never reached {states}: {tis}")

@@ -27,6 +27,9 @@ from relay.settings import REPO_ROOT
 pytestmark = pytest.mark.services
 
 HANG = {"kind": "hang", "segment": 0, "step": 35, "rank": 1}
+# Segment 1's steps slower (every rank alike: no fault, same weights), so that its task
+# stays deferred for 12 s more: a test that acts while it is deferred cannot miss it.
+SLOW_SEGMENT_1 = {"kind": "pace", "segment": 1, "step": 60, "seconds": 0.2}
 # The README's picture; the test writes it only when asked (RELAY_UPDATE_SCREENSHOT=1), so
 # a test run leaves the clone as it was.
 SCREENSHOT = REPO_ROOT / "docs" / "recovery-page.png"
@@ -128,7 +131,7 @@ def test_triggerer_and_scheduler_crashes_do_not_stop_the_run(
         deployment: services.Deployment, api: AirflowApi, clean_run: str,
         tmp_path: Path) -> None:
     home = Path(deployment.home)
-    run_id = api.trigger(DAG_ID, {"chaos": []})
+    run_id = api.trigger(DAG_ID, {"chaos": [SLOW_SEGMENT_1]})
     # The triggerer dies while segment 0 is deferred to it, and comes back 5 s later.
     wait_for_task_state(api, run_id, "segment_000", {"deferred"})
     _crash(deployment, "triggerer")
@@ -153,7 +156,7 @@ def test_mlflow_server_down_for_30s_mid_segment(
         deployment: services.Deployment, api: AirflowApi, clean_run: str,
         tmp_path: Path) -> None:
     home = Path(deployment.home)
-    run_id = api.trigger(DAG_ID, {"chaos": []})
+    run_id = api.trigger(DAG_ID, {"chaos": [SLOW_SEGMENT_1]})
     wait_for_task_state(api, run_id, "segment_001", {"deferred"})
     pid = services.read_deployment(home).pids["mlflow"]
     os.killpg(pid, signal.SIGKILL)  # the whole server, workers included

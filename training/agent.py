@@ -33,7 +33,12 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from relay_train.agent_standby import StandbyAsk, leave_attempt, redirect_output
+from relay_train.agent_standby import (
+    StandbyAsk,
+    agent_log_format,
+    leave_attempt,
+    redirect_output,
+)
 from relay_train.channel import AgentServer
 from relay_train.device import (
     FLIGHT_RECORDER_DIR,
@@ -188,24 +193,13 @@ class NodeAgent:
                 lambda: preload_publisher(self.cfg.tracking_uri), "preload-behind")
 
     def _fork_standby(self, ask: StandbyAsk) -> int:
-        """Fork; in the child, leave this attempt and wait as a standby; return the child's PID."""
+        """Fork a standby for this node's next attempt; return its PID."""
         if self._behind is not None:
             self._behind.join()  # never fork while a thread holds the import lock
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = fork_detached()
-        if pid:
-            log.info("forked a standby for %s's next attempt as pid %d in %s", self.node, pid,
-                     ask.directory)
-            return pid
-        code = 1
-        try:
-            leave_attempt(self.node, ask.directory)
-            code = run_standby(ask.directory, self.node, ask.ttl, ask.linger)
-        except BaseException:  # noqa: BLE001 - the child must never return into the agent
-            traceback.print_exc()
-        finally:
-            os._exit(code)
+        pid = fork_standby(self.node, ask.directory, ask.ttl, ask.linger)
+        log.info("forked a standby for %s's next attempt as pid %d in %s", self.node, pid,
+                 ask.directory)
+        return pid
 
     def _errors(self, procs: dict[int, BaseProcess]) -> dict[str, str]:
         """Return the last lines of each failed rank's log: the script's own error."""
@@ -328,6 +322,23 @@ def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
     worker.exit_now(code)
 
 
+def fork_standby(node: str, directory: Path, ttl: float, linger: float) -> int:
+    """Fork a copy of this preloaded process (an agent or a resident) that leaves its
+    attempt and waits in ``directory`` as ``node``'s standby; return its PID (the
+    child never returns)."""
+    pid = fork_detached()
+    if pid:
+        return pid
+    code = 1
+    try:
+        leave_attempt(node, directory)
+        code = run_standby(directory, node, ttl, linger)
+    except BaseException:  # noqa: BLE001 - the child must never return into its parent
+        logging.exception("standby forked for %s failed", node)
+    finally:
+        os._exit(code)
+
+
 def run_standby(directory: Path, node: str, ttl_seconds: float,
                 linger_seconds: float = 0.0) -> int:
     """Preload, wait to be claimed (see relay_train.standby), then run as the node's agent."""
@@ -380,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[ENV_NODE] = args.node  # this node's clock (the skew test hook names nodes)
     logging.basicConfig(
         level=logging.INFO,
-        format=f"%(asctime)s agent {args.node} %(levelname)s: %(message)s",
+        format=agent_log_format(args.node),
         stream=sys.stderr,
     )
     if args.standby is not None:

@@ -5,6 +5,7 @@ for, and how the copy leaves the attempt it was forked from. It then runs as a s
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -33,14 +34,21 @@ def leave_attempt(node: str, directory: Path) -> None:
     the attempt does not stop it): drop the attempt before running as a standby.
 
     The child closes every socket it inherited (the attempt's channel, a request being
-    answered), forgets the attempt's ranks (not its children) and logs to ``directory``
-    (the standby folder).
+    answered), forgets the attempt's ranks (not its children) and logs, as ``node``'s
+    agent, to ``directory`` (the standby folder).
     """
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for handler in logging.getLogger().handlers:  # a resident's child names the agent
+        handler.setFormatter(logging.Formatter(agent_log_format(node)))
     _close_inherited_sockets()
     multiprocessing.process._children.clear()  # type: ignore[attr-defined]  # the parent's ranks
     directory.mkdir(parents=True, exist_ok=True)
     redirect_output(directory / f"{node}.log")
+
+
+def agent_log_format(node: str) -> str:
+    """Return the logging format of ``node``'s agent (and of its standbys)."""
+    return f"%(asctime)s agent {node} %(levelname)s: %(message)s"
 
 
 def _close_inherited_sockets() -> None:

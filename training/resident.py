@@ -58,7 +58,6 @@ from pathlib import Path
 
 from relay_train.heartbeat import write_atomically
 from relay_train.priority import restore_session, yield_session, yielding_thread
-from relay_train.standby import fork_detached
 
 log = logging.getLogger("relay_train.resident")
 
@@ -236,27 +235,12 @@ class Resident:
         return bool(asks)
 
     def _fork(self, node: str, directory: Path, ttl: float, linger: float) -> int:
-        from relay_train.agent import run_standby
-        from relay_train.agent_standby import leave_attempt
+        from relay_train.agent import fork_standby
 
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = fork_detached()
-        if pid:
-            log.info("resident on %s: forked a standby for %s, pid %d, into %s", self.node,
-                     node, pid, directory)
-            return pid
-        code = 1
-        for handler in logging.getLogger().handlers:
-            handler.setFormatter(logging.Formatter(
-                f"%(asctime)s agent {node} %(levelname)s: %(message)s"))
-        try:
-            leave_attempt(node, directory)
-            code = run_standby(directory, node, ttl, linger)
-        except BaseException:  # noqa: BLE001 - the child must never return into the resident
-            logging.exception("standby forked from the resident failed")
-        finally:
-            os._exit(code)
+        pid = fork_standby(node, directory, ttl, linger)
+        log.info("resident on %s: forked a standby for %s, pid %d, into %s", self.node,
+                 node, pid, directory)
+        return pid
 
     def _run_dir(self) -> Path | None:
         """Return the DAG run's folder: the one that claimed a prestarted resident (None

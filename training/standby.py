@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import sys
 import time
 from pathlib import Path
 
@@ -76,6 +77,8 @@ def fork_detached() -> int:
     died), so stopping that group right after, as a launcher stopping the faulty
     attempt does, cannot take the child with it.
     """
+    sys.stdout.flush()  # else the child writes the parent's buffered output again
+    sys.stderr.flush()
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:

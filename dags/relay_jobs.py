@@ -1,5 +1,5 @@
 """Airflow DAG file: one Relay DAG per job spec in dags/jobs/ (wiring only)."""
 
-from relay.dag_factory import job_dags
+from relay.operators.dag_factory import job_dags
 
 globals().update(job_dags())

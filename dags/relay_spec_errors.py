@@ -4,6 +4,6 @@ It defines no DAG. Kept apart from relay_jobs.py so that a bad spec shows up in
 Airflow's import errors (file:line, field, fix) while every good job still loads.
 """
 
-from relay.dag_factory import raise_for_invalid_specs
+from relay.operators.dag_factory import raise_for_invalid_specs
 
 raise_for_invalid_specs()

@@ -1,6 +1,6 @@
 """Airflow DAG file: watch a training job that Relay did not launch (wiring only).
 
-The job writes heartbeats with relay_train.heartbeat.HeartbeatWriter into one
+The job writes heartbeats with relay_train.protocol.heartbeat.HeartbeatWriter into one
 folder; trigger this DAG with {"heartbeat_dir": "/path/to/heartbeats",
 "world_size": 4}; the folder must be under $RELAY_WATCH_ROOTS (default
 $RELAY_HOME) and a policy_file in the policies folder. It succeeds when every
@@ -12,8 +12,8 @@ from datetime import datetime
 
 from airflow.sdk import DAG, Param
 
-from relay.paths import watch_roots
-from relay.sensors import HeartbeatSensor, ThroughputSensor
+from relay.core.paths import watch_roots
+from relay.watch.sensors import HeartbeatSensor, ThroughputSensor
 
 with DAG(
     dag_id="relay_watch_external",

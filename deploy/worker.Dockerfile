@@ -1,4 +1,4 @@
-# The image Relay's pods run: a node agent (`python -m relay_train.agent`) and its ranks.
+# The image Relay's pods run: a node agent (`python -m relay_train.agent.node`) and its ranks.
 # Only the worker side: torch, MLflow's client (rank 0 publishes checkpoints), tenacity;
 # never Airflow. Not built in CI: these machines have no Docker engine.
 #
@@ -18,11 +18,11 @@ WORKDIR /opt/relay
 RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0 \
  && pip install --no-cache-dir mlflow==3.17.2 tenacity==9.2.1
 # The worker package is imported as `relay_train` (pyproject's package-dir maps it to
-# training/): copy it under that name, so `python -m relay_train.agent` finds it.
+# training/): copy it under that name, so `python -m relay_train.agent.node` finds it.
 COPY training ./relay_train
 
 # A numeric non-root user: the pods set runAsNonRoot, which the kubelet checks by UID.
 RUN useradd --uid 50000 --no-create-home --shell /usr/sbin/nologin relay
 USER 50000
 ENTRYPOINT []
-CMD ["python", "-m", "relay_train.agent", "--help"]
+CMD ["python", "-m", "relay_train.agent.node", "--help"]

@@ -1,5 +1,5 @@
 """Airflow plugin entry point (the plugins folder's only module; see .airflowignore)."""
 
-from relay.plugin import RelayPlugin
+from relay.ui.plugin import RelayPlugin
 
 __all__ = ["RelayPlugin"]

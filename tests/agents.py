@@ -1,6 +1,6 @@
 """Real node-agent channel servers over a folder, for unit tests of Relay's side.
 
-:class:`ServedAttempt` starts one real :class:`relay_train.channel.AgentServer`
+:class:`ServedAttempt` starts one real :class:`relay_train.agent.server.AgentServer`
 per node on loopback, serving what ranks (or a test) write in the attempt folder,
 and answers ``status``/``channel`` like a launcher. Only the agent's process
 supervision is left out (no ranks are forked); everything on the wire is real.
@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from relay.channel import AgentChannel
+from relay.launchers.agent_client import AgentChannel
 from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
-from relay_train.channel import AgentServer
-from relay_train.launch import attempt_id_of
+from relay_train.agent.server import AgentServer
+from relay_train.protocol.launch import attempt_id_of
 
 
 class ServedNode:

@@ -11,15 +11,15 @@ from typing import Any
 import torch
 from processes import workload_processes
 
-from relay import settings
-from relay.airflow_env import airflow_env, ensure_airflow_db
-from relay.demo import run_dag_test
-from relay.launchers.local_prestart import residents_dir
-from relay.lineage import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, Lineage
-from relay.nodes import NodePool
-from relay.report import first_step_at
-from relay.resume_time import preflight_started_at
-from relay_train.resident import RESIDENT_DIR
+from relay.core import settings
+from relay.launchers.local.prestart import residents_dir
+from relay.lineage.report import first_step_at
+from relay.lineage.resume_time import preflight_started_at
+from relay.lineage.store import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, Lineage
+from relay.nodes.pool import NodePool
+from relay.tools.airflow_env import airflow_env, ensure_airflow_db
+from relay.tools.demo import run_dag_test
+from relay_train.agent.resident import RESIDENT_DIR
 
 
 def use_jobs(relay_home: Path, jobs_dir: Path) -> dict[str, str]:

@@ -24,7 +24,7 @@ pytest.register_assert_rewrite("airflow_jobs")
 
 from processes import workload_processes  # noqa: E402
 
-from relay.airflow_env import airflow_env  # noqa: E402 - needs RELAY_HOME set first
+from relay.tools.airflow_env import airflow_env  # noqa: E402 - needs RELAY_HOME set first
 
 os.environ.update(airflow_env(_HOME))
 

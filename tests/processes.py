@@ -17,7 +17,7 @@ def workload_processes(home: Path) -> dict[int, str]:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if ("relay_train." in cmd or "relay.unattended" in cmd) and str(home) in cmd:
+        if ("relay_train." in cmd or "relay.recover.warden" in cmd) and str(home) in cmd:
             found[int(entry.name)] = cmd
     return found
 

@@ -46,23 +46,23 @@ import torch
 import torch.distributed as dist
 
 from relay_train.boundary import PUBLISH_WAIT_SECONDS, BoundaryKeeper
-from relay_train.chaos import ChaosMonkey
 from relay_train.checkpoint import Checkpointer
 from relay_train.device import RankDevice, setup_rank_device, wait_for_compute
-from relay_train.evidence import EvidenceResponder
-from relay_train.heartbeat import ENV_NODE, HeartbeatWriter, Phase
-from relay_train.launch import (
+from relay_train.inject import ChaosMonkey
+from relay_train.protocol.heartbeat import ENV_NODE, HeartbeatWriter, Phase
+from relay_train.protocol.launch import (
     DRAIN_FILE,
     ENV_LAUNCH,
     FIRST_STEP_FILE,
     RESULT_FILE,
     LaunchConfig,
 )
-from relay_train.manifest import CheckpointRef
+from relay_train.protocol.manifest import CheckpointRef
 from relay_train.reduce import comm_hook
 from relay_train.rendezvous import MAX_WAIT_SECONDS, wait_for_store
 from relay_train.rescue import DrainRequest, RescueResponder, TrainingState
 from relay_train.session_state import SessionState, StateFn
+from relay_train.stacks import EvidenceResponder
 from relay_train.timing import Ewma, StartupClock, keep_ddp_alive
 
 log = logging.getLogger("relay_train")
@@ -390,7 +390,7 @@ def seed_step(seed: int, step: int, rank: int) -> int:
     """
     import random
 
-    from relay_train.data import mix_seed
+    from relay_train.examples.data import mix_seed
 
     value = mix_seed(seed, step, rank)
     torch.manual_seed(value)

@@ -4,7 +4,7 @@ A workload launched for segment *k* with ``run_on_to`` set trains past its
 segment's end (``end_step``): it publishes the boundary checkpoint there
 asynchronously, like any other, and keeps training towards ``run_on_to`` (the
 next segment's end). The next segment's task *adopts* it by writing
-``adopt.json`` into the workload's folder (see :mod:`relay.adopt`): from then
+``adopt.json`` into the workload's folder (see :mod:`relay.launchers.local.adopt`): from then
 on checkpoints go to the adopting attempt's MLflow run, chaos faults see the
 adopting segment and attempt, and ``run_on_to`` moves one segment further.
 
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from relay_train.launch import ADOPT_FILE, BOUNDARIES_FILE, LaunchConfig
+from relay_train.protocol.launch import ADOPT_FILE, BOUNDARIES_FILE, LaunchConfig
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from relay_train.manifest import (
+from relay_train.protocol.manifest import (
     CHECKPOINT_FILE,
     FORMAT_DCP,
     FORMAT_TORCH,

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from relay_train.checkpoint import Checkpointer, CorruptCheckpointError, SaveStats
-from relay_train.launch import ResumeFrom
-from relay_train.manifest import DCP_DIR, FORMAT_DCP, files_digest, tree_mismatches
+from relay_train.protocol.launch import ResumeFrom
+from relay_train.protocol.manifest import DCP_DIR, FORMAT_DCP, files_digest, tree_mismatches
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from relay_train.checkpoint import CorruptCheckpointError
-from relay_train.launch import ResumeFrom
-from relay_train.manifest import FORMAT_DCP, file_sha256, tree_mismatches
+from relay_train.protocol.launch import ResumeFrom
+from relay_train.protocol.manifest import FORMAT_DCP, file_sha256, tree_mismatches
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,13 @@ from tenacity import (
     wait_exponential,
 )
 
-from relay_train.manifest import DCP_DIR, FORMAT_DCP, MANIFEST_FILE, CheckpointManifest, step_dir
+from relay_train.protocol.manifest import (
+    DCP_DIR,
+    FORMAT_DCP,
+    MANIFEST_FILE,
+    CheckpointManifest,
+    step_dir,
+)
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from relay_train.heartbeat import write_atomically
-from relay_train.manifest import CHECKPOINT_FILE, file_sha256
+from relay_train.protocol.heartbeat import write_atomically
+from relay_train.protocol.manifest import CHECKPOINT_FILE, file_sha256
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ import torch
 from relay_train.boundary import BoundaryKeeper
 from relay_train.checkpoint import Checkpointer, load_verified, restore_rng, snapshot_state
 from relay_train.fetch import fetch_resume
-from relay_train.heartbeat import ENV_NODE, HeartbeatWriter, Phase
-from relay_train.launch import LaunchConfig, ResumeFrom
-from relay_train.manifest import CheckpointRef
+from relay_train.protocol.heartbeat import ENV_NODE, HeartbeatWriter, Phase
+from relay_train.protocol.launch import LaunchConfig, ResumeFrom
+from relay_train.protocol.manifest import CheckpointRef
 from relay_train.rescue import DrainRequest, TrainingState
 from relay_train.timing import StartupClock
 
@@ -179,7 +179,7 @@ class SessionState:
         stall = self._stall = self.save(step)
         log.info("step %d loss %s checkpoint stall %.4fs", step,
                  "-" if loss is None else f"{loss:.4f}", stall)
-        # What checkpoint_every: auto weighs a save at (relay.interval).
+        # What checkpoint_every: auto weighs a save at (relay.lineage.interval).
         self._metrics.append((step, {"checkpoint_stall_seconds": stall}, int(time.time() * 1000)))
         self._flush_metrics()
 

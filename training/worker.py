@@ -19,8 +19,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from relay_train.heartbeat import ENV_NODE
-from relay_train.launch import Entrypoint, LaunchConfig
+from relay_train.protocol.heartbeat import ENV_NODE
+from relay_train.protocol.launch import Entrypoint, LaunchConfig
 from relay_train.timing import StartupClock
 
 log = logging.getLogger("relay_train.worker")

@@ -36,8 +36,8 @@ pytestmark = [
 def launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 
-    from relay.launchers.k8s import KubernetesLauncher
-    from relay.spec_sections import KubernetesSpec
+    from relay.launchers.k8s.launcher import KubernetesLauncher
+    from relay.spec.sections import KubernetesSpec
 
     kubeconfig = os.environ.get("KUBECONFIG", str(Path.home() / ".kube" / "config"))
     hook = KubernetesHook(conn_id=None, kubernetes_conn_id=None, config_file=kubeconfig)
@@ -54,7 +54,7 @@ def launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
 def launch_config(tmp_path: Path, launcher, attempt: int, steps: int):  # noqa: ANN001, ANN201
     from mlflow.tracking import MlflowClient
 
-    from relay_train.launch import LaunchConfig
+    from relay_train.protocol.launch import LaunchConfig
 
     client = MlflowClient(MLFLOW)
     experiment = client.get_experiment_by_name("relay-e2e-k8s")
@@ -103,7 +103,7 @@ def test_a_segment_trains_to_its_end_on_two_nodes(tmp_path: Path, launcher) -> N
 
 
 def test_a_quarantined_node_gets_no_pod(tmp_path: Path, launcher) -> None:  # noqa: ANN001
-    from relay.nodes import NodePool
+    from relay.nodes.pool import NodePool
 
     pool = NodePool()
     assert len(pool.nodes) >= 3, "needs 3 schedulable nodes (tests/cluster/kind.yaml)"

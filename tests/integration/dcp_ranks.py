@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from relay_train.checkpoint import Checkpointer, CorruptCheckpointError
 from relay_train.dcp import DcpCheckpointer, load_model
-from relay_train.launch import ResumeFrom
+from relay_train.protocol.launch import ResumeFrom
 
 WORLD_SIZE = 2
 JOB = "dcp-test"

@@ -1,7 +1,7 @@
 """The cheap benchmarks' smoke modes run and say what they compare (no figure is asserted).
 
 `relay bench goodput --smoke`, `detect --smoke` and `overhead --smoke` take
-minutes on 2 cores and are run by hand (see the README); `relay.bench.prestart`
+minutes on 2 cores and are run by hand (see the README); `relay.tools.bench.prestart`
 runs one short pair in `make test-slow`.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from processes import workload_processes
 
-from relay.settings import REPO_ROOT
+from relay.core.settings import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 def _bench(*args: str) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO_ROOT / "plugins"), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-m", "relay.cli", "bench", *args], env=env,
+    out = subprocess.run([sys.executable, "-m", "relay.tools.cli", "bench", *args], env=env,
                          capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
@@ -49,7 +49,7 @@ def test_watcher_smoke_stays_silent_on_healthy_ranks() -> None:
 def test_prestart_bench_runs_a_pair_and_prints_both_sides(tmp_path: Path) -> None:
     env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=os.pathsep.join(
         [str(REPO_ROOT / "plugins"), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-m", "relay.bench.prestart", "40", "1"], env=env,
+    out = subprocess.run([sys.executable, "-m", "relay.tools.bench.prestart", "40", "1"], env=env,
                          capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if "prestart" in line and "wall" in line]

@@ -24,17 +24,17 @@ from typing import Any
 
 import pytest
 
-from relay.bench.common import TINY_MODEL, Store, launch_config, launched, node_ranks, watch
-from relay.evidence import ask_for_evidence, collect_evidence
-from relay.faults import Fault
-from relay.launchers.local import ENV_PARTITIONED, LocalLauncher, free_port
-from relay.lineage import TAG_REJECTED, Lineage
-from relay.policy import Detection
-from relay.rescue import RECEIVED_DIR as RESCUED
-from relay.rescue import request_rescue
-from relay.triggers import observe_attempt
-from relay_train.heartbeat import ENV_CLOCK_SKEW, read_heartbeats
-from relay_train.launch import LaunchConfig, attempt_id_of
+from relay.core.faults import Fault
+from relay.launchers.local.launcher import ENV_PARTITIONED, LocalLauncher, free_port
+from relay.lineage.store import TAG_REJECTED, Lineage
+from relay.policy.model import Detection
+from relay.recover.ask_rescue import RECEIVED_DIR as RESCUED
+from relay.recover.ask_rescue import request_rescue
+from relay.recover.evidence import ask_for_evidence, collect_evidence
+from relay.tools.bench.common import TINY_MODEL, Store, launch_config, launched, node_ranks, watch
+from relay.watch.triggers import observe_attempt
+from relay_train.protocol.heartbeat import ENV_CLOCK_SKEW, read_heartbeats
+from relay_train.protocol.launch import LaunchConfig, attempt_id_of
 
 pytestmark = pytest.mark.integration
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from airflow_jobs import prepare_jobs, run_job_ok
 
-from relay.interval import FALLBACK_CHECKPOINTS_PER_SEGMENT, INTERVAL_FILE
-from relay.lineage import TAG_SEGMENT, TAG_TRY, Lineage
-from relay.report_files import summary_text
-from relay.run_view import run_view
-from relay_train.launch import LAUNCH_FILE, LaunchConfig
+from relay.lineage.interval import FALLBACK_CHECKPOINTS_PER_SEGMENT, INTERVAL_FILE
+from relay.lineage.report_files import summary_text
+from relay.lineage.run_view import run_view
+from relay.lineage.store import TAG_SEGMENT, TAG_TRY, Lineage
+from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig
 
 pytestmark = pytest.mark.integration
 

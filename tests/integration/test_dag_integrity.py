@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from airflow.dag_processing.dagbag import DagBag
 
-from relay import settings
+from relay.core import settings
 
 DAGS = settings.REPO_ROOT / "dags"
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from relay.launchers.local import free_port
-from relay.lineage import Lineage
-from relay_train.manifest import DCP_DIR, FORMAT_DCP, files_digest
+from relay.launchers.local.launcher import free_port
+from relay.lineage.store import Lineage
+from relay_train.protocol.manifest import DCP_DIR, FORMAT_DCP, files_digest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # `make test-slow`
 

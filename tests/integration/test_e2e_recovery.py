@@ -24,11 +24,11 @@ from airflow_jobs import (
 )
 from processes import workload_processes
 
-from relay.airflow_env import airflow_bin
-from relay.lineage import TAG_OUTCOME, TAG_SEGMENT, Lineage
-from relay.resume_time import PARTS, fault_onset
-from relay.settings import REPO_ROOT
-from relay_train.launch import FIRST_STEP_FILE
+from relay.core.settings import REPO_ROOT
+from relay.lineage.resume_time import PARTS, fault_onset
+from relay.lineage.store import TAG_OUTCOME, TAG_SEGMENT, Lineage
+from relay.tools.airflow_env import airflow_bin
+from relay_train.protocol.launch import FIRST_STEP_FILE
 
 pytestmark = pytest.mark.integration
 

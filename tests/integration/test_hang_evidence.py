@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from airflow_jobs import run_job, use_jobs
 
-from relay.lineage import TAG_OUTCOME, Lineage
+from relay.lineage.store import TAG_OUTCOME, Lineage
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # `make test-slow`
 

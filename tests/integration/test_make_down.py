@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from relay import services
-from relay.adopt import STOPPED_FILE
-from relay.bench.common import Store, launch_config, launched
-from relay.launchers.local import STANDBY_DIR, LocalLauncher
-from relay_train.heartbeat import read_heartbeats
-from relay_train.standby import ready_file
+from relay.launchers.local.adopt import STOPPED_FILE
+from relay.launchers.local.launcher import STANDBY_DIR, LocalLauncher
+from relay.tools import services
+from relay.tools.bench.common import Store, launch_config, launched
+from relay_train.agent.standby import ready_file
+from relay_train.protocol.heartbeat import read_heartbeats
 
 pytestmark = pytest.mark.integration
 

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from webhook import LocalWebhook
 
-from relay.airflow_env import airflow_env, ensure_airflow_db
-from relay.demo import run_dag_test
-from relay.lineage import TAG_DAG_ID, TAG_OUTCOME, Lineage
-from relay.nodes import NodePool
-from relay.settings import REPO_ROOT
+from relay.core.settings import REPO_ROOT
+from relay.lineage.store import TAG_DAG_ID, TAG_OUTCOME, Lineage
+from relay.nodes.pool import NodePool
+from relay.tools.airflow_env import airflow_env, ensure_airflow_db
+from relay.tools.demo import run_dag_test
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # `make test-slow`
 
@@ -110,7 +110,7 @@ def test_an_observed_straggler_is_recorded_and_notified_and_the_job_runs_on(
 
     # Replay: under the enforcing default policy the same straggler would have been migrated.
     replay = subprocess.run(
-        [sys.executable, "-m", "relay.cli", "policy", "replay",
+        [sys.executable, "-m", "relay.tools.cli", "policy", "replay",
          str(REPO_ROOT / "policies" / "default.yaml"), "--job", "observe"],
         capture_output=True, text=True, check=False, timeout=120, env={**os.environ},
     )

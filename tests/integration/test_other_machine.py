@@ -7,7 +7,7 @@ Simulated: the machine boundary. With Airflow's Celery or Kubernetes executor,
 ``execute_complete`` may run on a worker that never saw the folder ``execute``
 wrote, and a retry on a worker that never saw the earlier tries' folders. Here
 every ``execute_complete`` stops at the test pause point ``complete``
-(:mod:`relay.testhooks`, on only with ``RELAY_TEST_PAUSE_DIR``), and the test
+(:mod:`relay.core.testhooks`, on only with ``RELAY_TEST_PAUSE_DIR``), and the test
 deletes what Relay's side wrote into the attempt folder at launch
 (``launch.json``, ``handle.json``, ``task.json``, ``checkpoint_interval.json``;
 the ranks read their copy of ``launch.json`` when they started), and, before
@@ -28,13 +28,13 @@ from typing import Any
 import pytest
 from airflow_jobs import prepare_jobs
 
-from relay.demo import run_dag_test
-from relay.interval import INTERVAL_FILE
-from relay.launchers.local import HANDLE_FILE
-from relay.lineage import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, TAG_TRY, Lineage
-from relay.resume_time import TASK_FILE
-from relay.testhooks import ENV as PAUSE_ENV
-from relay_train.launch import LAUNCH_FILE
+from relay.core.testhooks import ENV as PAUSE_ENV
+from relay.launchers.local.launcher import HANDLE_FILE
+from relay.lineage.interval import INTERVAL_FILE
+from relay.lineage.resume_time import TASK_FILE
+from relay.lineage.store import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, TAG_TRY, Lineage
+from relay.tools.demo import run_dag_test
+from relay_train.protocol.launch import LAUNCH_FILE
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ import pytest
 from airflow_jobs import run_job, use_jobs
 from webhook import LocalWebhook
 
-from relay.lineage import TAG_OUTCOME, TAG_REJECTED, TAG_SEGMENT, Lineage
+from relay.lineage.store import TAG_OUTCOME, TAG_REJECTED, TAG_SEGMENT, Lineage
 
 pytestmark = pytest.mark.integration
 

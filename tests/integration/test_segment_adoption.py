@@ -18,10 +18,10 @@ import pytest
 from airflow_jobs import assert_same_bits, fault_records, final_state, prepare_jobs, run_job_ok
 from processes import workload_processes
 
-from relay.adopt import ADOPTED_FILE, read_adopted
-from relay.boundary_time import boundaries
-from relay.lineage import TAG_OUTCOME, TAG_SEGMENT, Lineage
-from relay.nodes import NodePool
+from relay.launchers.local.adopt import ADOPTED_FILE, read_adopted
+from relay.lineage.store import TAG_OUTCOME, TAG_SEGMENT, Lineage
+from relay.nodes.pool import NodePool
+from relay.tools.bench.boundary_time import boundaries
 
 pytestmark = pytest.mark.integration
 

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from processes import workload_processes
 
-from relay.bench.common import Store, launch_config, watch
-from relay.launchers.local import LocalLauncher, group_members
-from relay.policy import Detection
-from relay_train.standby import ready_file, standby_file
+from relay.launchers.local.launcher import LocalLauncher, group_members
+from relay.policy.model import Detection
+from relay.tools.bench.common import Store, launch_config, watch
+from relay_train.agent.standby import ready_file, standby_file
 
 pytestmark = pytest.mark.integration
 
@@ -81,8 +81,8 @@ def test_a_launch_without_standbys_gets_them_forked_by_the_runs_resident(
     """What preflight sets up for the first segment: the run's resident agent preloads,
     and the launch asks it for each node's standby (waiting while it preloads) instead
     of starting agents that import the training stack again, one per node."""
-    from relay.launchers.local_standby import release_run
-    from relay_train.resident import RESIDENT_DIR
+    from relay.launchers.local.warm_agents import release_run
+    from relay_train.agent.resident import RESIDENT_DIR
 
     store = Store(tmp_path / "mlflow")
     launcher = LocalLauncher()
@@ -145,9 +145,9 @@ def _watch_with_spare(tmp_path: Path, chaos: list[dict[str, Any]],
     standby record."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from relay import spare
-    from relay.bench.common import _first_event, node_ranks
-    from relay.triggers import SegmentWatchTrigger
+    from relay.launchers.local import spare
+    from relay.tools.bench.common import _first_event, node_ranks
+    from relay.watch.triggers import SegmentWatchTrigger
 
     store = Store(tmp_path / "mlflow")
     standby = tmp_path / "segment" / "standby"

@@ -23,12 +23,12 @@ from airflow_jobs import (
 )
 from processes import workload_processes
 
-from relay.bench.common import Store, launch_config, launched, watch
-from relay.lineage import Lineage
-from relay.policy import Detection
-from relay.run_view import run_view
-from relay.settings import REPO_ROOT
-from relay_train.launch import Entrypoint
+from relay.core.settings import REPO_ROOT
+from relay.lineage.run_view import run_view
+from relay.lineage.store import Lineage
+from relay.policy.model import Detection
+from relay.tools.bench.common import Store, launch_config, launched, watch
+from relay_train.protocol.launch import Entrypoint
 
 pytestmark = pytest.mark.integration
 

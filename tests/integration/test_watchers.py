@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from relay.airflow_env import airflow_env, ensure_airflow_db
-from relay.bench.common import Store, launch_config, launched, watch
-from relay.bench.detect import SCENARIOS, Scenario, run_trial
-from relay.demo import run_dag_test
-from relay.policy import Detection, HangFromStepTime
-from relay_train.heartbeat import HeartbeatWriter, Phase, read_heartbeats
+from relay.policy.model import Detection, HangFromStepTime
+from relay.tools.airflow_env import airflow_env, ensure_airflow_db
+from relay.tools.bench.common import Store, launch_config, launched, watch
+from relay.tools.bench.detect import SCENARIOS, Scenario, run_trial
+from relay.tools.demo import run_dag_test
+from relay_train.protocol.heartbeat import HeartbeatWriter, Phase, read_heartbeats
 
 pytestmark = pytest.mark.integration
 

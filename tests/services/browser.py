@@ -14,8 +14,8 @@ from typing import Any
 
 import websocket
 
-from relay.proctree import descendants, stop_pids
-from relay.services import free_port
+from relay.core.proctree import descendants, stop_pids
+from relay.tools.services import free_port
 
 
 class Chromium:

@@ -15,18 +15,19 @@ import pytest
 from airflow_runs import run_to_end
 from processes import workload_processes
 
-from relay import services, testhooks
-from relay.airflow_api import AirflowApi
-from relay.proctree import alive
+from relay.core import testhooks
+from relay.core.proctree import alive
+from relay.tools import services
+from relay.tools.airflow_api import AirflowApi
 
-PAUSE_DIR = "test-pauses"  # under the deployment's home: see relay.testhooks
+PAUSE_DIR = "test-pauses"  # under the deployment's home: see relay.core.testhooks
 
 
 @pytest.fixture(scope="session")
 def deployment(relay_home: Path) -> Iterator[services.Deployment]:
     """Start everything with `make up`'s code; stop it and check nothing is left behind."""
     home = relay_home / "svc"
-    # Pause points for the tests that kill a task process mid-record (relay.testhooks).
+    # Pause points for the tests that kill a task process mid-record (relay.core.testhooks).
     pauses = home / PAUSE_DIR
     pauses.mkdir(parents=True, exist_ok=True)
     os.environ[testhooks.ENV] = str(pauses)

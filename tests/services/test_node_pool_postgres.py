@@ -1,6 +1,6 @@
 """The node pool shared by two workers on different machines, through PostgreSQL.
 
-Real: Debian's PostgreSQL 15 (a private cluster started by ``relay.pgcluster``, as
+Real: Debian's PostgreSQL 15 (a private cluster started by ``relay.tools.pgcluster``, as
 `make up` does), and two "workers", each a separate Python process with its OWN
 ``RELAY_HOME`` (no shared disk) and the same ``RELAY_NODE_POOL_URL``: as Airflow's
 Celery or Kubernetes executor runs ``execute`` and ``execute_complete`` on different
@@ -21,11 +21,11 @@ from pathlib import Path
 import psycopg2
 import pytest
 
-from relay import pgcluster, services
-from relay.launchers.local import free_port
-from relay.nodes import NodePool
-from relay.pool_store import SqlStore
-from relay.proctree import alive
+from relay.core.proctree import alive
+from relay.launchers.local.launcher import free_port
+from relay.nodes.pool import NodePool
+from relay.nodes.store import SqlStore
+from relay.tools import pgcluster, services
 
 pytestmark = pytest.mark.postgres
 
@@ -34,7 +34,7 @@ NODES = [f"node-{i:02}" for i in range(20)]
 # One worker's decisions: wait for the common start, then lease a node for each of its DAG runs.
 LEASE = """
 import json, sys, time
-from relay.nodes import NodePool
+from relay.nodes.pool import NodePool
 name, runs, start_at = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 time.sleep(max(0.0, start_at - time.time()))
 print(json.dumps({f"{name}/run-{i}": NodePool().select(1, holder=f"{name}/run-{i}")[0]
@@ -42,7 +42,7 @@ print(json.dumps({f"{name}/run-{i}": NodePool().select(1, holder=f"{name}/run-{i
 """
 SELECT = """
 import json
-from relay.nodes import NodePool
+from relay.nodes.pool import NodePool
 pool = NodePool()
 print(json.dumps({"chosen": pool.select(3),
                   "held": {n: q.reason for n, q in pool.quarantines().items()}}))

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from processes import workload_processes
 
-from relay import services
-from relay.bench.scheduled import bench_args, print_summary, run_all
-from relay.resume_time import PARTS
+from relay.lineage.resume_time import PARTS
+from relay.tools import services
+from relay.tools.bench.scheduled import bench_args, print_summary, run_all
 
 pytestmark = pytest.mark.services
 

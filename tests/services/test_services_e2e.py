@@ -17,12 +17,12 @@ import pytest
 from airflow_runs import DAG_ID, run_to_end, wait_for_success, wait_for_task_state
 from browser import Chromium
 
-from relay import services
-from relay.airflow_api import AirflowApi
-from relay.lineage import TAG_EXPERIMENT_KIND, TAG_FAULT, Lineage
-from relay.report import final_state, same_bits
-from relay.run_view import RunView, find_parent, run_view
-from relay.settings import REPO_ROOT
+from relay.core.settings import REPO_ROOT
+from relay.lineage.report import final_state, same_bits
+from relay.lineage.run_view import RunView, find_parent, run_view
+from relay.lineage.store import TAG_EXPERIMENT_KIND, TAG_FAULT, Lineage
+from relay.tools import services
+from relay.tools.airflow_api import AirflowApi
 
 pytestmark = pytest.mark.services
 

@@ -23,17 +23,19 @@ import pytest
 from airflow_runs import DAG_ID, wait_for_success, wait_for_task_state
 from processes import workload_processes
 
-from relay import services, testhooks, unattended
-from relay.airflow_api import AirflowApi
-from relay.launchers.local import group_members
-from relay.lineage import Lineage
-from relay.nodes import NodePool
-from relay.paths import safe_name
-from relay.policy import load_policy
-from relay.proctree import alive
-from relay.report import final_state, same_bits
-from relay.run_view import find_parent, run_view
-from relay.settings import REPO_ROOT
+from relay.core import testhooks
+from relay.core.paths import safe_name
+from relay.core.proctree import alive
+from relay.core.settings import REPO_ROOT
+from relay.launchers.local.launcher import group_members
+from relay.lineage.report import final_state, same_bits
+from relay.lineage.run_view import find_parent, run_view
+from relay.lineage.store import Lineage
+from relay.nodes.pool import NodePool
+from relay.policy.model import load_policy
+from relay.recover import warden as unattended
+from relay.tools import services
+from relay.tools.airflow_api import AirflowApi
 
 pytestmark = pytest.mark.services
 

@@ -14,8 +14,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import relay_train
-from relay_train.data import CharStream, load_corpus
-from relay_train.model import ModelConfig, build_model
+from relay_train.examples.data import CharStream, load_corpus
+from relay_train.examples.model import ModelConfig, build_model
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from relay.launchers.base import Launcher, LaunchState, LaunchStatus, NodeStatus
 
 if TYPE_CHECKING:
-    from relay.spec import JobSpec
+    from relay.spec.job import JobSpec
 
 __all__ = ["Launcher", "LaunchState", "LaunchStatus", "NodeStatus", "launcher_for",
            "launcher_from"]
@@ -27,12 +27,12 @@ def launcher_from(config: Mapping[str, Any] | None = None) -> Launcher:
     settings = dict(config or {"kind": "local"})
     kind = settings.pop("kind", "local")
     if kind == "local":
-        from relay.launchers.local import LocalLauncher
+        from relay.launchers.local.launcher import LocalLauncher
 
         return LocalLauncher()
     if kind == "kubernetes":
-        from relay.launchers.k8s import KubernetesLauncher
-        from relay.spec_sections import KubernetesSpec
+        from relay.launchers.k8s.launcher import KubernetesLauncher
+        from relay.spec.sections import KubernetesSpec
 
         conn_id = settings.pop("conn_id", None) or os.environ.get(ENV_KUBERNETES_CONN_ID)
         return KubernetesLauncher(KubernetesSpec.model_validate(settings), conn_id=conn_id)

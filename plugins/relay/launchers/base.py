@@ -13,7 +13,7 @@ Lifecycle of one attempt, as a launcher reports it (:class:`LaunchState`)::
 
 Everything Relay learns from a running attempt, and everything it asks of it,
 goes over the network to the node agents (:meth:`Launcher.channel`, see
-:mod:`relay.channel`): :meth:`Launcher.status` carries the ranks' heartbeats,
+:mod:`relay.launchers.agent_client`): :meth:`Launcher.status` carries the ranks' heartbeats,
 already placed on Relay's clock, the segment boundaries rank 0 recorded
 crossing, and the messages refused from agents of another attempt. No
 launcher reads a file a node wrote.
@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from relay.channel import AgentChannel
-    from relay.nodes import Quarantine
-    from relay_train.heartbeat import Heartbeat
-    from relay_train.launch import LaunchConfig
+    from relay.launchers.agent_client import AgentChannel
+    from relay.nodes.pool import Quarantine
+    from relay_train.protocol.heartbeat import Heartbeat
+    from relay_train.protocol.launch import LaunchConfig
 
 UNRESPONSIVE = "unresponsive"  # NodeStatus.state of a node the platform says stopped answering
 
@@ -116,7 +116,7 @@ class Launcher(Protocol):
 
     def handle(self, root: Path) -> dict[str, Any]:
         """Return what this launcher needs to find a launched attempt again on another
-        machine (JSON; it travels with the attempt, see :mod:`relay.launch_record`)."""
+        machine (JSON; it travels with the attempt, see :mod:`relay.launchers.launch_record`)."""
         ...
 
     def attach(self, root: Path, handle: dict[str, Any]) -> None:
@@ -157,8 +157,8 @@ class Launcher(Protocol):
         """Keep an agent preloaded on each of ``nodes`` for the DAG run (the first
         segment's, from preflight; spares, from a watch), from which a launch or
         :meth:`prestart` forks a standby at once; they leave with the run
-        (:func:`relay.adopt.end_run`). ``prestarted``: a resident started before the
-        run existed (:mod:`relay.launchers.local_prestart`), for a launcher that can
+        (:func:`relay.launchers.local.adopt.end_run`). ``prestarted``: a resident started before the
+        run existed (:mod:`relay.launchers.local.prestart`), for a launcher that can
         use one."""
         ...
 

@@ -1,1 +1,0 @@
-"""Benchmarks behind `relay bench`."""

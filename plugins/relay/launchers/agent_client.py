@@ -1,0 +1,269 @@
+"""Relay's side of the channel to the node agents (the agents' side: relay_train.agent.server).
+
+Everything the watcher, drain, rescue and evidence need from a running attempt
+comes from here, over HTTP with short timeouts, never from a file a node wrote.
+Launchers own one :class:`AgentChannel` per attempt they watch and say where its
+agents are (``node -> http://host:port``).
+
+Clocks: an agent reports each heartbeat's age on its own clock; the channel
+places the beat on Relay's clock as ``received_at - age`` (and the same for the
+phase start), so a node whose wall clock is off raises no false alarm. An
+agent's ``last_seen`` is when Relay last heard from it, on Relay's clock.
+
+Boundaries: the agent of the node hosting rank 0 reports the last segment boundaries
+rank 0 recorded crossing; the channel keeps every one it heard of
+(:attr:`AgentChannel.crossed`), so a silent agent's last word still counts.
+
+Fencing: every request names the attempt; a reply from an agent serving another
+attempt (a 409, or a body naming another attempt) is refused: nothing in it is
+used, a warning is logged and the refusal is kept in :attr:`AgentChannel.refused`
+(Relay records it with the attempt's decision).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from relay_train.protocol.heartbeat import Heartbeat
+
+log = logging.getLogger(__name__)
+
+# A poll waits this long for the agents' answers; a slower answer is not thrown away: it
+# counts at the next poll, with the time it arrived. A status request still unanswered
+# after STATUS_TIMEOUT_SECONDS (a frozen agent) is given up and asked again.
+FRESH_WAIT_SECONDS = 1.0
+STATUS_TIMEOUT_SECONDS = 10.0
+REQUEST_TIMEOUT_SECONDS = 2.0
+MAX_PARALLEL = 32  # agents asked at once (a frozen one costs its timeout, not the others')
+API = "/v1"
+
+
+class StaleAgentError(LookupError):
+    """An agent answered for another attempt than the one asked about."""
+
+
+@dataclass
+class NodeReport:
+    """One agent's status reply, placed on Relay's clock."""
+
+    node: str
+    received_at: float
+    record: dict[str, Any]
+    heartbeats: dict[int, Heartbeat] = field(default_factory=dict)
+    crossed: set[int] = field(default_factory=set)  # boundaries rank 0 recorded crossing
+
+
+def place_on_our_clock(record: dict[str, Any], received_at: float) -> Heartbeat:
+    """Return a heartbeat reported with ages, its times moved to Relay's clock."""
+    beat = Heartbeat.from_json(json.dumps(record))
+    beat.wall_clock = received_at - float(record["age_seconds"])
+    beat.phase_started_at = received_at - float(record["phase_age_seconds"])
+    return beat
+
+
+class AgentChannel:
+    """Talk to the agents of one attempt; remember what they last said."""
+
+    def __init__(self, attempt_id: str, addresses: dict[str, str]) -> None:
+        self.attempt_id = attempt_id
+        self.addresses = dict(addresses)
+        self.refused: list[dict[str, Any]] = []
+        self.reports: dict[str, NodeReport] = {}
+        self.beats: dict[int, Heartbeat] = {}
+        self.crossed: set[int] = set()  # every boundary rank 0 was heard to have crossed
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: dict[str, Future[NodeReport | None]] = {}
+        self.silent: set[str] = set()  # nodes known not to answer (a frozen node): not asked
+
+    def mark_silent(self, nodes: set[str]) -> None:
+        """Stop asking ``nodes`` (a fault found them frozen): each ask would only cost its
+        timeout. Their last answers are kept."""
+        self.silent |= nodes & set(self.addresses)
+
+    # -- one request ----------------------------------------------------------------
+
+    def call(self, node: str, path: str, *, body: dict[str, Any] | None = None,
+             query: dict[str, Any] | None = None,
+             timeout: float = REQUEST_TIMEOUT_SECONDS) -> dict[str, Any] | bytes | None:
+        """Send one request to ``node``'s agent; return its reply, or None if it is unreachable.
+
+        Raise :class:`StaleAgentError` (after recording the refusal) when the agent serves
+        another attempt.
+        """
+        url = self.addresses.get(node)
+        if url is None:
+            return None
+        params = {"attempt": self.attempt_id, **(query or {})}
+        data = None
+        if body is not None:
+            data = json.dumps({"attempt": self.attempt_id, **body}).encode()
+        request = urllib.request.Request(
+            f"{url}{API}/{path}?{urllib.parse.urlencode(params)}", data=data,
+            method="POST" if data is not None else "GET",
+            headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as reply:  # noqa: S310 - our URL
+                raw = reply.read()
+                kind = reply.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as exc:
+            payload = _json(exc.read())
+            if exc.code == 409:
+                self._refuse(node, path, payload.get("attempt"), payload)
+            log.warning("Agent of %s answered %d to %s: %s", node, exc.code, path,
+                        payload.get("error", ""))
+            return None
+        # Refused, reset, timed out, or cut off mid-reply (an agent exiting as its ranks
+        # stop: http.client.IncompleteRead is no OSError): unreachable for now.
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            log.debug("Agent of %s unreachable (%s): %s", node, path, exc)
+            return None
+        if not kind.startswith("application/json"):
+            return raw
+        payload = _json(raw)
+        if payload.get("attempt") != self.attempt_id:
+            self._refuse(node, path, payload.get("attempt"), payload)
+        return payload
+
+    def _refuse(self, node: str, what: str, found: object, payload: dict[str, Any]) -> None:
+        """Record a message from another attempt; raise :class:`StaleAgentError`."""
+        now = time.time()
+        beats = payload.get("heartbeats") or []
+        for seen in self.refused:
+            if (seen["node"], seen["found_attempt"], seen["what"]) == (node, found, what):
+                seen["count"] += 1
+                seen["last_at"] = now
+                seen["heartbeats"] += len(beats)
+                break
+        else:
+            self.refused.append({
+                "node": node, "address": self.addresses.get(node), "what": what,
+                "expected_attempt": self.attempt_id, "found_attempt": found, "at": now,
+                "last_at": now, "count": 1, "heartbeats": len(beats),
+                "steps": sorted({int(b.get("step", 0)) for b in beats}),
+            })
+            log.warning("Refused %s from the agent of %s at %s: it speaks for attempt %r, this "
+                        "is %r (a stale node: fenced)", what, node, self.addresses.get(node),
+                        found, self.attempt_id)
+        raise StaleAgentError(f"{node}: attempt {found!r}, expected {self.attempt_id!r}")
+
+    def ask(self, node: str, what: str, **body: Any) -> dict[str, Any] | None:  # noqa: ANN401
+        """POST a request (``stop``, ``drain``, ``rescue``, ``stacks``...); None if not heard."""
+        try:
+            reply = self.call(node, what, body=body)
+        except StaleAgentError:
+            return None
+        return reply if isinstance(reply, dict) else None
+
+    def call_quietly(self, node: str, what: str, timeout: float,
+                     **body: Any) -> dict[str, Any] | None:  # noqa: ANN401
+        """POST ``what`` with a short ``timeout``; None if not heard (or a stale agent)."""
+        try:
+            reply = self.call(node, what, body=body, timeout=timeout)
+        except StaleAgentError:
+            return None
+        return reply if isinstance(reply, dict) else None
+
+    def fetch(self, node: str, what: str, **query: Any) -> dict[str, Any] | bytes | None:  # noqa: ANN401
+        """GET an answer (``rescue``, ``rescue/file``, ``stacks``); None if not heard."""
+        try:
+            return self.call(node, what, query=query)
+        except StaleAgentError:
+            return None
+
+    # -- status of every node --------------------------------------------------------
+
+    def poll(self, nodes: list[str] | None = None) -> dict[str, NodeReport | None]:
+        """Ask every agent (or ``nodes``') for its status; return the answers that came.
+
+        Never waits more than :data:`FRESH_WAIT_SECONDS`: a slow agent's answer is kept
+        for the next poll (with the time it arrived), so a loaded host is not a silent one.
+        A poll waits only for the requests it sent: one still unanswered from an earlier
+        poll (a frozen agent's) had its wait, so a frozen agent costs one wait, not one per
+        poll (which made the watcher look every 1.5 s instead of every 0.5 s just when a
+        node froze).
+        """
+        targets = [n for n in (self.addresses if nodes is None else nodes)
+                   if n in self.addresses and n not in self.silent]
+        if not targets:
+            return {}
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=MAX_PARALLEL,
+                                            thread_name_prefix="relay-channel")
+        sent = []
+        for node in targets:
+            if node not in self._inflight:
+                self._inflight[node] = self._pool.submit(self._status, node)
+                sent.append(self._inflight[node])
+        wait(sent, timeout=FRESH_WAIT_SECONDS)
+        replies: dict[str, NodeReport | None] = {}
+        for node in targets:
+            future = self._inflight[node]
+            if not future.done():
+                replies[node] = None
+                continue
+            del self._inflight[node]
+            try:
+                report = future.result()
+            except Exception:  # noqa: BLE001 - one agent's bad answer is not the watcher's end
+                log.exception("Reading the status of %s failed", node)
+                report = None
+            replies[node] = report
+            known = self.reports.get(node)
+            if report is not None and (known is None or report.received_at > known.received_at):
+                self.reports[node] = report
+                self.beats.update(report.heartbeats)
+                self.crossed |= report.crossed
+        return replies
+
+    def close(self) -> None:
+        """Give up the requests in flight (a frozen agent's) and free the threads."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._inflight.clear()
+
+    def _status(self, node: str) -> NodeReport | None:
+        try:
+            record = self.call(node, "status", timeout=STATUS_TIMEOUT_SECONDS)
+        except StaleAgentError:
+            return None
+        if not isinstance(record, dict):
+            return None
+        received_at = time.time()
+        beats = {}
+        for raw in record.get("heartbeats") or []:
+            try:
+                beat = place_on_our_clock(raw, received_at)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.debug("Skipping a bad heartbeat from %s: %s", node, exc)
+                continue
+            beats[beat.rank] = beat
+        crossed = set()
+        for step in record.get("crossed") or []:
+            try:
+                crossed.add(int(step))
+            except (TypeError, ValueError):
+                log.debug("Skipping a bad boundary step from %s: %r", node, step)
+        return NodeReport(node, received_at, record, beats, crossed)
+
+    def last_seen(self, node: str) -> float | None:
+        """Return when ``node``'s agent last answered, on Relay's clock."""
+        report = self.reports.get(node)
+        return None if report is None else report.received_at
+
+
+def _json(raw: bytes) -> dict[str, Any]:
+    try:
+        payload = json.loads(raw or b"{}")
+    except ValueError:
+        return {}
+    return payload if isinstance(payload, dict) else {}

@@ -1,0 +1,366 @@
+"""Run a segment attempt as a Kubernetes Indexed Job (objects: k8s_objects; state: k8s_status).
+
+The API is reached through the cncf.kubernetes provider's ``KubernetesHook``
+(its connection, kubeconfig or in-cluster credentials) and the official
+``kubernetes`` client; calls are retried by tenacity on transient errors only
+(429, 5xx, a dropped connection), never on 404 or 409, which mean something:
+
+- 409 on create: the Job exists. A retried call whose first reply was lost
+  re-attaches to it; a Job of the same name still being deleted is waited for.
+- 404 on read: the attempt is gone (FAILED); on delete: already stopped.
+
+A node is ``unresponsive`` when Kubernetes says its node is NotReady, when its
+kubelet stops renewing its Lease (judged on Relay's clock, so node clock skew
+does not matter), or when its pod stays Terminating past its grace period: a
+fault within seconds, not after the 5-minute eviction timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from contextlib import closing
+from dataclasses import asdict, replace
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import tenacity
+from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
+
+from relay.launchers.agent_client import AgentChannel
+from relay.launchers.base import LaunchState, LaunchStatus, overall_state
+from relay.launchers.k8s.cluster_nodes import (
+    LEASE_STALE_SECONDS,
+    NODE_CHECK_SECONDS,
+    KubernetesNodes,
+)
+from relay.launchers.k8s.objects import (
+    ANNOTATION_LAUNCHED_AT,
+    ANNOTATION_NODES,
+    LABEL_SEGMENT_KEY,
+    POD_ATTEMPT_DIR,
+    RENDEZVOUS_PORT,
+    TERMINATION_GRACE_SECONDS,
+    AttemptKey,
+    agent_url,
+    configmap_manifest,
+    job_manifest,
+    master_addr,
+    owner_reference,
+    service_manifest,
+)
+from relay.launchers.k8s.status import (
+    job_failure,
+    merge_agent_report,
+    newest_by_index,
+    slot_status,
+    stuck,
+)
+from relay.spec.sections import KubernetesSpec
+from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
+
+if TYPE_CHECKING:
+    from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
+DELETION_WAIT_SECONDS = 30.0  # for a same-named Job still being deleted before a create
+
+
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, ApiException):
+        return exc.status in TRANSIENT_STATUS
+    return isinstance(exc, HTTPError)
+
+
+class KubernetesLauncher(KubernetesNodes):
+    """Start, watch and stop segment attempts as Indexed Jobs."""
+
+    name = "kubernetes"
+
+    def __init__(self, settings: KubernetesSpec, hook: KubernetesHook | None = None,
+                 conn_id: str | None = None, retry_wait_seconds: float = 0.5,
+                 api_attempts: int = 4) -> None:
+        self.settings = settings
+        self._hook = hook
+        self.conn_id = conn_id
+        self.retry_wait_seconds = retry_wait_seconds
+        self.api_attempts = api_attempts
+        self.lease_stale_seconds = LEASE_STALE_SECONDS
+        self.node_check_seconds = NODE_CHECK_SECONDS
+        self._checked: dict[str, tuple[float, str | None]] = {}  # host -> (when, problem)
+        self._leases: dict[str, tuple[Any, float]] = {}  # host -> (renewTime, first seen)
+        self._launched_at: dict[str, float] = {}  # Job name -> its launch time
+        self._channels: dict[str, AgentChannel] = {}  # Job name -> its agents' channel
+
+    # -- the API ---------------------------------------------------------------
+
+    @cached_property
+    def hook(self) -> KubernetesHook:
+        """Return the provider's hook (built lazily: DAG parsing must not need a cluster)."""
+        if self._hook is None:
+            from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+            self._hook = KubernetesHook(conn_id=self.conn_id)
+        return self._hook
+
+    @cached_property
+    def core(self) -> client.CoreV1Api:
+        """Return the core/v1 client of the hook's connection."""
+        return self.hook.core_v1_client
+
+    @cached_property
+    def batch(self) -> client.BatchV1Api:
+        """Return the batch/v1 client of the hook's connection."""
+        return self.hook.batch_v1_client
+
+    @cached_property
+    def coordination(self) -> client.CoordinationV1Api:
+        """Return the coordination.k8s.io/v1 client (node Leases)."""
+        return client.CoordinationV1Api(api_client=self.hook.api_client)
+
+    def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:  # noqa: ANN401
+        """Call the API, retrying transient failures only."""
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_transient),
+            stop=tenacity.stop_after_attempt(self.api_attempts),
+            wait=tenacity.wait_exponential(multiplier=self.retry_wait_seconds, max=10),
+            before_sleep=tenacity.before_sleep_log(log, logging.WARNING),
+            reraise=True,
+        )
+        return retrying(fn, *args, **kwargs)
+
+    def _as_dict(self, obj: Any) -> dict[str, Any]:  # noqa: ANN401 - a client model
+        return self.hook.api_client.sanitize_for_serialization(obj)
+
+    @property
+    def namespace(self) -> str:
+        """Return the namespace attempts run in."""
+        return self.settings.namespace
+
+    # -- the Launcher protocol -------------------------------------------------------
+
+    def config(self) -> dict[str, Any]:
+        """Return the factory's description of this launcher."""
+        return {"kind": self.name, "conn_id": self.conn_id, **self.settings.model_dump()}
+
+    def slots(self, nodes: list[str]) -> list[str]:
+        """Return one slot per node: Kubernetes picks the machines, Relay only counts them."""
+        return [f"pod-{i}" for i in range(len(nodes))]
+
+    def launch(self, cfg: LaunchConfig, standby_dir: Path | None = None) -> Path:
+        """Create the attempt's Job, ConfigMap and Service (idempotently); return the folder."""
+        from relay.nodes.pool import NodePool
+
+        key = AttemptKey.from_dir(cfg.root)
+        cfg.root.mkdir(parents=True, exist_ok=True)
+        cfg.write(cfg.root / LAUNCH_FILE)  # for this worker's reports; the record travels
+        pod_cfg = replace(cfg, attempt_dir=POD_ATTEMPT_DIR, master_addr=master_addr(key),
+                          master_port=RENDEZVOUS_PORT, attempt_id=attempt_id_of(cfg.root))
+        held = NodePool().quarantines()
+        self.enforce_quarantines(held)
+        job = self._create_job(job_manifest(key, self.settings, cfg.nodes, cfg.ranks_per_node,
+                                            sorted(held), time.time()))
+        owner = owner_reference(job)
+        launch_json = json.dumps(asdict(pod_cfg), indent=2, sort_keys=True)
+        self._create_owned(self.core.create_namespaced_config_map,
+                           configmap_manifest(key, self.namespace, owner, launch_json))
+        self._create_owned(self.core.create_namespaced_service,
+                           service_manifest(key, self.namespace, owner))
+        log.info("Job %s/%s: %d pods, quarantined nodes excluded: %s", self.namespace, key.name,
+                 len(cfg.nodes), ", ".join(sorted(held)) or "none")
+        return cfg.root
+
+    def handle(self, root: Path) -> dict[str, Any]:
+        """Return nothing: the Job's name comes from the attempt folder's name, and its
+        annotations (nodes, launch time) are in the API server for any worker to read."""
+        return {}
+
+    def attach(self, root: Path, handle: dict[str, Any]) -> None:
+        """Do nothing: see :meth:`handle`."""
+
+    def _create_job(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        name = manifest["metadata"]["name"]
+        deadline = time.monotonic() + DELETION_WAIT_SECONDS
+        while True:
+            try:
+                return self._as_dict(self._call(self.batch.create_namespaced_job,
+                                                 self.namespace, manifest))
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+            found = self._job_named(name)
+            if found is None:
+                continue  # deleted between our create and our read: create again
+            existing = self._as_dict(found)
+            if not existing["metadata"].get("deletionTimestamp"):
+                log.info("Job %s already exists (uid %s): re-attaching to it", name,
+                         existing["metadata"]["uid"])
+                return existing
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"Job {self.namespace}/{name}: expected the earlier Job of this name to be "
+                    f"deleted within {DELETION_WAIT_SECONDS:g}s, found it still terminating. "
+                    "Check its pods (kubectl get pods -l relay.dev/attempt-id=" + name + ")."
+                )
+            time.sleep(0.5)
+
+    def _create_owned(self, create: Callable[..., Any], manifest: dict[str, Any]) -> None:
+        try:
+            self._call(create, self.namespace, manifest)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            log.info("%s %s already exists: keeping it", manifest["kind"],
+                     manifest["metadata"]["name"])
+
+    def _job(self, key: AttemptKey) -> Any | None:  # noqa: ANN401 - V1Job
+        return self._job_named(key.name)
+
+    def _job_named(self, name: str) -> Any | None:  # noqa: ANN401 - V1Job
+        try:
+            return self._call(self.batch.read_namespaced_job, name, self.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def _pods(self, selector: str) -> list[Any]:
+        return self._call(self.core.list_namespaced_pod, self.namespace,
+                          label_selector=selector).items
+
+    def started_at(self, root: Path) -> float:
+        """Return when Relay launched the attempt (its Job's annotation; read once)."""
+        name = AttemptKey.from_dir(root).name
+        if name not in self._launched_at:
+            job = self._job_named(name)
+            if job is None:
+                raise KeyError(f"no Job for {root}")
+            self._launched_at[name] = float(job.metadata.annotations[ANNOTATION_LAUNCHED_AT])
+        return self._launched_at[name]
+
+    def status(self, root: Path) -> LaunchStatus:
+        """Read the Job, its pods and their nodes; say what each node slot is doing."""
+        key = AttemptKey.from_dir(root)
+        job = self._job(key)
+        if job is None:
+            log.warning("Job %s/%s not found: the attempt is gone", self.namespace, key.name)
+            return LaunchStatus(LaunchState.FAILED, {})
+        slots = json.loads(job.metadata.annotations[ANNOTATION_NODES])
+        pods = newest_by_index(self._pods(key.selector()))
+        problems = {h: self._node_problem(h) for h in {p.spec.node_name for p in pods.values()
+                                                       if p.spec and p.spec.node_name}}
+        now = time.time()
+        nodes = {slot: slot_status(slot, pods.get(i), problems, now)
+                 for i, slot in enumerate(slots)}
+        channel = self.channel(root, slots)
+        channel.poll([s for s, n in nodes.items() if n.state == "running"])
+        for slot, node in nodes.items():
+            merge_agent_report(node, channel.reports.get(slot))
+        failure = job_failure(job)
+        if failure:
+            for node in nodes.values():
+                if node.state not in ("succeeded", "failed"):
+                    node.state, node.detail = "failed", failure
+        return LaunchStatus(overall_state(nodes), nodes, dict(channel.beats),
+                            list(channel.refused), set(channel.crossed))
+
+    def agent_url(self, key: AttemptKey, index: int) -> str:
+        """Return where the agent of pod ``index`` answers (its headless-Service DNS name)."""
+        return agent_url(key, self.namespace, index)
+
+    def channel(self, root: Path, slots: list[str] | None = None) -> AgentChannel:
+        """Return the channel to the attempt's pod agents (slots from its Job, read once)."""
+        key = AttemptKey.from_dir(root)
+        if key.name not in self._channels:
+            if slots is None:
+                job = self._job(key)
+                slots = [] if job is None else json.loads(
+                    job.metadata.annotations[ANNOTATION_NODES])
+            self._channels[key.name] = AgentChannel(
+                attempt_id_of(root), {s: self.agent_url(key, i) for i, s in enumerate(slots)})
+        return self._channels[key.name]
+
+    def host_of(self, root: Path, node: str) -> str:
+        """Return the Kubernetes node the slot's pod runs on (the slot itself if unknown)."""
+        key = AttemptKey.from_dir(root)
+        job = self._job(key)
+        if job is None:
+            return node
+        slots = json.loads(job.metadata.annotations[ANNOTATION_NODES])
+        pod = newest_by_index(self._pods(key.selector())).get(
+            slots.index(node) if node in slots else -1)
+        return pod.spec.node_name if pod is not None and pod.spec.node_name else node
+
+    def stop(self, root: Path, grace_seconds: float = 5.0) -> list[str]:
+        """Delete the Job in the foreground; return the pods still there (should be none)."""
+        return self._stop_job(AttemptKey.from_dir(root).name, grace_seconds)
+
+    def stop_all(self, segment_dir: Path) -> list[str]:
+        """Stop every Job of a segment, whichever attempt and worker created it."""
+        key = AttemptKey.from_dir(Path(segment_dir) / "try-0")
+        jobs = self._call(self.batch.list_namespaced_job, self.namespace,
+                          label_selector=f"{LABEL_SEGMENT_KEY}={key.segment_key}").items
+        survivors: list[str] = []
+        for job in jobs:
+            survivors += self._stop_job(job.metadata.name, 5.0)
+        return survivors
+
+    def _stop_job(self, name: str, grace_seconds: float) -> list[str]:
+        selector = f"relay.dev/attempt-id={name}"
+        try:
+            self._call(self.batch.delete_namespaced_job, name, self.namespace,
+                       body=client.V1DeleteOptions(propagation_policy="Foreground"))
+            log.info("Deleting Job %s/%s (foreground)", self.namespace, name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        self._wait_pods_gone(selector, TERMINATION_GRACE_SECONDS + grace_seconds)
+        left = self._pods(selector)
+        for pod in left:
+            # Its kubelet is not acting (node down or partitioned): drop the API object so
+            # the attempt ends; processes there may run on until the node returns.
+            log.warning("Pod %s on %s did not terminate; force-deleting it (its node may be "
+                        "unresponsive)", pod.metadata.name, pod.spec.node_name)
+            try:
+                self._call(self.core.delete_namespaced_pod, pod.metadata.name, self.namespace,
+                           grace_period_seconds=0)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+        return [f"pod {p.metadata.name}" for p in self._pods(selector)]
+
+    def _wait_pods_gone(self, selector: str, timeout: float) -> None:
+        """Watch the attempt's pods until each is gone or stuck, or ``timeout`` passes."""
+        listed = self._call(self.core.list_namespaced_pod, self.namespace,
+                            label_selector=selector)
+        left = {p.metadata.name for p in listed.items if not stuck(p, time.time())}
+        deadline = time.monotonic() + timeout
+        while left and time.monotonic() < deadline:
+            stream = watch.Watch().stream(
+                self.core.list_namespaced_pod, self.namespace, label_selector=selector,
+                resource_version=listed.metadata.resource_version,
+                timeout_seconds=max(1, int(deadline - time.monotonic())))
+            with closing(stream):  # closes the HTTP response when we stop early
+                for event in stream:
+                    pod = event["object"]
+                    if event["type"] == "DELETED" or stuck(pod, time.time()):
+                        left.discard(pod.metadata.name)
+                    if not left:
+                        break
+
+    def prestart(self, directory: Path, nodes: list[str], ttl_seconds: float,
+                 source: Path | None = None) -> None:
+        """Do nothing: pods are not pre-created; kubelets keep the image (IfNotPresent)."""
+        log.info("No standby pods on Kubernetes; the next attempt's pods start cold")
+
+    def reside(self, run_dir: Path, nodes: list[str], prestarted: Path | None = None) -> None:
+        """Do nothing: a spare's pod is created at the retry (kubelets keep the image)."""

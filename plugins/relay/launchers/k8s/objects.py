@@ -1,0 +1,245 @@
+"""Kubernetes objects for one segment attempt, built as plain data (one function per object).
+
+An attempt is an Indexed Job (one pod per node, each running the node agent
+for its completion index), a headless Service whose DNS name gives the ranks a
+rendezvous on the index-0 pod, and a ConfigMap holding the launch file. The
+Service and the ConfigMap are owned by the Job, so one foreground delete of
+the Job removes everything. Nothing here talks to a cluster: tests validate
+these dicts against the Kubernetes OpenAPI schema.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relay.spec.sections import KubernetesSpec
+from relay_train.agent.server import AGENT_PORT
+
+GROUP = "relay.dev"
+LABEL_ATTEMPT_ID = f"{GROUP}/attempt-id"
+LABEL_SEGMENT_KEY = f"{GROUP}/segment-key"
+ANNOTATION_NODES = f"{GROUP}/nodes"
+ANNOTATION_LAUNCHED_AT = f"{GROUP}/launched-at"
+QUARANTINE_TAINT_KEY = f"{GROUP}/quarantined"
+INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+LAUNCH_MOUNT = "/relay/launch"
+POD_ATTEMPT_DIR = "/relay/attempt"
+RENDEZVOUS_PORT = 29500
+AGENT_CONTAINER = "agent"
+TERMINATION_GRACE_SECONDS = 10  # the agent gives its ranks 5 s after SIGTERM
+AGENT_LINGER_SECONDS = 10  # after its ranks end, the agent answers (exit codes, errors) this long
+FINISHED_TTL_SECONDS = 3600  # Relay deletes Jobs itself; this only catches leftovers
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def safe_label(value: str) -> str:
+    """Return ``value`` as a valid label value (<= 63 chars; a hash suffix when changed)."""
+    if len(value) <= 63 and _LABEL_VALUE.match(value):
+        return value
+    digest = hashlib.sha256(value.encode()).hexdigest()[:8]
+    trimmed = re.sub(r"[^A-Za-z0-9_.-]", "-", value)[:54].strip("-_.")
+    return f"{trimmed}-{digest}" if trimmed else digest
+
+
+def _dns(value: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", value.lower()).strip("-") or "x"
+
+
+@dataclass(frozen=True)
+class AttemptKey:
+    """Who an attempt belongs to, read from its folder ``<dag_id>/<run>/segment-NNN/try-N``."""
+
+    dag_id: str
+    dag_run: str
+    segment: int
+    attempt: int
+
+    @classmethod
+    def from_dir(cls, root: Path) -> AttemptKey:
+        """Parse an attempt folder; raise ValueError naming the expected layout."""
+        parts = Path(root).parts[-4:]
+        if len(parts) < 4 or not parts[2].startswith("segment-") or not parts[3].startswith(
+            "try-"
+        ):
+            raise ValueError(f"{root}: expected an attempt folder .../<dag_id>/<run>/"
+                             "segment-NNN/try-N")
+        return cls(parts[0], parts[1], int(parts[2].removeprefix("segment-")),
+                   int(parts[3].removeprefix("try-")))
+
+    @property
+    def segment_key(self) -> str:
+        """Return a short stable digest of (DAG, run, segment): every attempt of it shares it."""
+        raw = f"{self.dag_id}/{self.dag_run}/{self.segment}"
+        return hashlib.sha256(raw.encode()).hexdigest()[:10]
+
+    @property
+    def name(self) -> str:
+        """Return the Job's (and Service's, ConfigMap's) name: a DNS label, stable per attempt."""
+        job = _dns(self.dag_id.removeprefix("relay_"))[:24].strip("-")
+        return f"relay-{job}-{self.segment_key}-s{self.segment}-a{self.attempt}"
+
+    def labels(self) -> dict[str, str]:
+        """Return the labels every object of this attempt carries."""
+        return {
+            "app.kubernetes.io/name": "relay-worker",
+            "app.kubernetes.io/managed-by": "relay",
+            f"{GROUP}/dag-id": safe_label(self.dag_id),
+            f"{GROUP}/dag-run": safe_label(self.dag_run),
+            f"{GROUP}/segment": str(self.segment),
+            f"{GROUP}/attempt": str(self.attempt),
+            LABEL_SEGMENT_KEY: self.segment_key,
+            LABEL_ATTEMPT_ID: self.name,
+        }
+
+    def selector(self) -> str:
+        """Return the label selector of this attempt's pods."""
+        return f"{LABEL_ATTEMPT_ID}={self.name}"
+
+
+def master_addr(key: AttemptKey) -> str:
+    """Return the index-0 pod's DNS name under the attempt's headless Service."""
+    return f"{key.name}-0.{key.name}"
+
+
+def agent_url(key: AttemptKey, namespace: str, index: int) -> str:
+    """Return the channel address of the agent in pod ``index`` (its headless-Service name)."""
+    return f"http://{key.name}-{index}.{key.name}.{namespace}.svc:{AGENT_PORT}"
+
+
+def owner_reference(job: dict[str, Any]) -> dict[str, Any]:
+    """Return an owner reference to a created Job, so deleting it deletes the owned object."""
+    return {"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"],
+            "uid": job["metadata"]["uid"], "blockOwnerDeletion": True}
+
+
+def _metadata(key: AttemptKey, namespace: str, owner: dict[str, Any] | None = None,
+              annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": key.name, "namespace": namespace, "labels": key.labels()}
+    if annotations:
+        meta["annotations"] = annotations
+    if owner is not None:
+        meta["ownerReferences"] = [owner]
+    return meta
+
+
+def _affinity(key: AttemptKey, quarantined: list[str]) -> dict[str, Any]:
+    """No two pods of the attempt on one node; never a quarantined node."""
+    spread = {"labelSelector": {"matchLabels": {LABEL_ATTEMPT_ID: key.name}},
+              "topologyKey": "kubernetes.io/hostname"}
+    affinity: dict[str, Any] = {
+        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [spread]}}
+    if quarantined:
+        affinity["nodeAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchFields": [
+                {"key": "metadata.name", "operator": "NotIn", "values": sorted(quarantined)}]}]}}
+    return affinity
+
+
+def _container(k8s: KubernetesSpec, key: AttemptKey) -> dict[str, Any]:
+    env = [
+        {"name": "RELAY_NODE_INDEX", "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
+        {"name": "RELAY_HOST", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "MASTER_ADDR", "value": master_addr(key)},
+        {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
+        {"name": "OMP_NUM_THREADS", "value": "1"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    container: dict[str, Any] = {
+        "name": AGENT_CONTAINER,
+        "image": k8s.image,
+        "command": ["python", "-m", "relay_train.agent.node"],
+        "args": ["--launch", f"{LAUNCH_MOUNT}/launch.json", "--node-index", "$(RELAY_NODE_INDEX)",
+                 "--bind", "0.0.0.0", "--port", str(AGENT_PORT),  # noqa: S104 - the pod's IP
+                 "--linger", str(AGENT_LINGER_SECONDS)],
+        "env": env,
+        "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
+                  {"name": "channel", "containerPort": AGENT_PORT}],
+        "volumeMounts": [
+            {"name": "launch", "mountPath": LAUNCH_MOUNT, "readOnly": True},
+            {"name": "attempt", "mountPath": POD_ATTEMPT_DIR},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+    if k8s.gpus_per_pod:
+        gpus = str(k8s.gpus_per_pod)
+        container["resources"] = {"limits": {"nvidia.com/gpu": gpus},
+                                  "requests": {"nvidia.com/gpu": gpus}}
+    return container
+
+
+def job_manifest(key: AttemptKey, k8s: KubernetesSpec, nodes: list[str], ranks_per_node: int,
+                 quarantined: list[str], launched_at: float) -> dict[str, Any]:
+    """Return the attempt's Indexed Job: one pod per node, no retries by Kubernetes."""
+    count = len(nodes)
+    annotations = {ANNOTATION_NODES: json.dumps(nodes), f"{GROUP}/ranks-per-node":
+                   str(ranks_per_node), ANNOTATION_LAUNCHED_AT: repr(launched_at),
+                   f"{GROUP}/dag-run": key.dag_run}
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "subdomain": key.name,  # with the headless Service: <job>-<index>.<job> resolves
+        "serviceAccountName": k8s.service_account,
+        "automountServiceAccountToken": False,  # the pods never call the API
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "affinity": _affinity(key, quarantined),
+        "containers": [_container(k8s, key)],
+        "volumes": [
+            {"name": "launch", "configMap": {"name": key.name}},
+            {"name": "attempt", "emptyDir": {}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        ],
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata(key, k8s.namespace, annotations=annotations),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": count,
+            "parallelism": count,
+            "backoffLimit": 0,  # the recovery policy decides retries, not Kubernetes
+            "activeDeadlineSeconds": max(1, int(k8s.active_deadline)),
+            "ttlSecondsAfterFinished": FINISHED_TTL_SECONDS,
+            "template": {"metadata": {"labels": key.labels()}, "spec": pod_spec},
+        },
+    }
+
+
+def service_manifest(key: AttemptKey, namespace: str, owner: dict[str, Any]) -> dict[str, Any]:
+    """Return the headless Service that names each pod for the rendezvous."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(key, namespace, owner),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,  # ranks meet before any readiness exists
+            "selector": {LABEL_ATTEMPT_ID: key.name},
+            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT,
+                       "targetPort": RENDEZVOUS_PORT},
+                      {"name": "channel", "port": AGENT_PORT, "targetPort": AGENT_PORT}],
+        },
+    }
+
+
+def configmap_manifest(key: AttemptKey, namespace: str, owner: dict[str, Any],
+                       launch_json: str) -> dict[str, Any]:
+    """Return the ConfigMap the pods read their launch file from."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(key, namespace, owner),
+        "data": {"launch.json": launch_json},
+    }
+
+
+def quarantine_taint(until: float) -> dict[str, Any]:
+    """Return the taint that keeps new pods off a quarantined node; its value is the expiry."""
+    return {"key": QUARANTINE_TAINT_KEY, "value": str(int(until)), "effect": "NoSchedule"}

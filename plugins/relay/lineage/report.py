@@ -1,0 +1,151 @@
+"""Recovery reports read back from MLflow: where to look, what faulted, what it cost."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relay.lineage.store import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, TAG_TRY, Lineage
+from relay_train.inject import CHAOS_LOG
+from relay_train.protocol.launch import FIRST_STEP_FILE
+
+
+@dataclass(frozen=True)
+class FaultRow:
+    """One fault of a DAG run and what recovering from it cost."""
+
+    segment: int
+    kind: str
+    culprit: str
+    detected_after: float | None
+    decision: str
+    lost_steps: int | None
+    time_to_resume: float | None
+
+
+def newest_parent(lineage: Lineage, job: str, dag_id: str, since: float = 0.0) -> str | None:
+    """Return the newest DAG-run MLflow run of ``dag_id`` started after ``since``."""
+    runs = lineage.client.search_runs(
+        [lineage.experiment_id(job)], filter_string=f"tags.`{TAG_DAG_ID}` = '{dag_id}'",
+        order_by=["attributes.start_time DESC"], max_results=1,
+    )
+    if not runs or runs[0].info.start_time / 1000 < since - 5:
+        return None
+    return str(runs[0].info.run_id)
+
+
+def reference_run(lineage: Lineage, job: str, spec_sha256: str) -> str | None:
+    """Return a completed fault-free DAG run of the same spec, if one exists."""
+    runs = lineage.client.search_runs(
+        [lineage.experiment_id(job)],
+        filter_string=(f"params.spec_sha256 = '{spec_sha256}' and params.chaos = '[]' "
+                       f"and tags.`{TAG_OUTCOME}` = 'completed'"),
+        order_by=["attributes.start_time DESC"], max_results=1,
+    )
+    return str(runs[0].info.run_id) if runs else None
+
+
+def _json_artifact(lineage: Lineage, run_id: str, name: str) -> dict[str, Any] | None:
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = lineage.client.download_artifacts(run_id, name, tmp)
+        except Exception:  # noqa: BLE001 - a missing artifact reads as "not recorded"
+            return None
+        return dict(json.loads(Path(path).read_text()))
+
+
+def chaos_strikes(attempt_dir: Path) -> list[dict[str, Any]]:
+    """Return the faults injected into an attempt (its chaos.jsonl), in order."""
+    path = attempt_dir / CHAOS_LOG
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def first_step_at(attempt_dir: Path) -> float | None:
+    """Return when an attempt finished its first step (None if it never did)."""
+    path = attempt_dir / FIRST_STEP_FILE
+    return float(json.loads(path.read_text())["at"]) if path.exists() else None
+
+
+def fault_rows(lineage: Lineage, parent: str) -> list[FaultRow]:
+    """Return one row per fault in a DAG run, oldest first."""
+    children = lineage.child_runs(parent)
+    by_key = {(c.data.tags.get(TAG_SEGMENT), c.data.tags.get(TAG_TRY)): c for c in children}
+    rows = []
+    for child in children:
+        if child.data.tags.get(TAG_OUTCOME) != "fault":
+            continue
+        record = _json_artifact(lineage, child.info.run_id, "decision.json")
+        if record is None:
+            continue
+        fault, decision = record["fault"], record["decision"]
+        attempt_dir = Path(child.data.params.get("attempt_dir", "/nonexistent"))
+        strikes = chaos_strikes(attempt_dir)
+        detected_after = (fault["detected_at"] - min(s["at"] for s in strikes)) if strikes else None
+        segment, tried = child.data.tags[TAG_SEGMENT], int(child.data.tags[TAG_TRY])
+        resumed = None
+        nxt = by_key.get((segment, str(tried + 1)))
+        if nxt is not None:
+            first = first_step_at(Path(nxt.data.params.get("attempt_dir", "/nonexistent")))
+            if first is not None:
+                resumed = first - fault["detected_at"]
+        who = ", ".join(
+            x for x in (
+                f"rank {fault['culprit_rank']}" if fault["culprit_rank"] is not None else "",
+                fault["culprit_node"] or "",
+            ) if x
+        ) or "job-wide"
+        action = decision["action"]
+        if decision.get("quarantine_node"):
+            action += f" ({decision['quarantine_node']} out)"
+        rows.append(FaultRow(int(segment), fault["kind"], who, detected_after, action,
+                             record.get("lost_steps"), resumed))
+    return rows
+
+
+def format_fault_table(rows: list[FaultRow]) -> str:
+    """Return the fault table as aligned text."""
+    def sec(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}s"
+
+    head = (f"  {'seg':>3}  {'fault':18} {'culprit':16} {'detected after':>14}  "
+            f"{'decision':34} {'lost steps':>10} {'time to resume':>14}")
+    lines = [head]
+    for r in rows:
+        lost = "-" if r.lost_steps is None else str(r.lost_steps)
+        lines.append(f"  {r.segment:>3}  {r.kind:18} {r.culprit:16} {sec(r.detected_after):>14}  "
+                     f"{r.decision:34} {lost:>10} {sec(r.time_to_resume):>14}")
+    return "\n".join(lines)
+
+
+def final_state(lineage: Lineage, parent: str, where: Path) -> dict[str, Any] | None:
+    """Download and load a DAG run's final checkpoint (sha256 verified)."""
+    import torch
+
+    verified = lineage.latest_valid_checkpoint(parent, where)
+    if verified is None:
+        return None
+    return dict(torch.load(verified.path, map_location="cpu", weights_only=True))
+
+
+def same_bits(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, str]:
+    """Return whether two checkpoints hold bit-identical weights and optimizer state."""
+    import torch
+
+    if a["step"] != b["step"]:
+        return False, f"different steps ({a['step']} vs {b['step']})"
+    if a["model"].keys() != b["model"].keys():
+        return False, "different parameter names"
+    for key in a["model"]:
+        if not torch.equal(a["model"][key], b["model"][key]):
+            return False, f"weights differ at {key}"
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(),
+                      strict=True):
+        for k in sa:
+            if not torch.equal(sa[k], sb[k]):
+                return False, f"optimizer state {k} differs"
+    return True, f"{len(a['model'])} tensors and the optimizer state are identical"

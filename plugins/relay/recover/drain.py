@@ -1,0 +1,59 @@
+"""Drain: have the ranks checkpoint a few steps ahead and stop (before a migration).
+
+Kept free of Airflow imports: the warden (:mod:`relay.recover.warden`) drains too, in the
+triggerer's environment, where Airflow's metadata database is off limits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from relay.launchers import Launcher, LaunchState, launcher_from
+from relay_train.protocol.heartbeat import Heartbeat, Phase
+
+log = logging.getLogger(__name__)
+DRAIN_LEAD_STEPS = 2
+POLL_SECONDS = 0.1
+
+
+def done(before: dict[int, Heartbeat], now: dict[int, Heartbeat]) -> bool:
+    """Return whether every rank of ``before`` now says it is done. A rank says so once it
+    has published its checkpoints (:meth:`relay_train.api.Session.close`), so the drained
+    checkpoint is complete then; waiting for the processes to exit as well (0.5-1 s here:
+    tearing down the process group and the interpreter) would only delay the stop that
+    ends them anyway."""
+    return all(r in now and now[r].phase == Phase.DONE.value for r in before)
+
+
+def drain(
+    attempt_dir: Path, timeout_seconds: float, launcher: Launcher | None = None
+) -> int | None:
+    """Ask the ranks to checkpoint and stop a few steps ahead; return the step, if they did.
+
+    The request goes to every node's agent over the channel; an agent that does not take
+    it (unreachable, or serving another attempt) leaves the drain to time out.
+    """
+    launcher = launcher or launcher_from(None)
+    beats = launcher.status(attempt_dir).heartbeats
+    if not beats:
+        return None
+    stop_at = max(b.step for b in beats.values()) + DRAIN_LEAD_STEPS
+    channel = launcher.channel(attempt_dir)
+    taken = [n for n in channel.addresses if channel.ask(n, "drain", stop_at=stop_at)]
+    if len(taken) < len(channel.addresses):
+        log.warning("Drain to step %d reached only %s of %s", stop_at, taken,
+                    sorted(channel.addresses))
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        status = launcher.status(attempt_dir)
+        if status.state is LaunchState.SUCCEEDED or done(beats, status.heartbeats):
+            log.info("Ranks checkpointed at step %d and stopped", stop_at)
+            return stop_at
+        if status.state is LaunchState.FAILED:
+            break
+        time.sleep(POLL_SECONDS)
+    log.warning("Drain to step %d did not finish in %.0fs; the retry resumes from the last "
+                "checkpoint instead", stop_at, timeout_seconds)
+    return None

@@ -1,0 +1,119 @@
+"""The sections of a job spec (:class:`relay.spec.job.JobSpec`): the built-in model, its data
+and optimizer, a user's entrypoint, and where attempts run on Kubernetes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+
+from relay.spec.yamlsource import FROZEN, FieldValueError, parse_duration
+from relay_train.protocol.launch import Entrypoint
+
+MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+
+
+class ModelSpec(BaseModel):
+    """Shape of the character transformer."""
+
+    model_config = FROZEN
+
+    context: int = Field(64, strict=True, ge=2)
+    n_layers: int = Field(2, strict=True, ge=1)
+    n_heads: int = Field(4, strict=True, ge=1)
+    d_model: int = Field(64, strict=True, gt=0, validate_default=True)
+    dropout: float = Field(0.1, strict=True, ge=0, lt=1)
+
+    @field_validator("d_model")
+    @classmethod
+    def _divisible_by_heads(cls, value: int, info: ValidationInfo) -> int:
+        """Require d_model to split evenly across the attention heads."""
+        heads = info.data.get("n_heads")
+        if isinstance(heads, int) and value % heads:
+            up = (value // heads + 1) * heads
+            divisor = max(h for h in range(1, heads + 1) if value % h == 0)
+            raise FieldValueError(
+                f"a multiple of model.n_heads ({heads})",
+                value,
+                f"set model.d_model to a multiple of {heads} (e.g. d_model: {up}), "
+                f"or set model.n_heads to a divisor of {value} (e.g. n_heads: {divisor})",
+            )
+        return value
+
+
+class DataSpec(BaseModel):
+    """Where the training text comes from and how much of it one rank sees per step."""
+
+    model_config = FROZEN
+
+    corpus: str = Field("builtin:python_docs", strict=True, min_length=1)
+    batch_size: int = Field(16, strict=True, ge=1)
+
+    @field_validator("corpus")
+    @classmethod
+    def _builtin_name(cls, value: str) -> str:
+        """A builtin corpus is a name, never a path out of the corpus folder."""
+        if value.startswith("builtin:") and not re.fullmatch(r"builtin:[A-Za-z0-9_-]+", value):
+            raise FieldValueError("builtin:<name> of letters, digits, '_' or '-'", value,
+                                  "name a builtin corpus (e.g. builtin:python_docs), or give "
+                                  "a path to a text file without the builtin: prefix")
+        return value
+
+
+class OptimizerSpec(BaseModel):
+    """AdamW settings."""
+
+    model_config = FROZEN
+
+    lr: float = Field(0.003, strict=True, gt=0)
+    weight_decay: float = Field(0.01, strict=True, ge=0)
+
+
+class EntrypointSpec(BaseModel):
+    """The training script each rank runs: a module or a file, with its arguments."""
+
+    model_config = FROZEN
+
+    module: str | None = Field(None, strict=True, pattern=MODULE_PATTERN)
+    script: str | None = Field(None, strict=True, min_length=1)
+    args: list[str] = Field(default_factory=list, strict=True)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> EntrypointSpec:
+        """Require a module or a script, not both."""
+        if (self.module is None) == (self.script is None):
+            found = "both" if self.module else "neither"
+            raise FieldValueError(
+                "exactly one of entrypoint.module or entrypoint.script", found,
+                "write e.g. entrypoint: {module: mypkg.train, args: [--lr, '3e-4']} or "
+                "entrypoint: {script: train.py}")
+        return self
+
+    def resolved(self, spec_file: Path) -> Entrypoint:
+        """Return it for the launch file, a relative script taken from the spec's folder."""
+        script = None
+        if self.script is not None:
+            path = Path(self.script).expanduser()
+            script = str(path if path.is_absolute() else Path(spec_file).parent / path)
+        return Entrypoint(module=self.module, script=script, args=list(self.args))
+
+
+class KubernetesSpec(BaseModel):
+    """Where and how segment attempts run when ``launcher: kubernetes``."""
+
+    model_config = FROZEN
+
+    image: str = Field(strict=True, min_length=1)
+    namespace: str = Field("default", strict=True, pattern=DNS_LABEL_PATTERN)
+    service_account: str = Field("relay-worker", strict=True, pattern=DNS_LABEL_PATTERN)
+    gpus_per_pod: int = Field(0, strict=True, ge=0)
+    active_deadline: float = Field(6 * 3600.0, gt=0)
+    taint_quarantine: bool = Field(False, strict=True)
+
+    @field_validator("active_deadline", mode="before")
+    @classmethod
+    def _duration(cls, value: object) -> float:
+        """Parse "30m", "6h" or a number of seconds."""
+        return parse_duration(value)

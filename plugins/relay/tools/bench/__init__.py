@@ -1,0 +1,1 @@
+"""Benchmarks behind ``relay bench``: each prints the figures the docs quote."""

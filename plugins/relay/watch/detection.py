@@ -1,0 +1,392 @@
+"""Turn what the watcher observes into at most one classified fault.
+
+:class:`Detector` is deterministic: feed it :class:`Observation` snapshots (the
+heartbeats, the launcher's status, the clock) and it answers with a
+:class:`~relay.core.faults.Fault` or ``None``. The only state it keeps is what
+"sustained" and "baseline" need; losing it (a triggerer restart) only delays
+those two rules. Rules are checked in a fixed order, most specific first, so
+one fault is reported once, under its most useful name. The straggler and
+throughput rules live in :mod:`relay.watch.slowness`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from relay.core.faults import Fault, FaultKind, classify_exit, only_secondary_exits
+from relay.launchers.agent_client import FRESH_WAIT_SECONDS
+from relay.launchers.base import UNRESPONSIVE, LaunchState, LaunchStatus
+from relay.policy.model import Detection
+from relay.watch.slowness import StragglerRule, ThroughputRule
+from relay.watch.steptime import HangLimit, StepTimes
+from relay_train.protocol.heartbeat import Heartbeat, Phase
+
+# How late a live agent's word may come: it answers every poll, and a poll waits up to
+# this long for an answer (a later one counts at the next poll).
+AGENT_STATUS_INTERVAL_SECONDS = FRESH_WAIT_SECONDS
+_WAITING = {Phase.COLLECTIVE.value}
+_WORKING = {Phase.COMPUTE.value, Phase.COLLECTIVE.value}
+
+
+@dataclass
+class Observation:
+    """One snapshot of a segment attempt, as the watcher saw it."""
+
+    now: float
+    launched_at: float
+    heartbeats: dict[int, Heartbeat]
+    node_ranks: dict[str, list[int]]
+    heartbeat_interval: float
+    launch: LaunchStatus | None = None  # None when watching a job Relay did not launch
+
+    @property
+    def expected_ranks(self) -> list[int]:
+        """Return every rank the job should have."""
+        return sorted(r for ranks in self.node_ranks.values() for r in ranks)
+
+    def node_of(self, rank: int) -> str | None:
+        """Return the node a rank runs on."""
+        return next((n for n, ranks in self.node_ranks.items() if rank in ranks), None)
+
+
+def _past_startup(obs: Observation) -> bool:
+    """Return whether any rank got past start-up (then every rank rendezvoused)."""
+    return any(b.phase != Phase.STARTING.value for b in obs.heartbeats.values())
+
+
+class Detector:
+    """Classify faults from observations, per the policy's detection thresholds."""
+
+    def __init__(self, detection: Detection, enabled: frozenset[FaultKind] | None = None,
+                 settled: bool = False) -> None:
+        """``settled``: the ranks were past start-up before this detector looked (an
+        adopted workload): the straggler rule judges from its first observation."""
+        self.cfg = detection
+        self.enabled = enabled if enabled is not None else frozenset(FaultKind)
+        self._straggler = (StragglerRule(detection.straggler, settled)
+                           if detection.straggler else None)
+        self._throughput = ThroughputRule(detection.throughput) if detection.throughput else None
+        self._stepped: dict[int, tuple[int, float]] = {}  # rank -> (step, when it was reached)
+        self._secondary_since: float | None = None
+        self._watching_since: float | None = None  # this detector's first observation
+        self._steps = StepTimes()  # for a hang threshold derived from the job's step time
+
+    @property
+    def baseline(self) -> float | None:
+        """Return the job's measured throughput baseline (samples/s), once known."""
+        return self._throughput.baseline if self._throughput else None
+
+    def check(self, obs: Observation) -> Fault | None:
+        """Return the fault these observations show, if any."""
+        if self._watching_since is None:
+            self._watching_since = obs.now
+        for rank, beat in obs.heartbeats.items():
+            seen = self._stepped.get(rank)
+            if seen is None or beat.step != seen[0]:
+                self._stepped[rank] = (beat.step, obs.now)
+        if self.cfg.derive_hang_timeout is not None:
+            self._steps.observe(obs.heartbeats, self.cfg.derive_hang_timeout.warmup_steps)
+        rules = (
+            ({FaultKind.CRASH, FaultKind.LAUNCH_FAILURE}, self._exits),
+            ({FaultKind.NAN_LOSS}, self._nan),
+            ({FaultKind.LAUNCH_FAILURE}, self._startup),
+            ({FaultKind.NODE_UNRESPONSIVE}, self._platform_unresponsive),
+            ({FaultKind.NODE_UNRESPONSIVE, FaultKind.RANK_UNRESPONSIVE}, self._stale),
+            ({FaultKind.HANG}, self._hang),
+            ({FaultKind.STRAGGLER}, self._stragglers),
+            ({FaultKind.THROUGHPUT_DEGRADED}, self._throughput_degraded),
+        )
+        for kinds, rule in rules:
+            if kinds & self.enabled:
+                fault = rule(obs)
+                if fault is not None and fault.kind in self.enabled:
+                    return fault
+        return None
+
+    # -- exits and start-up -------------------------------------------------
+
+    def _exits(self, obs: Observation) -> Fault | None:
+        if obs.launch is None or obs.launch.state is not LaunchState.FAILED:
+            return None
+        unsettled = [n for n in obs.launch.nodes.values() if n.state not in ("succeeded", "failed")]
+        if only_secondary_exits(obs.launch) and unsettled:
+            # The peers of a dead rank can report before the dead rank's own agent does;
+            # blaming the first to report would name a bystander. Wait for the others.
+            if self._secondary_since is None:
+                self._secondary_since = obs.now
+            if obs.now - self._secondary_since < 2 * AGENT_STATUS_INTERVAL_SECONDS:
+                return None
+        fault = classify_exit(obs.launch, obs.node_ranks)
+        if fault is None:
+            return None
+        fault = dataclasses.replace(fault, detected_at=obs.now)
+        if fault.culprit_rank is None:
+            return fault
+        beat = obs.heartbeats.get(fault.culprit_rank)
+        if beat is None or beat.phase == Phase.STARTING.value:
+            # It died before its first step: the launch failed, not the training.
+            return Fault(FaultKind.LAUNCH_FAILURE, fault.culprit_rank, fault.culprit_node,
+                         {**fault.evidence, "summary": "rank exited before its first step: "
+                          + fault.evidence["summary"]}, obs.now)
+        return fault
+
+    def _startup(self, obs: Observation) -> Fault | None:
+        waited = obs.now - obs.launched_at
+        if waited <= self.cfg.startup_timeout:
+            return None
+        stepping = _past_startup(obs)
+        for rank in obs.expected_ranks:
+            beat = obs.heartbeats.get(rank)
+            node = obs.node_of(rank)
+            if beat is None and stepping and node and self._agent_age(obs, node) == math.inf:
+                continue  # it rendezvoused, then its node fell silent: the liveness rules
+            if beat is None or beat.phase == Phase.STARTING.value:
+                state = "no heartbeat" if beat is None else "still starting"
+                return Fault(
+                    FaultKind.LAUNCH_FAILURE, rank, obs.node_of(rank),
+                    {"summary": f"{state} {waited:.1f}s after launch "
+                     f"(startup_timeout {self.cfg.startup_timeout:g}s)",
+                     "missing_ranks": [r for r in obs.expected_ranks if r not in obs.heartbeats]},
+                    obs.now,
+                )
+        return None
+
+    def at_completion(self, obs: Observation) -> Fault | None:
+        """Return the fault a run that ended cleanly still had: a non-finite loss.
+
+        The ranks may finish a few steps after a NaN, before any poll saw it; the
+        run then "succeeded" with poisoned weights (and no final checkpoint).
+        """
+        return self._nan(obs) if FaultKind.NAN_LOSS in self.enabled else None
+
+    def _nan(self, obs: Observation) -> Fault | None:
+        if not self.cfg.nan_loss:
+            return None
+        bad = [
+            b for b in obs.heartbeats.values()
+            if b.nonfinite_step is not None or (b.loss is not None and not math.isfinite(b.loss))
+        ]
+        if not bad:
+            return None
+
+        def first_bad_step(b: Heartbeat) -> int:
+            return b.nonfinite_step if b.nonfinite_step is not None else b.step
+
+        # Every rank goes NaN one step after the first (the all-reduce spreads it):
+        # the culprit is the rank whose loss went first, not the one read first.
+        first = min(bad, key=lambda b: (first_bad_step(b), b.rank))
+        step = first_bad_step(first)
+        return Fault(FaultKind.NAN_LOSS, first.rank, first.node,
+                     {"summary": f"loss became {first.loss} at step {step}",
+                      "step": step, "ranks": sorted(b.rank for b in bad)}, obs.now)
+
+    # -- liveness -------------------------------------------------------------
+
+    def _age(self, beat: Heartbeat, now: float) -> float:
+        return now - beat.wall_clock
+
+    def _is_stale(self, beat: Heartbeat, now: float) -> bool:
+        return beat.phase != Phase.DONE.value and self._age(beat, now) > self.cfg.heartbeat_timeout
+
+    def _agent_age(self, obs: Observation, node: str) -> float | None:
+        """Return how long ago the node's agent last spoke (None: no agent to ask)."""
+        if obs.launch is None or node not in obs.launch.nodes:
+            return None
+        seen = obs.launch.nodes[node].last_seen
+        return float("inf") if seen is None else obs.now - seen
+
+    def _platform_unresponsive(self, obs: Observation) -> Fault | None:
+        """A node the launcher's platform says stopped answering (NotReady, stuck pod)."""
+        if obs.launch is None:
+            return None
+        for node in obs.launch.nodes.values():
+            if node.state == UNRESPONSIVE:
+                return Fault(FaultKind.NODE_UNRESPONSIVE, None, node.node,
+                             {"summary": node.detail or f"{node.node} stopped answering",
+                              "host": node.host}, obs.now)
+        return None
+
+    def _unheard(self, obs: Observation, limit: float) -> set[int]:
+        """Return the ranks this watcher never heard although the job is past start-up.
+
+        A watcher that adopted a running workload (or restarted) starts with no
+        heartbeats; a node frozen before that never sends one. Once any rank steps,
+        every rank rendezvoused, so a rank unheard for ``limit`` s is silent.
+        """
+        since = self._watching_since
+        if obs.launch is None or since is None or obs.now - since <= limit:
+            return set()
+        if not _past_startup(obs):
+            return set()
+        return {r for r in obs.expected_ranks if r not in obs.heartbeats}
+
+    def _stale(self, obs: Observation) -> Fault | None:
+        # A node is unresponsive once its ranks and its agent have all been silent for
+        # heartbeat_timeout (the policy's "silent"). A frozen node's ranks fall silent
+        # within one heartbeat interval of each other, its agent at the same time: wait
+        # for that before blaming a rank (below).
+        agent_limit = self.cfg.heartbeat_timeout
+        unheard = self._unheard(obs, agent_limit)
+        stale = {r for r, b in obs.heartbeats.items() if self._is_stale(b, obs.now)}
+        if not stale and not unheard:
+            return None
+        grace = AGENT_STATUS_INTERVAL_SECONDS + 2 * obs.heartbeat_interval
+        for node, ranks in obs.node_ranks.items():
+            if FaultKind.NODE_UNRESPONSIVE not in self.enabled:
+                break
+            agent_age = self._agent_age(obs, node)
+            if ranks and set(ranks) <= stale | unheard and (
+                    agent_age is None or agent_age > agent_limit):
+                ages = {r: round(self._age(obs.heartbeats[r], obs.now), 2)
+                        if r in obs.heartbeats else None for r in ranks}
+                return Fault(FaultKind.NODE_UNRESPONSIVE, None, node,
+                             {"summary": f"every rank of {node} and its agent went silent",
+                              "heartbeat_age_seconds": ages,
+                              "agent_age_seconds": None if agent_age in (None, math.inf)
+                              else round(agent_age, 2)}, obs.now)
+        for rank in sorted(stale, key=lambda r: obs.heartbeats[r].wall_clock):
+            beat = obs.heartbeats[rank]
+            age = self._age(beat, obs.now)
+            agent_age = self._agent_age(obs, beat.node)
+            if agent_age is not None:
+                # The agent speaks every second: only a word from it well after the rank
+                # went quiet shows the node itself is still alive.
+                spoke_after = (obs.now - agent_age) - beat.wall_clock
+                if spoke_after < AGENT_STATUS_INTERVAL_SECONDS + 0.25:
+                    continue  # maybe the whole node is going silent: look again next poll
+            elif age <= self.cfg.heartbeat_timeout + grace:
+                continue  # no agent to ask: give the node's other ranks time to fall silent
+            return Fault(FaultKind.RANK_UNRESPONSIVE, rank, beat.node,
+                         {"summary": f"no heartbeat for {age:.1f}s (heartbeat_timeout "
+                          f"{self.cfg.heartbeat_timeout:g}s), last at step {beat.step} in "
+                          f"{beat.phase}", "heartbeat_age_seconds": round(age, 2),
+                          "pid": beat.pid}, obs.now)
+        return None
+
+    def due_at(self, obs: Observation) -> float | None:
+        """Return the soonest time after ``obs.now`` at which a liveness or hang threshold
+        falls due should nothing new be heard (None: none pending).
+
+        The watcher looks again then instead of up to a poll interval later, so these
+        faults are called when the policy's threshold says, not up to ``poll_interval``
+        after. It costs nothing while the job is healthy: fresh heartbeats put every such
+        time seconds away, past the next poll.
+        """
+        beats = [b for b in obs.heartbeats.values() if b.phase != Phase.DONE.value]
+        times: list[float] = []
+        if FaultKind.HANG in self.enabled and any(b.phase in _WAITING for b in beats):
+            limit = self.hang_limit(obs).seconds
+            times += [b.phase_started_at + limit for b in beats if b.phase == Phase.COMPUTE.value]
+        if self.enabled & {FaultKind.NODE_UNRESPONSIVE, FaultKind.RANK_UNRESPONSIVE}:
+            times += [b.wall_clock + self.cfg.heartbeat_timeout for b in beats]
+            if obs.launch is not None:
+                times += [n.last_seen + self.cfg.heartbeat_timeout
+                          for n in obs.launch.nodes.values() if n.last_seen is not None]
+        later = [t for t in times if t > obs.now]
+        return min(later) if later else None
+
+    def suspects(self, obs: Observation) -> str | None:
+        """Return why a fault seems on its way though none is called yet (see local.spare):
+        a rank in compute past half the hang threshold while another waits, or a rank
+        half way to being called a straggler. Call it after :meth:`check`."""
+        beats = [b for b in obs.heartbeats.values() if b.phase != Phase.DONE.value]
+        if FaultKind.HANG in self.enabled and any(b.phase in _WAITING for b in beats):
+            half = self.hang_limit(obs).seconds / 2
+            stalled = [b.rank for b in beats if b.phase == Phase.COMPUTE.value
+                       and obs.now - b.phase_started_at > half]
+            if stalled:
+                return f"rank {stalled[0]} in compute for over {half:.1f}s while others wait"
+        if self._straggler is not None and FaultKind.STRAGGLER in self.enabled:
+            slow = self._straggler.slow_ranks(obs.now)
+            if slow:
+                return (f"rank {slow[0]} half way to a straggler (over "
+                        f"{self._straggler.rule.ratio:g}x the others' compute)")
+        return None
+
+    def hang_limit(self, obs: Observation) -> HangLimit:
+        """Return the hang threshold in force: the policy's, or derived from the steps seen."""
+        derive = self.cfg.derive_hang_timeout
+        if derive is None:
+            return HangLimit(self.cfg.hang_timeout, "")
+        return self._steps.hang_limit(self.cfg.hang_timeout, obs.heartbeat_interval,
+                                      derive.safety_factor, derive.min)
+
+    def _hang(self, obs: Observation) -> Fault | None:
+        beats = [b for b in obs.heartbeats.values() if b.phase != Phase.DONE.value]
+        if not beats:
+            return None
+        limit = self.hang_limit(obs)
+        in_phase = {b.rank: obs.now - b.phase_started_at for b in beats}
+        # Only a rank whose heartbeat thread still writes is "stalled"; a silent
+        # one is left to the unresponsive rules.
+        alive = {b.rank for b in beats if self._age(b, obs.now) <= 3 * obs.heartbeat_interval}
+        for b in beats:
+            if b.phase == Phase.CHECKPOINT.value and in_phase[b.rank] > self.cfg.checkpoint_timeout:
+                return self._hang_fault(obs, b, in_phase, "stuck saving a checkpoint",
+                                        ("checkpoint_timeout", self.cfg.checkpoint_timeout))
+        computing = [b for b in beats if b.phase == Phase.COMPUTE.value and b.rank in alive
+                     and in_phase[b.rank] > limit.seconds]
+        waiting = [b for b in beats if b.phase in _WAITING]
+        if computing and waiting:
+            culprit = max(computing, key=lambda b: in_phase[b.rank])
+            return self._hang_fault(obs, culprit, in_phase, "stalled in compute while "
+                                    f"{len(waiting)} rank(s) wait in the collective", limit=limit)
+        # Every rank busy at once (an evaluation pass, say) is judged on the policy's own
+        # hang_timeout: a threshold derived from the steps is for one rank that holds up others.
+        working = [b for b in beats if b.phase in _WORKING and b.rank in alive]
+        heard_all = all(r in obs.heartbeats for r in obs.expected_ranks)
+        if working and heard_all and len(working) == len(beats) and all(
+            in_phase[b.rank] > self.cfg.hang_timeout for b in working
+        ):
+            return Fault(FaultKind.HANG, None, None,
+                         {"summary": f"no rank made progress for {self.cfg.hang_timeout:g}s",
+                          "seconds_in_phase": {r: round(s, 2) for r, s in in_phase.items()},
+                          "steps": {b.rank: b.step for b in beats}}, obs.now)
+        return None
+
+    def _hang_fault(
+        self,
+        obs: Observation,
+        culprit: Heartbeat,
+        in_phase: dict[int, float],
+        what: str,
+        limit: tuple[str, float] | HangLimit | None = None,
+    ) -> Fault:
+        seconds = in_phase[culprit.rank]
+        if isinstance(limit, HangLimit):
+            bound = limit.describe()
+        else:
+            name, value = limit or ("hang_timeout", self.cfg.hang_timeout)
+            bound = f"{name} {value:g}s"
+        return Fault(FaultKind.HANG, culprit.rank, culprit.node,
+                     {"summary": f"rank {culprit.rank} {what} for {seconds:.1f}s "
+                      f"at step {culprit.step} ({bound})",
+                      "phases": {b.rank: b.phase for b in obs.heartbeats.values()},
+                      "seconds_in_phase": {r: round(s, 2) for r, s in in_phase.items()},
+                      "step": culprit.step}, obs.now)
+
+    # -- performance ------------------------------------------------------------
+
+    def _active(self, obs: Observation) -> list[Heartbeat]:
+        """Return ranks that are stepping: working, and their step moved recently.
+
+        A stalled job freezes every rank's last compute time and rate; judging
+        speed on those frozen numbers would call a hang a straggler.
+        """
+        recent = self.cfg.hang_timeout / 2
+        return [
+            b for b in obs.heartbeats.values()
+            if b.phase in _WORKING and obs.now - self._stepped.get(b.rank, (0, 0.0))[1] <= recent
+        ]
+
+    def _stragglers(self, obs: Observation) -> Fault | None:
+        if self._straggler is None:
+            return None
+        return self._straggler.check(self._active(obs), obs.now)
+
+    def _throughput_degraded(self, obs: Observation) -> Fault | None:
+        if self._throughput is None:
+            return None
+        return self._throughput.check(self._active(obs), len(obs.heartbeats), obs.now)

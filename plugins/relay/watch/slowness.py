@@ -1,0 +1,273 @@
+"""The performance rules: one rank slower than the rest (straggler), the whole job slower.
+
+Both judge only ranks that are stepping (the detector's ``_active``) and keep the
+little state "sustained" and "baseline" need.
+
+**Straggler: how long to wait depends on what the slowness costs.** In data-parallel
+training every rank waits for the slowest at each collective, so each step a rank
+finishes with ``extra`` seconds more compute than the others' median costs the job
+``extra`` seconds. The rule adds that up (excess compute x steps finished, at most
+the time that passed) over the polls a rank stays above ``ratio`` and fires once
+the job has lost ``lost_seconds`` - but only after :data:`MIN_SLOW_STEPS` distinct
+steps have been seen over the ratio, so one jittery step (carried for a while by
+the rank's smoothed compute time) is not enough. ``sustained`` stays the upper
+bound: a rank over ``ratio`` that long always fires, as it did before
+``lost_seconds`` existed.
+
+**The excess is counted exactly where the ranks say their total compute time**
+(the heartbeat's ``compute_total``): between two polls, a rank's excess is its
+compute over the steps it finished minus the others' median over theirs. The
+smoothed per-step figure, which reaches a sudden slowdown only over several steps,
+still decides *whether* a rank is over the ratio (one jittery step does not put it
+there), but no longer undercounts what it cost; and the interval in which a rank
+first went over the ratio counts too (its steps were slow already). Ranks that do
+not report the total (an older worker) are counted on the smoothed figure.
+
+When compute is the whole step, a rank at ``r`` x the others' compute costs the
+job ``1 - 1/r`` of each second: a 40x straggler ~97% (called after ~1 s), a 1.6x
+one ~38% (~2.7 s). Where the collective or the input pipeline takes most of the
+step, the same ratio costs less and the rule waits longer - up to ``sustained`` -
+instead of assuming the worst. Time is credited only as steps finish, so the
+frozen figures of a stalled job (a hang on its way) add nothing.
+
+**Start-up is not judged.** Nothing is counted until the ranks have been stepping
+for ``sustained`` (per watcher), unless the watcher knows they were past start-up
+before it looked (``settled``: a workload adopted at a segment boundary, stepping
+for a whole segment already; judging its first seconds too means a straggler just
+after a boundary is not called ``sustained`` late).
+The first seconds of a workload are uneven on a shared host: rank 0 opens its
+MLflow client and uploads its first checkpoint beside its steps, while the Airflow
+task that launched it is still deferring. On this 2-core machine that alone made
+rank 0 1.5x the others for a second or two, and a straggler was called 3 s into a
+fault-free run. A rank slow from its first step is called ``sustained`` later.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from relay.core.faults import Fault, FaultKind
+from relay.policy.model import StragglerDetection, ThroughputDetection
+from relay_train.protocol.heartbeat import Heartbeat
+
+MIN_SLOW_STEPS = 3  # distinct steps seen over the ratio before lost_seconds may fire
+
+
+def median_without(ordered: list[float], value: float) -> float:
+    """Return the median of ``ordered`` (sorted) with one occurrence of ``value`` left out.
+
+    O(log n) per rank instead of a fresh median each time: with 1,024 ranks that is
+    the difference between a cheap poll and a quadratic one.
+    """
+    i = bisect.bisect_left(ordered, value)
+    n = len(ordered) - 1
+
+    def at(k: int) -> float:  # the k-th element of ``ordered`` without index i
+        return ordered[k if k < i else k + 1]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+
+
+@dataclass
+class Sustained:
+    """How long a condition has held, per key, counting only while it is judged: a key
+    left unjudged for a while (:meth:`pause`) has its clock stopped from its last
+    judgement to its next, so a pause is never taken for the condition going on."""
+
+    since: dict[object, float] = field(default_factory=dict)
+    last: dict[object, float] = field(default_factory=dict)  # key -> its last judgement
+    paused: set[object] = field(default_factory=set)
+
+    def hold(self, key: object, condition: bool, now: float) -> float:
+        """Return for how long ``condition`` has held for ``key`` (0 when it does not)."""
+        if not condition:
+            self.since.pop(key, None)
+            self.last.pop(key, None)
+            self.paused.discard(key)
+            return 0.0
+        if key in self.paused:  # (only a key with a clock is ever paused)
+            self.since[key] += now - self.last[key]  # the pause did not count
+        self.paused.discard(key)
+        self.last[key] = now
+        return now - self.since.setdefault(key, now)
+
+    def pause(self, key: object) -> None:
+        """Say ``key`` is not judged now: its clock stands still until it is again."""
+        if key in self.since:
+            self.paused.add(key)
+
+    def held(self, key: object, now: float) -> float:
+        """Return for how long the condition has held for ``key``, without updating it."""
+        if key in self.paused:
+            return self.last[key] - self.since[key]
+        return now - self.since.get(key, now)
+
+
+@dataclass
+class _SlowRun:
+    """One rank's unbroken run over the ratio: what it has cost the job, and its evidence."""
+
+    last_seen: float
+    last_step: int
+    steps: int = 1  # distinct steps seen over the ratio
+    lost: float = 0.0  # seconds the job waited on this rank
+
+
+class StragglerRule:
+    """Fire when a slow rank has cost the job ``lost_seconds`` (or stayed slow ``sustained``)."""
+
+    def __init__(self, rule: StragglerDetection, settled: bool = False) -> None:
+        self.rule = rule
+        self._held = Sustained()
+        self._runs: dict[int, _SlowRun] = {}
+        # When two ranks were first seen stepping; -inf: past start-up before we looked.
+        self._stepping_since: float | None = -math.inf if settled else None
+        # rank -> (step, compute_total, when) at the last poll: the exact excess (above)
+        self._totals: dict[int, tuple[int, float, float]] = {}
+
+    def _interval_excess(self, active: list[Heartbeat], now: float) -> dict[int, float]:
+        """Return each rank's compute beyond the others' median over the steps it finished
+        since the last poll (at most the time that passed), where every figure is known;
+        remember this poll's totals for the next."""
+        per_step: dict[int, tuple[float, int, float]] = {}  # rank -> (per step, steps, since)
+        for beat in active:
+            if beat.compute_total is None:
+                continue
+            seen = self._totals.get(beat.rank)
+            if seen is not None and beat.step > seen[0] and beat.compute_total >= seen[1]:
+                steps = beat.step - seen[0]
+                per_step[beat.rank] = ((beat.compute_total - seen[1]) / steps, steps, seen[2])
+            if seen is None or beat.step != seen[0]:
+                self._totals[beat.rank] = (beat.step, beat.compute_total, now)
+        if len(per_step) < 2:
+            return {}
+        ordered = sorted(p for p, _, _ in per_step.values())
+        return {rank: min(max(p - median_without(ordered, p), 0.0) * steps, now - since)
+                for rank, (p, steps, since) in per_step.items()}
+
+    def _track(self, beat: Heartbeat, extra: float, now: float,
+               exact: float | None) -> _SlowRun:
+        """Count what ``beat``'s rank cost the job since the last poll: ``exact`` where the
+        totals say it, else ``extra`` (the smoothed excess) x the steps it finished."""
+        run = self._runs.get(beat.rank)
+        if run is None:
+            # The interval it went over the ratio in was slow already: it counts.
+            run = self._runs[beat.rank] = _SlowRun(last_seen=now, last_step=beat.step,
+                                                   lost=exact or 0.0)
+            return run
+        if beat.step > run.last_step:  # each finished step kept the others waiting ``extra`` s
+            run.lost += exact if exact is not None else min(
+                extra * (beat.step - run.last_step), now - run.last_seen)
+            run.steps += 1
+        if beat.step != run.last_step:
+            run.last_seen, run.last_step = now, beat.step
+        return run
+
+    def slow_ranks(self, now: float) -> list[int]:
+        """Return the ranks half way to being called (a straggler on its way): over the
+        ratio for MIN_SLOW_STEPS steps and half of ``lost_seconds`` lost, or for half of
+        ``sustained``. A blip of a step or two under load is not one."""
+        budget, half = self.rule.lost_seconds, self.rule.sustained / 2
+        return sorted(r for r, run in self._runs.items() if run.steps >= MIN_SLOW_STEPS and (
+            (budget is not None and run.lost >= budget / 2)
+            or self._held.held(r, now) >= half))
+
+    def _due(self, run: _SlowRun, held: float) -> bool:
+        budget = self.rule.lost_seconds
+        return held >= self.rule.sustained or (
+            budget is not None and run.lost >= budget and run.steps >= MIN_SLOW_STEPS)
+
+    def check(self, active: list[Heartbeat], now: float) -> Fault | None:
+        """Return a straggler fault once one is due (``active``: the stepping ranks)."""
+        active = [b for b in active if b.compute_seconds]
+        judged = {b.rank for b in active} if len(active) >= 2 else set()
+        for rank in [r for r in self._held.since if r not in judged]:
+            # Not stepping now (a boundary's publish, a node whose answer is late): how
+            # long a rank has been over the ratio counts only while it is seen stepping,
+            # or the first poll after a pause would find it "slow" for the whole pause.
+            self._held.pause(rank)
+        if not judged:
+            return None
+        exact = self._interval_excess(active, now)
+        if self._stepping_since is None:
+            self._stepping_since = now
+        if now - self._stepping_since < self.rule.sustained:
+            return None  # start-up: nothing held, nothing lost yet
+        times = sorted(b.compute_seconds or 0.0 for b in active)
+        ratios, extra = {}, {}
+        for beat in active:
+            others = median_without(times, beat.compute_seconds or 0.0)
+            ratios[beat.rank] = (beat.compute_seconds or 0.0) / others if others > 0 else 0.0
+            extra[beat.rank] = (beat.compute_seconds or 0.0) - others
+        over = [b for b in active if ratios[b.rank] > self.rule.ratio]
+        due: list[tuple[float, float]] = []  # (lost, held) of each rank whose run is due
+        for beat in active:
+            held = self._held.hold(beat.rank, beat in over, now)
+            if beat not in over:
+                self._runs.pop(beat.rank, None)
+                continue
+            run = self._track(beat, extra[beat.rank], now, exact.get(beat.rank))
+            if self._due(run, held):
+                due.append((run.lost, held))
+        if not due:
+            return None
+        lost, held = max(due)
+        # The job has had a straggler long enough. Blame the rank holding it back now, the
+        # slowest: a mildly slow rank (its own background work) may have been over the ratio
+        # longer, but a much slower one that turned up since sets every step's pace.
+        beat = max(over, key=lambda b: (b.compute_seconds or 0.0, -b.rank))
+        others = median_without(times, beat.compute_seconds or 0.0)
+        ratio = ratios[beat.rank]
+        budget = "" if self.rule.lost_seconds is None else (
+            f"lost_seconds {self.rule.lost_seconds:g}s, ")
+        return Fault(FaultKind.STRAGGLER, beat.rank, beat.node,
+                     {"summary": f"compute time {beat.compute_seconds:.3f}s per step is "
+                      f"{ratio:.1f}x the other ranks' median {others:.3f}s; the job lost "
+                      f"{lost:.1f}s waiting on a rank over {self.rule.ratio:g}x in "
+                      f"{held:.1f}s ({budget}sustained {self.rule.sustained:g}s)",
+                      "compute_seconds": {b.rank: round(b.compute_seconds or 0.0, 4)
+                                          for b in active},
+                      "ratio": round(ratio, 2), "lost_seconds": round(lost, 2)}, now)
+
+
+class ThroughputRule:
+    """Fire when job samples/s stays below ``floor`` x its own baseline for ``sustained``."""
+
+    def __init__(self, rule: ThroughputDetection) -> None:
+        self.rule = rule
+        self._slow = Sustained()
+        self._samples: list[float] = []
+        self._started: float | None = None
+        self._first_step: int | None = None
+        self.baseline: float | None = None
+
+    def check(self, active: list[Heartbeat], heard: int, now: float) -> Fault | None:
+        """Return a fault once throughput has stayed low (``heard``: ranks with a record)."""
+        rule = self.rule
+        active = [b for b in active if b.samples_per_second]
+        if not active or len(active) < heard:
+            return None
+        steps = min(b.step for b in active)
+        if self._first_step is None:
+            self._first_step = steps
+        if steps < self._first_step + rule.warmup_steps:
+            return None
+        rate = min(b.samples_per_second or 0.0 for b in active)
+        if self.baseline is None:
+            self._started = self._started or now
+            self._samples.append(rate)
+            if now - self._started >= rule.baseline:
+                self.baseline = statistics.median(self._samples)
+            return None
+        held = self._slow.hold("job", rate < rule.floor * self.baseline, now)
+        if held < rule.sustained:
+            return None
+        return Fault(FaultKind.THROUGHPUT_DEGRADED, None, None,
+                     {"summary": f"job throughput {rate:.0f} samples/s is "
+                      f"{rate / self.baseline:.0%} of its baseline {self.baseline:.0f} for "
+                      f"{held:.1f}s (floor {rule.floor:.0%}, sustained {rule.sustained:g}s)",
+                      "samples_per_second": round(rate, 1), "baseline": round(self.baseline, 1)},
+                     now)

@@ -1,0 +1,116 @@
+"""The launcher seam: one factory, one protocol, the spec's choice, PIDs only in the local one."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from relay.core.faults import FaultKind
+from relay.launchers import Launcher, LaunchState, LaunchStatus, launcher_for, launcher_from
+from relay.launchers.base import UNRESPONSIVE, NodeStatus, overall_state
+from relay.launchers.k8s.launcher import KubernetesLauncher
+from relay.launchers.local.launcher import LocalLauncher
+from relay.policy.model import Detection
+from relay.spec.job import load_job_spec
+from relay.spec.yamlsource import ConfigError
+from relay.watch.detection import Detector, Observation
+
+PLUGIN = Path(__file__).resolve().parents[3] / "plugins" / "relay"
+BASE = """\
+job: k8s
+total_steps: 10
+steps_per_segment: 5
+checkpoint_every: 5
+"""
+
+
+def spec_file(tmp_path: Path, extra: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(BASE + extra)
+    return path
+
+
+def test_local_is_the_default(tmp_path: Path) -> None:
+    spec = load_job_spec(spec_file(tmp_path, ""))
+
+    launcher = launcher_for(spec)
+
+    assert spec.launcher == "local" and spec.kubernetes is None
+    assert isinstance(launcher, LocalLauncher) and isinstance(launcher, Launcher)
+    assert launcher_from(launcher.config()).config() == {"kind": "local"}
+
+
+def test_kubernetes_from_the_spec_round_trips_through_its_config(tmp_path: Path) -> None:
+    spec = load_job_spec(spec_file(tmp_path, (
+        "launcher: kubernetes\nkubernetes:\n  image: reg/relay-worker:1\n  namespace: relay\n"
+        "  gpus_per_pod: 8\n  active_deadline: 2h\n  taint_quarantine: true\n")))
+
+    launcher = launcher_for(spec)
+
+    assert isinstance(launcher, KubernetesLauncher) and isinstance(launcher, Launcher)
+    settings = launcher.settings
+    assert (settings.image, settings.namespace, settings.gpus_per_pod) == (
+        "reg/relay-worker:1", "relay", 8)
+    assert (settings.active_deadline, settings.taint_quarantine) == (7200.0, True)
+    assert settings.service_account == "relay-worker"
+    rebuilt = launcher_from(launcher.config())
+    assert rebuilt.config() == launcher.config()
+    assert launcher.slots(["gpu-a", "gpu-b"]) == ["pod-0", "pod-1"]
+
+
+def test_kubernetes_without_its_section_is_a_clear_spec_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_job_spec(spec_file(tmp_path, "launcher: kubernetes\n"))
+
+    text = str(raised.value)
+    assert "kubernetes: expected a kubernetes section when launcher is kubernetes" in text
+    assert "Fix: add kubernetes: {image:" in text
+
+
+def test_unknown_launcher_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="expected 'local' or 'kubernetes', found 'slurm'"):
+        launcher_from({"kind": "slurm"})
+
+
+def test_an_unresponsive_node_from_the_platform_is_node_unresponsive() -> None:
+    nodes = {"pod-0": NodeStatus("pod-0", "running", host="gpu-1"),
+             "pod-1": NodeStatus("pod-1", UNRESPONSIVE, detail="node gpu-2 is NotReady",
+                                 host="gpu-2")}
+    status = LaunchStatus(overall_state(nodes), nodes)
+    obs = Observation(now=100.0, launched_at=99.0, heartbeats={},
+                      node_ranks={"pod-0": [0, 1], "pod-1": [2, 3]}, heartbeat_interval=0.5,
+                      launch=status)
+
+    fault = Detector(Detection()).check(obs)
+
+    assert status.state is LaunchState.RUNNING
+    assert fault is not None and fault.kind is FaultKind.NODE_UNRESPONSIVE
+    assert (fault.culprit_node, fault.culprit_rank) == ("pod-1", None)
+    assert fault.evidence == {"summary": "node gpu-2 is NotReady", "host": "gpu-2"}
+    assert Detector(Detection(), frozenset({FaultKind.CRASH})).check(obs) is None
+
+
+def test_only_the_local_launcher_signals_processes() -> None:
+    signalling = re.compile(r"\b(os\.(kill|killpg)|pids\.signal_(process|group))\(")
+    users = sorted(str(p.relative_to(PLUGIN)) for p in PLUGIN.rglob("*.py")
+                   if signalling.search(p.read_text()))
+
+    # tools/pgcluster.py and core/proctree.py stop the services `make up` started (Airflow,
+    # MLflow, PostgreSQL), never a workload; tools/bench/torchrun_baseline.py breaks the
+    # benchmark's plain-torchrun baseline (not Relay's); every signal to a Relay workload goes
+    # through LocalLauncher, its chaos hooks and its standby/resident records (a rank's
+    # faulthandler is signalled by its own node's agent, asked over the channel).
+    assert users == ["core/proctree.py", "launchers/local/launcher.py",
+                     "launchers/local/signals.py", "launchers/local/warm_agents.py",
+                     "tools/bench/torchrun_baseline.py", "tools/pgcluster.py"]
+
+
+def test_the_documented_kubernetes_example_spec_is_valid() -> None:
+    example = PLUGIN.parents[1] / "docs" / "examples" / "kubernetes-job.yaml"
+
+    spec = load_job_spec(example)
+
+    assert spec.launcher == "kubernetes" and spec.kubernetes is not None
+    assert spec.kubernetes.gpus_per_pod == 8

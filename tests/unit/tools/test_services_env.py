@@ -1,0 +1,42 @@
+"""`make up`'s environment: loopback, free ports, PATH, unpaused DAGs, one shared secret."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from relay.tools import services
+from relay.tools.airflow_api import ServiceError
+
+
+def test_every_component_gets_the_venv_on_path_and_its_own_ports(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    monkeypatch.setenv("RELAY_API_PORT", "18080")
+    monkeypatch.delenv("RELAY_MLFLOW_PORT", raising=False)
+    ports = services.choose_ports()
+    assert ports.api == 18080
+    assert len({ports.api, ports.mlflow, ports.worker_logs, ports.trigger_logs}) == 4
+    services.services_dir(tmp_path).mkdir(parents=True)
+    env = services.services_env(tmp_path, ports)
+    assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
+    assert env["AIRFLOW__API__HOST"] == "127.0.0.1"
+    assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://127.0.0.1:18080/execution/"
+    assert env["AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION"] == "False"
+    assert env["AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT"] == str(ports.worker_logs)
+    assert env["AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL"] == "1"
+    assert env["RELAY_MLFLOW_TRACKING_URI"] == f"http://127.0.0.1:{ports.mlflow}"
+    assert env["PYTHONPATH"].split(":")[0].endswith("/plugins")
+    # The secret is made once and shared: a second environment carries the same one.
+    again = services.services_env(tmp_path, ports)
+    assert env["AIRFLOW__API_AUTH__JWT_SECRET"] == again["AIRFLOW__API_AUTH__JWT_SECRET"]
+    assert len(env["AIRFLOW__API_AUTH__JWT_SECRET"]) >= 64
+    cmd = services._mlflow_command(tmp_path, ports)
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and "--workers" in cmd
+
+
+def test_down_and_restart_without_a_deployment(tmp_path: Path) -> None:
+    assert services.down(tmp_path) == []
+    with pytest.raises(ServiceError, match="no running scheduler recorded"):
+        services.restart("scheduler", tmp_path)

@@ -1,0 +1,194 @@
+"""Unit tests for chaos fault parsing, matching and the crash it injects."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from relay_train.inject import ChaosMonkey, Fault
+
+WHERE = {"segment": 1, "attempt": 1, "step": 30, "rank": 1, "node": "node-b"}
+
+
+def test_from_dict_builds_a_fault() -> None:
+    fault = Fault.from_dict({"kind": "crash", "segment": 1, "step": 30, "rank": 1})
+
+    assert fault == Fault(kind="crash", step=30, segment=1, rank=1, node=None, attempt=1)
+
+
+@pytest.mark.parametrize("kind", ["explode", "", None, "CRASH"])
+def test_from_dict_rejects_unknown_kinds(kind: object) -> None:
+    with pytest.raises(ValueError, match="kind") as info:
+        Fault.from_dict({"kind": kind, "step": 3})
+    assert repr(kind) in str(info.value)
+    assert "crash" in str(info.value)  # says what would have been accepted
+
+
+def test_from_dict_rejects_missing_kind() -> None:
+    with pytest.raises(ValueError, match="None"):
+        Fault.from_dict({"step": 3})
+
+
+def test_from_dict_rejects_unknown_fields_naming_them() -> None:
+    with pytest.raises(ValueError, match="unknown fields") as info:
+        Fault.from_dict({"kind": "crash", "step": 3, "rnak": 1, "when": "now"})
+    assert "rnak" in str(info.value)
+    assert "when" in str(info.value)
+    assert "step" not in str(info.value)
+
+
+def test_chaos_monkey_validates_its_faults_up_front() -> None:
+    with pytest.raises(ValueError, match="rnak"):
+        ChaosMonkey(
+            [{"kind": "crash", "step": 3, "rnak": 1}],
+            segment=1,
+            attempt=1,
+            rank=0,
+            node="n0",
+        )
+
+
+def test_strikes_when_everything_matches() -> None:
+    fault = Fault(kind="crash", step=30, segment=1, rank=1, node="node-b", attempt=1)
+
+    assert fault.strikes(**WHERE)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("segment", 2), ("attempt", 2), ("step", 29), ("step", 31), ("rank", 0), ("node", "node-a")],
+)
+def test_strikes_only_where_planned(field: str, value: object) -> None:
+    fault = Fault(kind="crash", step=30, segment=1, rank=1, node="node-b", attempt=1)
+
+    assert not fault.strikes(**{**WHERE, field: value})
+
+
+def test_unset_fields_match_anything() -> None:
+    fault = Fault(kind="crash", step=30)  # any segment, any rank, any node; attempt 1
+
+    assert fault.strikes(**WHERE)
+    assert fault.strikes(**{**WHERE, "segment": 9, "rank": 5, "node": "node-z"})
+    assert not fault.strikes(**{**WHERE, "attempt": 2})  # Airflow's retry runs clean
+    assert not fault.strikes(**{**WHERE, "step": 31})
+
+
+def test_node_fault_hits_every_rank_of_that_node() -> None:
+    fault = Fault(kind="crash", step=30, node="node-b")
+
+    assert fault.strikes(**{**WHERE, "rank": 0})
+    assert fault.strikes(**{**WHERE, "rank": 3})
+    assert not fault.strikes(**{**WHERE, "node": "node-a"})
+
+
+def run_monkey(faults: list[dict], steps: list[int]) -> subprocess.CompletedProcess[str]:
+    """Run a ChaosMonkey for rank 1 on node-b through ``steps`` in a fresh interpreter."""
+    code = textwrap.dedent(
+        f"""
+        import json
+        from relay_train.inject import ChaosMonkey
+
+        monkey = ChaosMonkey(
+            json.loads({json.dumps(faults)!r}),
+            segment=1, attempt=1, rank=1, node="node-b",
+        )
+        for step in {steps!r}:
+            monkey.before_step(step)
+            print("survived", step, flush=True)
+        """
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_crash_fault_sigkills_the_process_at_its_step() -> None:
+    result = run_monkey([{"kind": "crash", "segment": 1, "step": 30, "rank": 1}], [28, 29, 30, 31])
+
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert result.stdout.split("\n")[:-1] == ["survived 28", "survived 29"]
+
+
+def test_non_matching_fault_does_not_kill() -> None:
+    faults = [
+        {"kind": "crash", "segment": 1, "step": 30, "rank": 0},  # another rank
+        {"kind": "crash", "segment": 1, "step": 30, "rank": 1, "attempt": 2},  # a retry
+        {"kind": "crash", "segment": 2, "step": 30},  # another segment
+        {"kind": "crash", "step": 30, "node": "node-a"},  # another node
+        {"kind": "crash", "step": 99},  # a step this run never reaches
+    ]
+    result = run_monkey(faults, [29, 30, 31])
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["survived", "29", "survived", "30", "survived", "31"]
+
+
+def _slow(faults: list[dict], root: Path, attempt: int, rank: int, node: str, step: int) -> float:
+    where = root / "run" / "segment-000" / f"try-{attempt}"
+    where.mkdir(parents=True, exist_ok=True)
+    monkey = ChaosMonkey(faults, segment=0, attempt=attempt, rank=rank, node=node,
+                         record_dir=where)
+    return monkey.delay(step, 0.001)
+
+
+def test_a_node_bound_straggler_stays_with_the_node_not_the_rank(tmp_path: Path) -> None:
+    faults = [{"kind": "straggler", "step": 10, "rank": 3, "attempt": None, "once": True,
+               "factor": 3.0}]
+
+    assert _slow(faults, tmp_path, 1, 2, "node-b", 10) == 0.0  # nothing struck yet
+    assert _slow(faults, tmp_path, 1, 3, "node-b", 9) == 0.0
+    assert _slow(faults, tmp_path, 1, 3, "node-b", 10) > 0.0  # node-b turns slow
+    assert _slow(faults, tmp_path, 1, 2, "node-b", 11) > 0.0  # for every rank on it
+    # A later attempt resumes before step 10: node-b is still slow, whoever runs there;
+    # rank 3 on another node is not.
+    assert _slow(faults, tmp_path, 2, 0, "node-b", 5) > 0.0
+    assert _slow(faults, tmp_path, 2, 3, "node-c", 12) == 0.0
+
+
+_FROZEN_NODE = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    from relay_train.inject import ENV_NODE_AGENT_PID
+    monkey = (
+        "from relay_train.inject import ChaosMonkey;"
+        "m = ChaosMonkey([{'kind': 'stop_node', 'step': 1, 'rank': 1}], segment=0, attempt=1,"
+        " rank=1, node='node-b');"
+        "import time; time.sleep(1.0); m.before_step(1)"
+    )
+    env = dict(os.environ, **{ENV_NODE_AGENT_PID: str(os.getpid())})
+    # Like torchrun: each rank in a session of its own.
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            start_new_session=True)
+    rank = subprocess.Popen([sys.executable, "-c", monkey], env=env, start_new_session=True)
+    print(peer.pid, rank.pid, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_stop_node_under_torchrun_freezes_the_agent_and_every_rank() -> None:
+    agent = subprocess.Popen([sys.executable, "-c", _FROZEN_NODE], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    assert agent.stdout is not None
+    pids = [agent.pid, *map(int, agent.stdout.readline().split())]
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_state(p) != "T" for p in pids):
+            time.sleep(0.1)
+        assert [_state(p) for p in pids] == ["T", "T", "T"]
+    finally:
+        for pid in pids:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        agent.wait()

@@ -1,0 +1,1 @@
+"""Training loops without Relay, for the benchmarks' comparisons."""

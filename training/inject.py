@@ -1,0 +1,297 @@
+"""Fault injection from inside a rank, for tests, demos and benchmarks.
+
+A fault is a dict from the DAG run's conf, e.g.
+``{"kind": "hang", "segment": 1, "step": 30, "rank": 1, "attempt": 1}``:
+strike at global ``step`` on ``rank`` (or on every rank of ``node``, or every
+rank when neither is given), only on that segment attempt (``attempt``
+defaults to 1 so Airflow's retry runs clean; ``null`` means every attempt).
+
+One-shot kinds strike once at ``step``: ``crash`` (SIGKILL the rank),
+``hang`` (the rank stops stepping but stays alive), ``stop_rank`` (SIGSTOP the
+rank: it goes silent), ``stop_node`` (SIGSTOP the rank's whole process group:
+the node's agent and every rank on it), ``nan`` (the loss becomes NaN) and
+``launch_failure`` (the rank never starts; ``step`` is ignored). Lasting kinds
+hold from ``step`` on: ``straggler`` (compute takes ``factor`` x as long),
+``jitter`` (up to ``seconds`` of random extra time per step) and ``pace``
+(exactly ``seconds`` more per step: a slower job, not a fault). Every strike is
+appended to ``chaos.jsonl`` in the attempt folder with its wall-clock time.
+
+``once: true`` makes a one-shot fault strike only the first time the job
+reaches ``step``, whichever attempt that is (use ``attempt: null`` with it):
+the first rank to strike leaves a marker two folders up from the attempt
+folder (the DAG run's folder), which later attempts see. A lasting fault with
+``once: true`` is a property of a *node*: the first time the job reaches
+``step``, the node then hosting ``rank`` turns slow and stays slow, so every
+rank on that node, in this attempt and every later one, is struck from then
+on (a job that moves away from the node leaves it behind; one that stays keeps
+paying).
+
+``stop_node`` freezes every process of the node: under Relay's node agent that
+is the rank's process group; under torchrun (whose ranks each get a session of
+their own) ``relay_train.baselines.torchrun_worker`` sets ``RELAY_NODE_AGENT_PID``, and the
+agent and all its children are frozen too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ONE_SHOT = ("crash", "hang", "stop_rank", "stop_node", "nan", "launch_failure")
+LASTING = ("straggler", "jitter", "pace")
+KINDS = ONE_SHOT + LASTING
+CHAOS_LOG = "chaos.jsonl"
+ENV_NODE_AGENT_PID = "RELAY_NODE_AGENT_PID"  # set where a node's ranks are not one process group
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One planned fault."""
+
+    kind: str
+    step: int = 0
+    segment: int | None = None
+    rank: int | None = None
+    node: str | None = None
+    attempt: int | None = 1
+    factor: float = 2.0
+    seconds: float = 0.05
+    once: bool = False
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Fault:
+        """Build a fault from run conf; reject unknown kinds, fields and wrong types."""
+        kind = raw.get("kind")
+        if kind not in KINDS:
+            raise ValueError(f"chaos fault kind: expected one of {KINDS}, found {kind!r}")
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"chaos fault: unknown fields {sorted(unknown)}")
+        for name in ("step", "segment", "rank", "attempt"):
+            value = raw.get(name)
+            required = name == "step" and kind != "launch_failure"
+            if (required or value is not None) and (
+                not isinstance(value, int) or isinstance(value, bool)
+            ):
+                raise ValueError(f"chaos fault {name}: expected a whole number, found {value!r}")
+        if "once" in raw and not isinstance(raw["once"], bool):
+            raise ValueError(f"chaos fault once: expected true or false, found {raw['once']!r}")
+        for name in ("factor", "seconds"):
+            if name in raw and not isinstance(raw[name], int | float):
+                raise ValueError(f"chaos fault {name}: expected a number, found {raw[name]!r}")
+        return cls(**raw)
+
+    def targets(self, *, segment: int, attempt: int, rank: int, node: str) -> bool:
+        """Return whether this fault is meant for this rank on this attempt."""
+        if self.segment is not None and self.segment != segment:
+            return False
+        if self.attempt is not None and self.attempt != attempt:
+            return False
+        if self.rank is not None and self.rank != rank:
+            return False
+        return self.node is None or self.node == node
+
+    def strikes(self, *, segment: int, attempt: int, step: int, rank: int, node: str) -> bool:
+        """Return whether this fault hits this rank at ``step``."""
+        if not self.targets(segment=segment, attempt=attempt, rank=rank, node=node):
+            return False
+        return step >= self.step if self.kind in LASTING else step == self.step
+
+
+def chaos_hang_forever() -> None:
+    """Stay alive (heartbeats keep coming) but never finish the step.
+
+    Its own function, so that a hang's evidence names it: the culprit's stack ends here.
+    """
+    while True:
+        time.sleep(3600)
+
+
+class ChaosMonkey:
+    """Apply the faults planned for this rank as its steps go by."""
+
+    def __init__(
+        self,
+        faults: list[dict[str, Any]],
+        *,
+        segment: int,
+        attempt: int,
+        rank: int,
+        node: str,
+        record_dir: Path | None = None,
+    ) -> None:
+        where = {"segment": segment, "attempt": attempt, "rank": rank, "node": node}
+        self._planned = [Fault.from_dict(raw) for raw in faults]
+        self._faults = [f for f in self._planned if f.targets(**where) or _node_bound(f)]
+        self._where = where
+        self._record_dir = record_dir
+        self._struck: set[int] = set()
+        self._markers = record_dir.parent.parent / "chaos-once" if record_dir else None
+        self._rng = random.Random(f"{segment}-{attempt}-{rank}")  # never the training RNG
+        self._slow_nodes: dict[int, str] = {}  # node-bound faults: the node each one struck
+
+    def move_to(self, segment: int, attempt: int) -> None:
+        """Follow a workload that trains on into a later segment (relay_train.boundary).
+
+        Faults struck so far stay struck; the rest are chosen again for the new place.
+        """
+        struck = [self._faults[i] for i in self._struck]
+        slow = {id(self._faults[i]): node for i, node in self._slow_nodes.items()}
+        self._where = {**self._where, "segment": segment, "attempt": attempt}
+        kept = [f for f in self._planned if f.targets(**self._where) or _node_bound(f)]
+        self._faults = kept + [f for f in struck if all(f is not k for k in kept)]
+        self._struck = {i for i, f in enumerate(self._faults) if any(f is s for s in struck)}
+        self._slow_nodes = {i: slow[id(f)] for i, f in enumerate(self._faults) if id(f) in slow}
+
+    def _due(self, step: int, kinds: tuple[str, ...]) -> list[tuple[int, Fault]]:
+        return [
+            (i, f) for i, f in enumerate(self._faults)
+            if f.kind in kinds and (
+                self._on_struck_node(i, f, step) if _node_bound(f)
+                else f.strikes(step=step, **self._where) and self._first_time(i, f)
+            )
+        ]
+
+    def _marker(self, fault: Fault) -> Path | None:
+        if self._markers is None:
+            return None
+        return self._markers / f"{fault.kind}-{fault.step}-{fault.rank}-{fault.node}"
+
+    def _on_struck_node(self, index: int, fault: Fault, step: int) -> bool:
+        """Return whether a node-bound fault holds on this rank's node now."""
+        node = self._slow_nodes.get(index)
+        marker = self._marker(fault)
+        if node is None and marker is not None and marker.exists():
+            node = self._slow_nodes[index] = marker.read_text()
+        if node is None and fault.strikes(step=step, **self._where):
+            node = self._where["node"]
+            if marker is not None:  # first writer wins; written whole, then linked in place
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                draft = marker.with_name(f"{marker.name}.{os.getpid()}")
+                draft.write_text(node)
+                try:
+                    os.link(draft, marker)
+                except FileExistsError:
+                    node = marker.read_text()
+                finally:
+                    draft.unlink()
+            self._slow_nodes[index] = node
+        return node == self._where["node"]
+
+    def _first_time(self, index: int, fault: Fault) -> bool:
+        """Return False for a ``once`` fault that an earlier attempt already struck."""
+        marker = self._marker(fault)
+        if not fault.once or marker is None or index in self._struck:
+            return True
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        attempt = str(self._where["attempt"])
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            # Another rank of this same attempt may have struck it a moment ago.
+            return marker.read_text() == attempt
+        with os.fdopen(fd, "w") as fh:
+            fh.write(attempt)
+        return True
+
+    def _record(self, index: int, fault: Fault, step: int) -> None:
+        if index in self._struck:
+            return
+        self._struck.add(index)
+        log.warning("CHAOS: injecting %s at step %d (%s)", fault.kind, step, self._where)
+        if self._record_dir is not None:
+            entry = {**asdict(fault), **self._where, "step": step, "at": time.time(),
+                     "pid": os.getpid()}
+            with (self._record_dir / CHAOS_LOG).open("a") as fh:
+                fh.write(json.dumps(entry) + "\n")
+
+    def at_startup(self) -> None:
+        """Never start, if a launch failure is planned (the process stays alive, silent)."""
+        for index, fault in enumerate(self._faults):
+            if fault.kind == "launch_failure":
+                self._record(index, fault, -1)
+                while True:
+                    time.sleep(3600)
+
+    def before_step(self, step: int) -> None:
+        """Strike the one-shot process faults planned for ``step``."""
+        for index, fault in self._due(step, ("crash", "stop_rank", "stop_node")):
+            self._record(index, fault, step)
+            if fault.kind == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.kind == "stop_rank":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                _freeze_node()
+
+    def delay(self, step: int, compute_estimate: float) -> float:
+        """Spend the extra compute time planned for ``step``; return it (a hang never returns).
+
+        ``compute_estimate`` must be the rank's own compute time without injected
+        delays, or a straggler's delay would feed on itself and grow without end.
+        """
+        extra = 0.0
+        for index, fault in self._due(step, ("hang", "straggler", "jitter", "pace")):
+            self._record(index, fault, step)
+            if fault.kind == "hang":
+                chaos_hang_forever()
+            elif fault.kind == "straggler":
+                extra += max(fault.factor - 1.0, 0.0) * compute_estimate
+            elif fault.kind == "pace":
+                extra += fault.seconds
+            else:
+                extra += self._rng.uniform(0.0, fault.seconds)
+        if extra > 0:
+            time.sleep(extra)
+        return extra
+
+    def corrupt_loss(self, step: int, loss: Any) -> Any:  # noqa: ANN401 - a torch scalar
+        """Return the loss, made NaN if planned for ``step``."""
+        for index, fault in self._due(step, ("nan",)):
+            self._record(index, fault, step)
+            return loss * math.nan
+        return loss
+
+
+def _node_bound(fault: Fault) -> bool:
+    return fault.once and fault.kind in LASTING
+
+
+def child_pids() -> dict[int, list[int]]:
+    """Return the PIDs of every process's children, by parent PID (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def _freeze_node() -> None:
+    """SIGSTOP every process of this rank's node: its agent, its ranks, this rank last."""
+    own = os.getpgid(0)
+    agent = os.environ.get(ENV_NODE_AGENT_PID)
+    groups: set[int] = set()
+    if agent:
+        pids = [int(agent), *child_pids().get(int(agent), [])]
+        for pid in pids:
+            try:
+                groups.add(os.getpgid(pid))
+            except ProcessLookupError:
+                continue
+    for group in groups - {own}:
+        os.killpg(group, signal.SIGSTOP)
+    os.killpg(own, signal.SIGSTOP)

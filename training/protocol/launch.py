@@ -1,0 +1,175 @@
+"""The launch file: everything a node agent and its ranks need, as one JSON document.
+
+Written by a Relay launcher into the attempt folder; read by ``relay_train.agent.node``
+and ``relay_train.worker``. Stdlib only, like the heartbeat module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+LAUNCH_FILE = "launch.json"
+DRAIN_FILE = "drain.json"  # written by Relay: {"stop_at": STEP}; see relay_train.worker
+FIRST_STEP_FILE = "first_step.json"  # rank 0, first step: step, at, node, spawned_at, startup
+RESULT_FILE = "result.json"  # written by rank 0 when the attempt ends: steps and loop time
+ADOPT_FILE = "adopt.json"  # written by Relay: a later segment's task adopted this workload
+BOUNDARIES_FILE = "boundaries.jsonl"  # rank 0: what each segment boundary cost the loop
+ENV_LAUNCH = "RELAY_LAUNCH"  # the launch file, for relay_train.init() in a rank
+BUILTIN_ENTRYPOINT = "relay_train.examples.charlm"  # what a spec without an entrypoint runs
+
+
+def attempt_id_of(attempt_dir: Path) -> str:
+    """Return the id of the attempt in ``attempt_dir``: ``<dag_id>/<run>/segment-NNN/try-N``."""
+    return "/".join(Path(attempt_dir).parts[-4:])
+
+
+@dataclass(frozen=True)
+class Entrypoint:
+    """The script a rank runs: a module (``python -m``) or a file, with its arguments."""
+
+    module: str | None = None
+    script: str | None = None
+    args: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """Return it as a command line would show it."""
+        head = f"-m {self.module}" if self.module else str(self.script)
+        return " ".join([head, *self.args])
+
+
+@dataclass(frozen=True)
+class ResumeFrom:
+    """The verified checkpoint a segment attempt starts from.
+
+    ``format`` ``torch``: ``path`` is one file with ``sha256``; ``dcp``: ``path`` is a
+    ``torch.distributed.checkpoint`` folder whose files ``files`` lists (relative path:
+    sha256), and ``sha256`` is the digest of that table (see ``relay_train.protocol.manifest``).
+    """
+
+    path: str
+    sha256: str
+    run_id: str
+    step: int
+    format: str = "torch"
+    files: dict[str, str] = field(default_factory=dict, hash=False)
+    artifact: str = ""  # the checkpoint's URI in MLflow's artifact store; ranks fetch it there
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One segment attempt, as the workers see it."""
+
+    job: str
+    seed: int
+    model: dict[str, Any]
+    data: dict[str, Any]
+    optimizer: dict[str, Any]
+    start_step: int
+    end_step: int
+    checkpoint_every: int
+    nodes: list[str]
+    ranks_per_node: int
+    master_addr: str
+    master_port: int
+    tracking_uri: str
+    run_id: str
+    attempt_dir: str
+    attempt: int
+    segment: int
+    heartbeat_interval_seconds: float = 0.5
+    collective_timeout_seconds: float = 1800.0
+    backend: str = "auto"  # auto | gloo | nccl (NCCL when every local rank has a GPU)
+    deterministic: bool = True
+    resume: ResumeFrom | None = None
+    chaos: list[dict[str, Any]] = field(default_factory=list)
+    entrypoint: Entrypoint = field(default_factory=lambda: Entrypoint(BUILTIN_ENTRYPOINT))
+    attempt_id: str = ""  # what every channel message names (fencing); see attempt_id_of
+    agent_ports: dict[str, int] = field(default_factory=dict)  # node -> its agent's port (local)
+    # Segment boundaries without a restart (relay_train.boundary): every segment end of the
+    # job (a checkpoint is always published there); the step the ranks may train on to past
+    # ``end_step`` before a later segment's task adopts them (None: stop at ``end_step``);
+    # how long they wait there for that adoption before finishing.
+    boundaries: list[int] = field(default_factory=list)
+    run_on_to: int | None = None
+    adopt_wait_seconds: float = 120.0
+
+    @property
+    def fence_id(self) -> str:
+        """Return the attempt's id on the channel (set by the launcher; else from its folder)."""
+        return self.attempt_id or attempt_id_of(self.root)
+
+    @property
+    def world_size(self) -> int:
+        """Return the number of ranks across all nodes."""
+        return len(self.nodes) * self.ranks_per_node
+
+    @property
+    def root(self) -> Path:
+        """Return the attempt folder."""
+        return Path(self.attempt_dir)
+
+    @property
+    def heartbeat_dir(self) -> Path:
+        """Return where ranks write heartbeats."""
+        return self.root / "heartbeats"
+
+    @property
+    def status_dir(self) -> Path:
+        """Return where node agents write their status."""
+        return self.root / "status"
+
+    @property
+    def log_dir(self) -> Path:
+        """Return where rank and agent logs go."""
+        return self.root / "logs"
+
+    def global_rank(self, node: str, local_rank: int) -> int:
+        """Return the global rank of ``local_rank`` on ``node``."""
+        return self.nodes.index(node) * self.ranks_per_node + local_rank
+
+    def write(self, path: Path) -> None:
+        """Write the launch file, readable by its owner only (it holds the tracking URI,
+        which may carry credentials)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode otherwise
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(json.dumps(asdict(self), indent=2, sort_keys=True))
+
+    @classmethod
+    def read(cls, path: Path) -> LaunchConfig:
+        """Read a launch file written by :meth:`write`."""
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> LaunchConfig:
+        """Rebuild a launch config from ``dataclasses.asdict`` of one."""
+        raw = dict(fields)
+        resume = raw.pop("resume", None)
+        entry = raw.pop("entrypoint", None)
+        return cls(**raw, resume=ResumeFrom(**resume) if resume else None,
+                   entrypoint=Entrypoint(**entry) if entry else Entrypoint(BUILTIN_ENTRYPOINT))
+
+    def rank_environment(self, node: str, local_rank: int) -> dict[str, str]:
+        """Return what torchrun would set for this rank, plus Relay's own variables."""
+        node_rank = self.nodes.index(node)
+        rank = self.global_rank(node, local_rank)
+        world = str(self.world_size)
+        return {
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": world,
+            "LOCAL_WORLD_SIZE": str(self.ranks_per_node), "GROUP_RANK": str(node_rank),
+            "GROUP_WORLD_SIZE": str(len(self.nodes)), "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": world, "ROLE_NAME": "default", "NODE_RANK": str(node_rank),
+            "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
+            "TORCHELASTIC_RUN_ID": f"{self.job}-{self.segment}-{self.attempt}",
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "OMP_NUM_THREADS": "1",
+            ENV_LAUNCH: str(self.root / LAUNCH_FILE),
+            "RELAY_START_STEP": str(self.start_step), "RELAY_END_STEP": str(self.end_step),
+            "RELAY_ATTEMPT_DIR": str(self.root), "RELAY_SEGMENT": str(self.segment),
+            "RELAY_ATTEMPT": str(self.attempt),
+            "RELAY_RESUME_PATH": self.resume.path if self.resume else "",
+        }

@@ -49,10 +49,10 @@ from relay_train.boundary import PUBLISH_WAIT_SECONDS, BoundaryKeeper
 from relay_train.checkpoint import Checkpointer
 from relay_train.device import RankDevice, setup_rank_device, wait_for_compute
 from relay_train.inject import ChaosMonkey
-from relay_train.protocol.heartbeat import ENV_NODE, HeartbeatWriter, Phase
+from relay_train.protocol.env import ENV_LAUNCH, ENV_NODE
+from relay_train.protocol.heartbeat import HeartbeatWriter, Phase
 from relay_train.protocol.launch import (
     DRAIN_FILE,
-    ENV_LAUNCH,
     FIRST_STEP_FILE,
     RESULT_FILE,
     LaunchConfig,

@@ -45,13 +45,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from relay_train.protocol.env import ENV_NODE_AGENT_PID
+
 log = logging.getLogger(__name__)
 
 ONE_SHOT = ("crash", "hang", "stop_rank", "stop_node", "nan", "launch_failure")
 LASTING = ("straggler", "jitter", "pace")
 KINDS = ONE_SHOT + LASTING
 CHAOS_LOG = "chaos.jsonl"
-ENV_NODE_AGENT_PID = "RELAY_NODE_AGENT_PID"  # set where a node's ranks are not one process group
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ import torch
 from relay_train.boundary import BoundaryKeeper
 from relay_train.checkpoint import Checkpointer, load_verified, restore_rng, snapshot_state
 from relay_train.fetch import fetch_resume
-from relay_train.protocol.heartbeat import ENV_NODE, HeartbeatWriter, Phase
+from relay_train.protocol.env import ENV_NODE
+from relay_train.protocol.heartbeat import HeartbeatWriter, Phase
 from relay_train.protocol.launch import LaunchConfig, ResumeFrom
 from relay_train.protocol.manifest import CheckpointRef
 from relay_train.rescue import DrainRequest, TrainingState

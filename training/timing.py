@@ -6,7 +6,7 @@ import os
 import time
 from typing import Any
 
-ENV_SPAWNED_AT = "RELAY_SPAWNED_AT"  # set by the node agent: time.time() when it started us
+from relay_train.protocol.env import ENV_SPAWNED_AT
 
 
 class StartupClock:

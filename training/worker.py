@@ -19,7 +19,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from relay_train.protocol.heartbeat import ENV_NODE
+from relay_train.protocol.env import ENV_NODE
 from relay_train.protocol.launch import Entrypoint, LaunchConfig
 from relay_train.timing import StartupClock
 

@@ -33,7 +33,8 @@ from relay.recover.ask_rescue import request_rescue
 from relay.recover.evidence import ask_for_evidence, collect_evidence
 from relay.tools.bench.common import TINY_MODEL, Store, launch_config, launched, node_ranks, watch
 from relay.watch.triggers import observe_attempt
-from relay_train.protocol.heartbeat import ENV_CLOCK_SKEW, read_heartbeats
+from relay_train.protocol.env import ENV_CLOCK_SKEW
+from relay_train.protocol.heartbeat import read_heartbeats
 from relay_train.protocol.launch import LaunchConfig, attempt_id_of
 
 pytestmark = pytest.mark.integration

@@ -54,14 +54,14 @@ from relay_train.device import (
     rank_environment,
     rank_start_method,
 )
-from relay_train.protocol.heartbeat import (
+from relay_train.protocol.env import (
     ENV_HEARTBEAT_DIR,
     ENV_HEARTBEAT_INTERVAL,
     ENV_NODE,
-    node_clock,
+    ENV_SPAWNED_AT,
 )
+from relay_train.protocol.heartbeat import node_clock
 from relay_train.protocol.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
-from relay_train.timing import ENV_SPAWNED_AT
 
 log = logging.getLogger("relay_train.agent.node")
 

@@ -12,9 +12,14 @@ import argparse
 import os
 from pathlib import Path
 
-from relay_train.inject import ENV_NODE_AGENT_PID
-from relay_train.protocol.heartbeat import ENV_HEARTBEAT_DIR, ENV_HEARTBEAT_INTERVAL, ENV_NODE
-from relay_train.protocol.launch import ENV_LAUNCH, LaunchConfig
+from relay_train.protocol.env import (
+    ENV_HEARTBEAT_DIR,
+    ENV_HEARTBEAT_INTERVAL,
+    ENV_LAUNCH,
+    ENV_NODE,
+    ENV_NODE_AGENT_PID,
+)
+from relay_train.protocol.launch import LaunchConfig
 from relay_train.worker import exit_now, run_rank
 
 

@@ -4,9 +4,8 @@ Imports neither torch nor Airflow. A rank keeps a :class:`HeartbeatWriter`;
 its training loop only updates fields in memory (``beat``/``enter``), and a
 background thread writes the record atomically (temp file + ``os.replace``)
 every ``interval_seconds``. Watchers read records with :func:`read_heartbeats`.
-
-Environment variables shared by both sides are named here too, so that the
-launcher and the worker never disagree on a spelling.
+The environment variables that tell a rank where to write them are named in
+:mod:`relay_train.protocol.env`.
 """
 
 from __future__ import annotations
@@ -23,18 +22,10 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from relay_train.protocol.env import ENV_CLOCK_SKEW, ENV_NODE
 from relay_train.protocol.pids import start_time
 
 log = logging.getLogger(__name__)
-
-# Environment variables set by a launcher for every rank.
-ENV_HEARTBEAT_DIR = "RELAY_HEARTBEAT_DIR"
-ENV_HEARTBEAT_INTERVAL = "RELAY_HEARTBEAT_INTERVAL_SECONDS"
-ENV_NODE = "RELAY_NODE"
-# Test hook only: shift this node's clock (heartbeats, its agent) by this many seconds, to
-# prove that Relay judges heartbeat ages on its own clock. A number applies to every node;
-# "node-b=30,node-c=-30" to the named nodes only (the node agent resolves it for its ranks).
-ENV_CLOCK_SKEW = "RELAY_CLOCK_SKEW_SECONDS"
 
 HEARTBEAT_GLOB = "rank-*.json"
 

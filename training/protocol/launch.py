@@ -12,13 +12,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relay_train.protocol.env import (
+    ENV_ATTEMPT,
+    ENV_ATTEMPT_DIR,
+    ENV_END_STEP,
+    ENV_LAUNCH,
+    ENV_RESUME_PATH,
+    ENV_SEGMENT,
+    ENV_START_STEP,
+)
+
 LAUNCH_FILE = "launch.json"
 DRAIN_FILE = "drain.json"  # written by Relay: {"stop_at": STEP}; see relay_train.worker
 FIRST_STEP_FILE = "first_step.json"  # rank 0, first step: step, at, node, spawned_at, startup
 RESULT_FILE = "result.json"  # written by rank 0 when the attempt ends: steps and loop time
 ADOPT_FILE = "adopt.json"  # written by Relay: a later segment's task adopted this workload
 BOUNDARIES_FILE = "boundaries.jsonl"  # rank 0: what each segment boundary cost the loop
-ENV_LAUNCH = "RELAY_LAUNCH"  # the launch file, for relay_train.init() in a rank
 BUILTIN_ENTRYPOINT = "relay_train.examples.charlm"  # what a spec without an entrypoint runs
 
 
@@ -168,8 +177,8 @@ class LaunchConfig:
             "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
             "OMP_NUM_THREADS": "1",
             ENV_LAUNCH: str(self.root / LAUNCH_FILE),
-            "RELAY_START_STEP": str(self.start_step), "RELAY_END_STEP": str(self.end_step),
-            "RELAY_ATTEMPT_DIR": str(self.root), "RELAY_SEGMENT": str(self.segment),
-            "RELAY_ATTEMPT": str(self.attempt),
-            "RELAY_RESUME_PATH": self.resume.path if self.resume else "",
+            ENV_START_STEP: str(self.start_step), ENV_END_STEP: str(self.end_step),
+            ENV_ATTEMPT_DIR: str(self.root), ENV_SEGMENT: str(self.segment),
+            ENV_ATTEMPT: str(self.attempt),
+            ENV_RESUME_PATH: self.resume.path if self.resume else "",
         }

@@ -25,8 +25,8 @@ from relay.launchers.agent_client import AgentChannel
 from relay.policy.model import Detection
 from relay.watch.detection import Detector, Observation
 from relay_train.agent.server import SERVE_POLL_SECONDS
+from relay_train.protocol.env import ENV_CLOCK_SKEW
 from relay_train.protocol.heartbeat import (
-    ENV_CLOCK_SKEW,
     HeartbeatWriter,
     Phase,
     clock_skew,

@@ -122,8 +122,8 @@ def test_the_worker_api_leaves_what_the_retry_marks_are_read_from(
     """Real Session: rank 0's first_step.json carries its node, spawn time and phases."""
     from relay.lineage.resume_time import retry_marks
     from relay_train import api
+    from relay_train.protocol.env import ENV_SPAWNED_AT
     from relay_train.protocol.launch import LaunchConfig
-    from relay_train.timing import ENV_SPAWNED_AT
 
     monkeypatch.setenv(ENV_SPAWNED_AT, str(T0))
     cfg = LaunchConfig(

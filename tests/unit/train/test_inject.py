@@ -156,7 +156,7 @@ def test_a_node_bound_straggler_stays_with_the_node_not_the_rank(tmp_path: Path)
 _FROZEN_NODE = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from relay_train.inject import ENV_NODE_AGENT_PID
+    from relay_train.protocol.env import ENV_NODE_AGENT_PID
     monkey = (
         "from relay_train.inject import ChaosMonkey;"
         "m = ChaosMonkey([{'kind': 'stop_node', 'step': 1, 'rank': 1}], segment=0, attempt=1,"

@@ -19,6 +19,7 @@ from typing import Any
 
 from relay.spec.sections import KubernetesSpec
 from relay_train.agent.server import AGENT_PORT
+from relay_train.protocol.env import ENV_HOST, ENV_NODE_INDEX
 
 GROUP = "relay.dev"
 LABEL_ATTEMPT_ID = f"{GROUP}/attempt-id"
@@ -142,9 +143,9 @@ def _affinity(key: AttemptKey, quarantined: list[str]) -> dict[str, Any]:
 
 def _container(k8s: KubernetesSpec, key: AttemptKey) -> dict[str, Any]:
     env = [
-        {"name": "RELAY_NODE_INDEX", "valueFrom": {"fieldRef": {
+        {"name": ENV_NODE_INDEX, "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
-        {"name": "RELAY_HOST", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": ENV_HOST, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "MASTER_ADDR", "value": master_addr(key)},
         {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
         {"name": "OMP_NUM_THREADS", "value": "1"},
@@ -154,7 +155,7 @@ def _container(k8s: KubernetesSpec, key: AttemptKey) -> dict[str, Any]:
         "name": AGENT_CONTAINER,
         "image": k8s.image,
         "command": ["python", "-m", "relay_train.agent.node"],
-        "args": ["--launch", f"{LAUNCH_MOUNT}/launch.json", "--node-index", "$(RELAY_NODE_INDEX)",
+        "args": ["--launch", f"{LAUNCH_MOUNT}/launch.json", "--node-index", f"$({ENV_NODE_INDEX})",
                  "--bind", "0.0.0.0", "--port", str(AGENT_PORT),  # noqa: S104 - the pod's IP
                  "--linger", str(AGENT_LINGER_SECONDS)],
         "env": env,

@@ -1,0 +1,39 @@
+"""The environment variables one side sets and the other reads, named once.
+
+A launcher (Relay's side) or a node agent sets them for the node's processes; the
+agent, its ranks and the user's script read them. A variable only one side knows
+about stays with its reader (Relay's test hooks in ``relay.core``, torch's own
+``TORCH_FR_BUFFER_SIZE`` in :mod:`relay_train.stacks`). Stdlib only: it names, it
+reads nothing.
+"""
+
+from __future__ import annotations
+
+# Set for every rank by its node agent (relay_train.agent.node; under torchrun by
+# relay_train.baselines.torchrun_worker).
+ENV_LAUNCH = "RELAY_LAUNCH"  # the launch file, for relay_train.init() in a rank
+ENV_NODE = "RELAY_NODE"  # the node the rank runs on
+ENV_HEARTBEAT_DIR = "RELAY_HEARTBEAT_DIR"
+ENV_HEARTBEAT_INTERVAL = "RELAY_HEARTBEAT_INTERVAL_SECONDS"
+ENV_SPAWNED_AT = "RELAY_SPAWNED_AT"  # time.time() when the agent started the rank
+# Set where a node's ranks are not one process group (torchrun gives each a session):
+# the pid of the process that stands for the node's agent, which a chaos stop_node freezes.
+ENV_NODE_AGENT_PID = "RELAY_NODE_AGENT_PID"
+
+# The segment a rank trains, for the user's script (LaunchConfig.rank_environment).
+ENV_START_STEP = "RELAY_START_STEP"
+ENV_END_STEP = "RELAY_END_STEP"
+ENV_ATTEMPT_DIR = "RELAY_ATTEMPT_DIR"
+ENV_SEGMENT = "RELAY_SEGMENT"
+ENV_ATTEMPT = "RELAY_ATTEMPT"
+ENV_RESUME_PATH = "RELAY_RESUME_PATH"
+
+# Set by the Kubernetes launcher in each pod: the pod's completion index (the agent's
+# ``--node-index``) and the machine it landed on.
+ENV_NODE_INDEX = "RELAY_NODE_INDEX"
+ENV_HOST = "RELAY_HOST"
+
+# Test hook only: shift a node's clock (heartbeats, its agent) by this many seconds, to
+# prove that Relay judges heartbeat ages on its own clock. A number applies to every node;
+# "node-b=30,node-c=-30" to the named nodes only (the node agent resolves it for its ranks).
+ENV_CLOCK_SKEW = "RELAY_CLOCK_SKEW_SECONDS"

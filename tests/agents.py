@@ -19,6 +19,7 @@ from relay.launchers.agent_client import AgentChannel
 from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
 from relay_train.agent.server import AgentServer
 from relay_train.protocol.launch import attempt_id_of
+from relay_train.protocol.routes import ERRORS, EXIT_CODES, STATE, NodeState
 
 
 class ServedNode:
@@ -29,14 +30,14 @@ class ServedNode:
         self.node = node
         self.ranks = ranks
         self.attempt_id = attempt_id
-        self.state = "running"
+        self.state = NodeState.RUNNING
         self.exit_codes: dict[int, int | None] = dict.fromkeys(ranks)
         self.errors: dict[int, str] = {}
         self.stop_reasons: list[str] = []
 
     def status_record(self) -> dict[str, Any]:
-        return {"state": self.state, "exit_codes": {str(r): c for r, c in self.exit_codes.items()},
-                "errors": {str(r): t for r, t in self.errors.items()}}
+        return {STATE: self.state, EXIT_CODES: {str(r): c for r, c in self.exit_codes.items()},
+                ERRORS: {str(r): t for r, t in self.errors.items()}}
 
     def request_stop(self, reason: str) -> None:
         self.stop_reasons.append(reason)
@@ -66,7 +67,7 @@ class ServedAttempt:
         nodes = {}
         for name in self.nodes:
             report = channel.reports.get(name)
-            state = report.record["state"] if report else "starting"
+            state = NodeState(report.record[STATE]) if report else NodeState.STARTING
             nodes[name] = NodeStatus(name, state, last_seen=report.received_at if report else None)
         return LaunchStatus(overall_state(nodes), nodes, dict(channel.beats),
                             list(channel.refused), set(channel.crossed))

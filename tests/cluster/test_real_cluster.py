@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from relay_train.protocol.routes import NodeState
+
 IMAGE = os.environ.get("RELAY_K8S_E2E_IMAGE")
 NAMESPACE = os.environ.get("RELAY_K8S_E2E_NAMESPACE", "relay")
 MLFLOW = os.environ.get("RELAY_K8S_E2E_MLFLOW", "http://127.0.0.1:5000")  # from this test
@@ -120,17 +122,16 @@ def test_a_quarantined_node_gets_no_pod(tmp_path: Path, launcher) -> None:  # no
 
 def test_a_paused_node_is_unresponsive_long_before_eviction(tmp_path: Path, launcher) -> None:  # noqa: ANN001
     """kind nodes are containers: `docker pause` freezes the kubelet and the pods alike."""
-    from relay.launchers.base import UNRESPONSIVE
 
     cfg = launch_config(tmp_path, launcher, attempt=3, steps=100_000)
     launcher.launch(cfg)
-    wait_for(lambda: launcher.status(cfg.root).nodes["pod-1"].state == "running", 300,
+    wait_for(lambda: launcher.status(cfg.root).nodes["pod-1"].state == NodeState.RUNNING, 300,
              "pod-1 to run")
     host = launcher.host_of(cfg.root, "pod-1")
     subprocess.run(["docker", "pause", host], check=True)
     try:
         seconds = wait_for(
-            lambda: launcher.status(cfg.root).nodes["pod-1"].state == UNRESPONSIVE, 120,
+            lambda: launcher.status(cfg.root).nodes["pod-1"].state == NodeState.UNRESPONSIVE, 120,
             f"{host} to be reported unresponsive")
         print(f"{host} paused: unresponsive after {seconds:.0f}s "
               f"({launcher.status(cfg.root).nodes['pod-1'].detail})")

@@ -36,6 +36,7 @@ from relay.watch.triggers import observe_attempt
 from relay_train.protocol.env import ENV_CLOCK_SKEW
 from relay_train.protocol.heartbeat import read_heartbeats
 from relay_train.protocol.launch import LaunchConfig, attempt_id_of
+from relay_train.protocol.routes import Route
 
 pytestmark = pytest.mark.integration
 
@@ -220,7 +221,7 @@ def test_a_frozen_node_resumed_after_its_attempt_was_replaced_is_refused(
             if r["node"] == "node-a" and r["heartbeats"]])
         assert refused[0]["found_attempt"] == attempt_id_of(old.root)  # type: ignore[index]
         assert refused[0]["expected_attempt"] == attempt_id_of(new.root)  # type: ignore[index]
-        assert launcher.channel(new.root).ask("node-a", "drain", stop_at=99) is None  # 409
+        assert launcher.channel(new.root).ask("node-a", Route.DRAIN, stop_at=99) is None  # 409
         assert 0 not in launcher.status(new.root).heartbeats or \
             launcher.status(new.root).heartbeats[0].node == "node-b"
 

@@ -62,6 +62,16 @@ from relay_train.protocol.env import (
 )
 from relay_train.protocol.heartbeat import node_clock
 from relay_train.protocol.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
+from relay_train.protocol.routes import (
+    AGENT_CLOCK,
+    AGENT_PID,
+    ERRORS,
+    EXIT_CODES,
+    PGID,
+    RANK_PIDS,
+    STATE,
+    NodeState,
+)
 
 log = logging.getLogger("relay_train.agent.node")
 
@@ -86,7 +96,7 @@ class NodeAgent:
         self.ranks = [cfg.global_rank(node, r) for r in range(cfg.ranks_per_node)]
         self.procs: dict[int, BaseProcess] = {}
         self.stopping = False
-        self.state = "starting"
+        self.state = NodeState.STARTING
         self.linger_seconds = linger_seconds
         self._error_tails: dict[int, str] = {}
         self._address = (bind, cfg.agent_ports.get(node, 0) if port is None else port)
@@ -132,7 +142,7 @@ class NodeAgent:
             self.procs[rank] = proc
             log.info("started rank %d as pid %d", rank, proc.pid)
 
-    def set_state(self, state: str) -> None:
+    def set_state(self, state: NodeState) -> None:
         """Change this node's state, as the channel reports it."""
         self.state = state
 
@@ -140,13 +150,13 @@ class NodeAgent:
         """Return this node's state for the channel: state, PIDs, exit codes, errors."""
         procs = dict(self.procs)
         return {
-            "state": self.state,
-            "agent_pid": os.getpid(),
-            "pgid": os.getpgid(0),
-            "rank_pids": {str(r): p.pid for r, p in procs.items()},
-            "exit_codes": {str(r): p.exitcode for r, p in procs.items()},
-            "errors": self._errors(procs),
-            "agent_clock": node_clock(),
+            STATE: self.state,
+            AGENT_PID: os.getpid(),
+            PGID: os.getpgid(0),
+            RANK_PIDS: {str(r): p.pid for r, p in procs.items()},
+            EXIT_CODES: {str(r): p.exitcode for r, p in procs.items()},
+            ERRORS: self._errors(procs),
+            AGENT_CLOCK: node_clock(),
         }
 
     def request_stop(self, reason: str) -> None:
@@ -252,19 +262,19 @@ class NodeAgent:
         else:  # a standby preloaded already: this imports nothing new
             self.preload()
         if self.stopping:
-            self.set_state("failed")
+            self.set_state(NodeState.FAILED)
             self._serve()  # to say so
             return 1
         self.start_ranks()
         self._preload_behind()
-        self.set_state("running")
+        self.set_state(NodeState.RUNNING)
         try:
             self._serve()
         except OSError as exc:  # the port is taken: Relay could never reach this node
             log.error("channel: cannot listen on %s:%d (%s); stopping the ranks", *self._address,
                       exc)
             self.stop_ranks("the agent cannot be reached")
-            self.set_state("failed")
+            self.set_state(NodeState.FAILED)
             return 1
         while True:
             codes = {r: p.exitcode for r, p in self.procs.items()}
@@ -281,7 +291,7 @@ class NodeAgent:
             # once (the run's end and a crash are reported that much sooner).
             multiprocessing.connection.wait(running, timeout=0.1)
         ok = all(p.exitcode == 0 for p in self.procs.values())
-        self.set_state("succeeded" if ok else "failed")
+        self.set_state(NodeState.SUCCEEDED if ok else NodeState.FAILED)
         log.info("all ranks exited: %s", {r: p.exitcode for r, p in self.procs.items()})
         return 0 if ok else 1
 

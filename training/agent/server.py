@@ -27,7 +27,8 @@ its launcher gave it (127.0.0.1 locally, the pod's address on Kubernetes):
 Fencing: every request names its attempt (``attempt`` in the query or the body)
 and every reply carries the agent's own; a request for another attempt gets
 409 with the agent's attempt (status is answered anyway: Relay refuses a stale
-agent's heartbeats itself, and records it). Stdlib only.
+agent's heartbeats itself, and records it). The routes, fields and node states are
+spelled in :mod:`relay_train.protocol.routes`. Stdlib only.
 """
 
 from __future__ import annotations
@@ -44,6 +45,41 @@ from urllib.parse import parse_qs, urlparse
 
 from relay_train.protocol.heartbeat import node_clock, read_heartbeats, write_atomically
 from relay_train.protocol.launch import BOUNDARIES_FILE, DRAIN_FILE
+from relay_train.protocol.routes import (
+    ACK,
+    AGE_SECONDS,
+    ANSWERS,
+    ATTEMPT,
+    BY,
+    CROSSED,
+    CULPRIT_RANK,
+    DIRECTORY,
+    DONE,
+    ERROR,
+    EXITED,
+    FAULT,
+    FAULTHANDLER,
+    FR_PICKLES,
+    GRANTED,
+    HEARTBEATS,
+    HOLDER,
+    LINGER,
+    MAX_BODY_BYTES,
+    NODE,
+    PHASE_AGE_SECONDS,
+    PID,
+    RANK,
+    REASON,
+    REQUEST_ID,
+    SIGNALLED,
+    STEP,
+    STOP_AT,
+    STOPPING,
+    TRACES,
+    TTL,
+    Route,
+    route_path,
+)
 from relay_train.rescue import ACK_FILE, DONE_FILE, RESCUE_DIR
 from relay_train.rescue import REQUEST_FILE as RESCUE_REQUEST
 from relay_train.stacks import (
@@ -59,9 +95,6 @@ from relay_train.stacks import REQUEST_FILE as STACKS_REQUEST
 
 log = logging.getLogger("relay_train.agent.server")
 
-AGENT_PORT = 29401  # on Kubernetes: every pod's agent listens here (locally: a free port)
-API = "/v1"
-MAX_BODY_BYTES = 64 * 1024
 CROSSED_REPORTED = 16  # the last boundary crossings a status answer carries (Relay keeps all)
 # How often the server's loop looks for a shutdown: closing waits for it, and a stopping agent
 # closes its server before it exits (the default 0.5 s was most of a stop's wait).
@@ -96,8 +129,8 @@ def heartbeat_report(directory: Path, ranks: list[int], now: float) -> list[dict
     for rank in sorted(r for r in beats if r in ranks):
         beat = beats[rank]
         record = json.loads(beat.to_json())
-        record["age_seconds"] = now - beat.wall_clock
-        record["phase_age_seconds"] = now - beat.phase_started_at
+        record[AGE_SECONDS] = now - beat.wall_clock
+        record[PHASE_AGE_SECONDS] = now - beat.phase_started_at
         report.append(record)
     return report
 
@@ -164,7 +197,7 @@ class _Claim:
             if self.holder is None:
                 self.holder, self.at = by, node_clock()
                 log.info("channel: attempt claimed by %s", by)
-            return {"granted": self.holder == by, "holder": self.holder}
+            return {GRANTED: self.holder == by, HOLDER: self.holder}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -192,20 +225,20 @@ class _Handler(BaseHTTPRequestHandler):
             return True
         log.warning("channel: refused a request for attempt %r (this agent serves %r)", asked,
                     self.agent.attempt_id)
-        self._reply(409, {"attempt": self.agent.attempt_id, "node": self.agent.node,
-                          "error": f"this agent serves attempt {self.agent.attempt_id!r}, "
+        self._reply(409, {ATTEMPT: self.agent.attempt_id, NODE: self.agent.node,
+                          ERROR: f"this agent serves attempt {self.agent.attempt_id!r}, "
                                    f"not {asked!r}"})
         return False
 
     def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
         url = urlparse(self.path)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-        route = {f"{API}/status": self._status, f"{API}/rescue": self._rescue_state,
-                 f"{API}/rescue/file": self._rescue_file, f"{API}/stacks": self._stacks}
-        handler = route.get(url.path)
+        route = {Route.STATUS: self._status, Route.RESCUE: self._rescue_state,
+                 Route.RESCUE_FILE: self._rescue_file, Route.STACKS: self._stacks}
+        handler = {route_path(r): h for r, h in route.items()}.get(url.path)
         if handler is None:
-            self._reply(404, {"error": f"no such path {url.path}"})
-        elif handler == self._status or self._mine(query.get("attempt")):
+            self._reply(404, {ERROR: f"no such path {url.path}"})
+        elif handler == self._status or self._mine(query.get(ATTEMPT)):
             # Status is answered whoever asks: it names its attempt, and Relay refuses a
             # stale one's heartbeats itself (and records that it did).
             self._answer(handler, query)
@@ -218,32 +251,30 @@ class _Handler(BaseHTTPRequestHandler):
             if not isinstance(body, dict):
                 raise ValueError("expected a JSON object")
         except ValueError as exc:
-            self._reply(400, {"error": f"bad request body: {exc}"})
+            self._reply(400, {ERROR: f"bad request body: {exc}"})
             return
-        route = {f"{API}/stop": self._stop, f"{API}/drain": self._drain,
-                 f"{API}/rescue": self._rescue, f"{API}/stacks": self._ask_stacks,
-                 f"{API}/stacks/signal": self._signal_stacks, f"{API}/claim": self._claim,
-                 f"{API}/standby": self._standby}
-        handler = route.get(url.path)
+        route = {Route.STOP: self._stop, Route.DRAIN: self._drain, Route.RESCUE: self._rescue,
+                 Route.STACKS: self._ask_stacks, Route.STACKS_SIGNAL: self._signal_stacks,
+                 Route.CLAIM: self._claim, Route.STANDBY: self._standby}
+        handler = {route_path(r): h for r, h in route.items()}.get(url.path)
         if handler is None:
-            self._reply(404, {"error": f"no such path {url.path}"})
-        elif self._mine(body.get("attempt")):
+            self._reply(404, {ERROR: f"no such path {url.path}"})
+        elif self._mine(body.get(ATTEMPT)):
             self._answer(handler, body)
 
     def _answer(self, handler: Any, args: dict[str, Any]) -> None:  # noqa: ANN401
         try:
             result = handler(args)
         except (KeyError, TypeError, ValueError) as exc:
-            self._reply(400, {"attempt": self.agent.attempt_id, "error": repr(exc)})
+            self._reply(400, {ATTEMPT: self.agent.attempt_id, ERROR: repr(exc)})
             return
         except OSError as exc:
-            self._reply(500, {"attempt": self.agent.attempt_id, "error": repr(exc)})
+            self._reply(500, {ATTEMPT: self.agent.attempt_id, ERROR: repr(exc)})
             return
         if isinstance(result, bytes):
             self._reply(200, result)
         else:
-            self._reply(200, {"attempt": self.agent.attempt_id, "node": self.agent.node,
-                              **result})
+            self._reply(200, {ATTEMPT: self.agent.attempt_id, NODE: self.agent.node, **result})
 
     # -- the routes ------------------------------------------------------------------
 
@@ -251,52 +282,52 @@ class _Handler(BaseHTTPRequestHandler):
         now = node_clock()
         beats = heartbeat_report(self.agent.root / "heartbeats", self.agent.ranks, now)
         crossed = crossed_report(self.agent.root, self.agent.ranks)
-        return {**self.agent.status_record(), "heartbeats": beats, "crossed": crossed}
+        return {**self.agent.status_record(), HEARTBEATS: beats, CROSSED: crossed}
 
     def _stop(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.agent.request_stop(str(body.get("reason") or "Relay asked over the channel"))
-        return {"stopping": True}
+        self.agent.request_stop(str(body.get(REASON) or "Relay asked over the channel"))
+        return {STOPPING: True}
 
     def _standby(self, body: dict[str, Any]) -> dict[str, Any]:
-        directory = Path(str(body["directory"]))
+        directory = Path(str(body[DIRECTORY]))
         if not directory.is_absolute():
             raise ValueError(f"standby: expected an absolute directory, found {directory}")
-        pid = self.agent.request_standby(directory, float(body["ttl"]),
-                                         float(body.get("linger") or 0.0))
+        pid = self.agent.request_standby(directory, float(body[TTL]),
+                                         float(body.get(LINGER) or 0.0))
         if pid is None:
             raise OSError("this agent cannot fork a standby now (it is stopping)")
-        return {"pid": pid}
+        return {PID: pid}
 
     def _claim(self, body: dict[str, Any]) -> dict[str, Any]:
-        by = body["by"]
+        by = body[BY]
         if not isinstance(by, str) or not by:
-            raise ValueError("claim: expected a non-empty string 'by'")
+            raise ValueError(f"claim: expected a non-empty string {BY!r}, found {by!r}")
         return self.claim.take(by)
 
     def _drain(self, body: dict[str, Any]) -> dict[str, Any]:
-        stop_at = int(body["stop_at"])
-        write_atomically(self.agent.root / DRAIN_FILE, json.dumps({"stop_at": stop_at}))
-        return {"stop_at": stop_at}
+        stop_at = int(body[STOP_AT])
+        write_atomically(self.agent.root / DRAIN_FILE, json.dumps({STOP_AT: stop_at}))
+        return {STOP_AT: stop_at}
 
     def _rescue(self, body: dict[str, Any]) -> dict[str, Any]:
-        rank = int(body["rank"])
+        rank = int(body[RANK])
         if rank not in self.agent.ranks:
             raise ValueError(f"rank {rank} is not on node {self.agent.node}")
         folder = self.agent.root / RESCUE_DIR
         folder.mkdir(parents=True, exist_ok=True)
         write_atomically(folder / RESCUE_REQUEST, json.dumps(
-            {"rank": rank, "fault": body.get("fault"), "at": node_clock()}))
-        return {"rank": rank}
+            {RANK: rank, FAULT: body.get(FAULT), "at": node_clock()}))
+        return {RANK: rank}
 
     def _rescue_state(self, _query: dict[str, Any]) -> dict[str, Any]:
         folder = self.agent.root / RESCUE_DIR
         done = None
         if (folder / DONE_FILE).exists():
             done = json.loads((folder / DONE_FILE).read_text())
-        return {"ack": (folder / ACK_FILE).exists(), "done": done}
+        return {ACK: (folder / ACK_FILE).exists(), DONE: done}
 
     def _rescue_file(self, query: dict[str, Any]) -> bytes:
-        step = int(query["step"])
+        step = int(query[STEP])
         done = json.loads((self.agent.root / RESCUE_DIR / DONE_FILE).read_text())
         if done.get("step") != step or not done.get("path"):
             raise ValueError(f"no rescued state at step {step}")
@@ -305,18 +336,18 @@ class _Handler(BaseHTTPRequestHandler):
     def _ask_stacks(self, body: dict[str, Any]) -> dict[str, Any]:
         folder = self.agent.root / EVIDENCE_DIR
         folder.mkdir(parents=True, exist_ok=True)
-        if not (folder / STACKS_REQUEST).exists() or _request_id(folder) != body["id"]:
+        if not (folder / STACKS_REQUEST).exists() or _request_id(folder) != body[REQUEST_ID]:
             write_atomically(folder / STACKS_REQUEST, json.dumps(
-                {"id": str(body["id"]), "fault": body.get("fault"),
-                 "culprit_rank": body.get("culprit_rank"), "at": node_clock()}))
-        return {"id": body["id"]}
+                {REQUEST_ID: str(body[REQUEST_ID]), FAULT: body.get(FAULT),
+                 CULPRIT_RANK: body.get(CULPRIT_RANK), "at": node_clock()}))
+        return {REQUEST_ID: body[REQUEST_ID]}
 
     def _stacks(self, query: dict[str, Any]) -> dict[str, Any]:
         folder = self.agent.root / EVIDENCE_DIR
         answers, traces, pickles, fallback, exited = {}, {}, {}, {}, []
         for rank in self.agent.ranks:
             record = _read_json(answer_path(folder, rank))
-            if record is not None and record.get("request") == query["id"]:
+            if record is not None and record.get("request") == query[REQUEST_ID]:
                 answers[str(rank)] = record
                 trace = _read_json(trace_path(folder, rank))
                 if trace is not None:
@@ -330,8 +361,8 @@ class _Handler(BaseHTTPRequestHandler):
                 fallback[str(rank)] = text
             if _exited(folder, rank):
                 exited.append(rank)
-        return {"answers": answers, "traces": traces, "fr": pickles, "faulthandler": fallback,
-                "exited": exited}
+        return {ANSWERS: answers, TRACES: traces, FR_PICKLES: pickles, FAULTHANDLER: fallback,
+                EXITED: exited}
 
     def _signal_stacks(self, _body: dict[str, Any]) -> dict[str, Any]:
         folder = self.agent.root / EVIDENCE_DIR
@@ -339,7 +370,7 @@ class _Handler(BaseHTTPRequestHandler):
         for rank in self.agent.ranks:
             if not answer_path(folder, rank).exists() and signal_faulthandler(folder, rank):
                 signalled.append(rank)
-        return {"signalled": signalled}
+        return {SIGNALLED: signalled}
 
 
 def signal_faulthandler(folder: Path, rank: int) -> bool:
@@ -360,7 +391,7 @@ def signal_faulthandler(folder: Path, rank: int) -> bool:
 
 def _request_id(folder: Path) -> object:
     record = _read_json(folder / STACKS_REQUEST)
-    return None if record is None else record.get("id")
+    return None if record is None else record.get(REQUEST_ID)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

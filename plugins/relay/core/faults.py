@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Any
 
 from relay.launchers.base import LaunchState, LaunchStatus
+from relay_train.protocol.routes import NodeState
 
 
 class FaultKind(StrEnum):
@@ -90,7 +91,8 @@ def classify_exit(status: LaunchStatus, node_ranks: dict[str, list[int]]) -> Fau
         (n for n, ranks in node_ranks.items() if culprit_rank in ranks), None
     )
     if culprit_node is None:
-        culprit_node = next((n.node for n in status.nodes.values() if n.state == "failed"), None)
+        culprit_node = next(
+            (n.node for n in status.nodes.values() if n.state == NodeState.FAILED), None)
     details = {n.node: n.detail for n in status.nodes.values() if n.detail}
     summary = (
         f"rank {culprit_rank} exited with code {failed[culprit_rank]}"

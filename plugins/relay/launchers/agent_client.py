@@ -1,5 +1,7 @@
 """Relay's side of the channel to the node agents (the agents' side: relay_train.agent.server).
 
+Routes, fields and node states are those of :mod:`relay_train.protocol.routes`.
+
 Everything the watcher, drain, rescue and evidence need from a running attempt
 comes from here, over HTTP with short timeouts, never from a file a node wrote.
 Launchers own one :class:`AgentChannel` per attempt they watch and say where its
@@ -34,6 +36,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relay_train.protocol.heartbeat import Heartbeat
+from relay_train.protocol.routes import (
+    AGE_SECONDS,
+    ATTEMPT,
+    CROSSED,
+    ERROR,
+    HEARTBEATS,
+    PHASE_AGE_SECONDS,
+    Route,
+    route_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +56,6 @@ FRESH_WAIT_SECONDS = 1.0
 STATUS_TIMEOUT_SECONDS = 10.0
 REQUEST_TIMEOUT_SECONDS = 2.0
 MAX_PARALLEL = 32  # agents asked at once (a frozen one costs its timeout, not the others')
-API = "/v1"
 
 
 class StaleAgentError(LookupError):
@@ -65,8 +76,8 @@ class NodeReport:
 def place_on_our_clock(record: dict[str, Any], received_at: float) -> Heartbeat:
     """Return a heartbeat reported with ages, its times moved to Relay's clock."""
     beat = Heartbeat.from_json(json.dumps(record))
-    beat.wall_clock = received_at - float(record["age_seconds"])
-    beat.phase_started_at = received_at - float(record["phase_age_seconds"])
+    beat.wall_clock = received_at - float(record[AGE_SECONDS])
+    beat.phase_started_at = received_at - float(record[PHASE_AGE_SECONDS])
     return beat
 
 
@@ -91,7 +102,7 @@ class AgentChannel:
 
     # -- one request ----------------------------------------------------------------
 
-    def call(self, node: str, path: str, *, body: dict[str, Any] | None = None,
+    def call(self, node: str, route: Route, *, body: dict[str, Any] | None = None,
              query: dict[str, Any] | None = None,
              timeout: float = REQUEST_TIMEOUT_SECONDS) -> dict[str, Any] | bytes | None:
         """Send one request to ``node``'s agent; return its reply, or None if it is unreachable.
@@ -102,12 +113,12 @@ class AgentChannel:
         url = self.addresses.get(node)
         if url is None:
             return None
-        params = {"attempt": self.attempt_id, **(query or {})}
+        params = {ATTEMPT: self.attempt_id, **(query or {})}
         data = None
         if body is not None:
-            data = json.dumps({"attempt": self.attempt_id, **body}).encode()
+            data = json.dumps({ATTEMPT: self.attempt_id, **body}).encode()
         request = urllib.request.Request(
-            f"{url}{API}/{path}?{urllib.parse.urlencode(params)}", data=data,
+            f"{url}{route_path(route)}?{urllib.parse.urlencode(params)}", data=data,
             method="POST" if data is not None else "GET",
             headers={"Content-Type": "application/json"})
         try:
@@ -117,26 +128,26 @@ class AgentChannel:
         except urllib.error.HTTPError as exc:
             payload = _json(exc.read())
             if exc.code == 409:
-                self._refuse(node, path, payload.get("attempt"), payload)
-            log.warning("Agent of %s answered %d to %s: %s", node, exc.code, path,
-                        payload.get("error", ""))
+                self._refuse(node, str(route), payload.get(ATTEMPT), payload)
+            log.warning("Agent of %s answered %d to %s: %s", node, exc.code, route,
+                        payload.get(ERROR, ""))
             return None
         # Refused, reset, timed out, or cut off mid-reply (an agent exiting as its ranks
         # stop: http.client.IncompleteRead is no OSError): unreachable for now.
         except (OSError, ValueError, http.client.HTTPException) as exc:
-            log.debug("Agent of %s unreachable (%s): %s", node, path, exc)
+            log.debug("Agent of %s unreachable (%s): %s", node, route, exc)
             return None
         if not kind.startswith("application/json"):
             return raw
         payload = _json(raw)
-        if payload.get("attempt") != self.attempt_id:
-            self._refuse(node, path, payload.get("attempt"), payload)
+        if payload.get(ATTEMPT) != self.attempt_id:
+            self._refuse(node, str(route), payload.get(ATTEMPT), payload)
         return payload
 
     def _refuse(self, node: str, what: str, found: object, payload: dict[str, Any]) -> None:
         """Record a message from another attempt; raise :class:`StaleAgentError`."""
         now = time.time()
-        beats = payload.get("heartbeats") or []
+        beats = payload.get(HEARTBEATS) or []
         for seen in self.refused:
             if (seen["node"], seen["found_attempt"], seen["what"]) == (node, found, what):
                 seen["count"] += 1
@@ -155,7 +166,7 @@ class AgentChannel:
                         found, self.attempt_id)
         raise StaleAgentError(f"{node}: attempt {found!r}, expected {self.attempt_id!r}")
 
-    def ask(self, node: str, what: str, **body: Any) -> dict[str, Any] | None:  # noqa: ANN401
+    def ask(self, node: str, what: Route, **body: Any) -> dict[str, Any] | None:  # noqa: ANN401
         """POST a request (``stop``, ``drain``, ``rescue``, ``stacks``...); None if not heard."""
         try:
             reply = self.call(node, what, body=body)
@@ -163,7 +174,7 @@ class AgentChannel:
             return None
         return reply if isinstance(reply, dict) else None
 
-    def call_quietly(self, node: str, what: str, timeout: float,
+    def call_quietly(self, node: str, what: Route, timeout: float,
                      **body: Any) -> dict[str, Any] | None:  # noqa: ANN401
         """POST ``what`` with a short ``timeout``; None if not heard (or a stale agent)."""
         try:
@@ -172,7 +183,7 @@ class AgentChannel:
             return None
         return reply if isinstance(reply, dict) else None
 
-    def fetch(self, node: str, what: str, **query: Any) -> dict[str, Any] | bytes | None:  # noqa: ANN401
+    def fetch(self, node: str, what: Route, **query: Any) -> dict[str, Any] | bytes | None:  # noqa: ANN401
         """GET an answer (``rescue``, ``rescue/file``, ``stacks``); None if not heard."""
         try:
             return self.call(node, what, query=query)
@@ -233,14 +244,14 @@ class AgentChannel:
 
     def _status(self, node: str) -> NodeReport | None:
         try:
-            record = self.call(node, "status", timeout=STATUS_TIMEOUT_SECONDS)
+            record = self.call(node, Route.STATUS, timeout=STATUS_TIMEOUT_SECONDS)
         except StaleAgentError:
             return None
         if not isinstance(record, dict):
             return None
         received_at = time.time()
         beats = {}
-        for raw in record.get("heartbeats") or []:
+        for raw in record.get(HEARTBEATS) or []:
             try:
                 beat = place_on_our_clock(raw, received_at)
             except (KeyError, TypeError, ValueError) as exc:
@@ -248,7 +259,7 @@ class AgentChannel:
                 continue
             beats[beat.rank] = beat
         crossed = set()
-        for step in record.get("crossed") or []:
+        for step in record.get(CROSSED) or []:
             try:
                 crossed.add(int(step))
             except (TypeError, ValueError):

@@ -18,10 +18,11 @@ already placed on Relay's clock, the segment boundaries rank 0 recorded
 crossing, and the messages refused from agents of another attempt. No
 launcher reads a file a node wrote.
 
-Per node, :class:`NodeStatus` says ``starting``, ``running``, ``succeeded``,
-``failed`` or ``unresponsive`` (the platform says the node stopped answering:
-a NotReady Kubernetes node, a pod stuck terminating); the detector turns
-``unresponsive`` into a ``node_unresponsive`` fault at once.
+Per node, :class:`NodeStatus` says what its agent reports, a
+:class:`~relay_train.protocol.routes.NodeState`: ``starting``, ``running``,
+``succeeded``, ``failed``, or ``unresponsive`` (the platform says the node
+stopped answering: a NotReady Kubernetes node, a pod stuck terminating); the
+detector turns ``unresponsive`` into a ``node_unresponsive`` fault at once.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from relay_train.protocol.routes import NodeState
+
 if TYPE_CHECKING:
     from relay.launchers.agent_client import AgentChannel
     from relay.nodes.pool import Quarantine
     from relay_train.protocol.heartbeat import Heartbeat
     from relay_train.protocol.launch import LaunchConfig
-
-UNRESPONSIVE = "unresponsive"  # NodeStatus.state of a node the platform says stopped answering
 
 
 class LaunchState(StrEnum):
@@ -57,7 +58,7 @@ class NodeStatus:
     """
 
     node: str
-    state: str
+    state: NodeState
     exit_codes: dict[int, int | None] = field(default_factory=dict)
     detail: str = ""
     last_seen: float | None = None
@@ -89,9 +90,9 @@ class LaunchStatus:
 def overall_state(nodes: dict[str, NodeStatus]) -> LaunchState:
     """Return the attempt's state from its nodes' states."""
     states = {n.state for n in nodes.values()}
-    if not nodes or "failed" in states:
+    if not nodes or NodeState.FAILED in states:
         return LaunchState.FAILED
-    if states == {"succeeded"}:
+    if states == {NodeState.SUCCEEDED}:
         return LaunchState.SUCCEEDED
     return LaunchState.RUNNING
 

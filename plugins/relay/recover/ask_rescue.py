@@ -31,6 +31,7 @@ from relay_train.protocol.manifest import (
     CheckpointRef,
     file_sha256,
 )
+from relay_train.protocol.routes import ACK, DONE, FAULT, RANK, STEP, Route
 from relay_train.rescue import RescueResult
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def _wait_for(channel: AgentChannel, node: str, key: str, timeout: float) -> dic
     """Ask the node's agent how the rescue goes until ``key`` is set; return its answer."""
     deadline = time.monotonic() + timeout
     while True:
-        answer = channel.fetch(node, "rescue")
+        answer = channel.fetch(node, Route.RESCUE)
         if isinstance(answer, dict) and answer.get(key):
             return answer
         if time.monotonic() >= deadline:
@@ -98,21 +99,21 @@ def request_rescue(
         return None
     node = cfg.nodes[rank // cfg.ranks_per_node]
     asked = time.monotonic()
-    if channel.ask(node, "rescue", rank=rank, fault=fault.kind.value) is None:
+    if channel.ask(node, Route.RESCUE, **{RANK: rank, FAULT: fault.kind.value}) is None:
         log.warning("The agent of %s did not take the rescue request; resuming from the last "
                     "checkpoint instead", node)
         return None
-    if _wait_for(channel, node, "ack", ACK_TIMEOUT_SECONDS) is None:
+    if _wait_for(channel, node, ACK, ACK_TIMEOUT_SECONDS) is None:
         log.warning("Rank %d did not answer the rescue request in %.0fs; resuming from the last "
                     "checkpoint instead", rank, ACK_TIMEOUT_SECONDS)
         return None
-    answer = _wait_for(channel, node, "done", timeout_seconds)
+    answer = _wait_for(channel, node, DONE, timeout_seconds)
     if answer is None:
         log.warning("Rank %d did not finish handing over its state in %.0fs; resuming from the "
                     "last checkpoint instead", rank, timeout_seconds)
         return None
     try:
-        result = RescueResult(**answer["done"])
+        result = RescueResult(**answer[DONE])
     except (TypeError, ValueError) as exc:
         log.warning("Unreadable rescue answer from %s (%s); resuming from the last checkpoint",
                     node, exc)
@@ -149,7 +150,7 @@ def _fetch_state(channel: AgentChannel, node: str, result: RescueResult, attempt
     """Download the rescued file from the node's agent to Relay's side; return its path."""
     assert result.step is not None
     try:
-        data = channel.call(node, "rescue/file", query={"step": result.step},
+        data = channel.call(node, Route.RESCUE_FILE, query={STEP: result.step},
                             timeout=timeout_seconds)
     except StaleAgentError:
         return None

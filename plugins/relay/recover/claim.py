@@ -31,6 +31,7 @@ from pathlib import Path
 from relay.launchers import Launcher
 from relay.launchers.agent_client import MAX_PARALLEL
 from relay.recover.warden import CLAIM_SECONDS
+from relay_train.protocol.routes import BY, GRANTED, HOLDER, Route
 
 CLAIM_TIMEOUT_SECONDS = CLAIM_SECONDS  # every agent is asked at once: a silent one costs it once
 
@@ -83,7 +84,7 @@ def claim_attempt(launcher: Launcher, root: Path, by: str,
 
     def ask(node: str) -> tuple[str, dict[str, object] | None]:
         try:
-            reply = channel.call(node, "claim", body={"by": by}, timeout=timeout)
+            reply = channel.call(node, Route.CLAIM, body={BY: by}, timeout=timeout)
         except LookupError:  # an agent of another attempt: it grants nothing here
             return node, None
         return node, reply if isinstance(reply, dict) else None
@@ -92,10 +93,10 @@ def claim_attempt(launcher: Launcher, root: Path, by: str,
         for node, reply in pool.map(ask, nodes):
             if reply is None:
                 outcome.silent.append(node)
-            elif reply.get("granted"):
+            elif reply.get(GRANTED):
                 outcome.granted.append(node)
             else:
-                outcome.held_by[node] = str(reply.get("holder"))
+                outcome.held_by[node] = str(reply.get(HOLDER))
     log.info("Claim of %s by %s: %s (%s)", root, by, "taken" if outcome.won else "not taken",
              outcome.describe())
     return outcome

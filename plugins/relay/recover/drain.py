@@ -12,6 +12,7 @@ from pathlib import Path
 
 from relay.launchers import Launcher, LaunchState, launcher_from
 from relay_train.protocol.heartbeat import Heartbeat, Phase
+from relay_train.protocol.routes import STOP_AT, Route
 
 log = logging.getLogger(__name__)
 DRAIN_LEAD_STEPS = 2
@@ -41,7 +42,7 @@ def drain(
         return None
     stop_at = max(b.step for b in beats.values()) + DRAIN_LEAD_STEPS
     channel = launcher.channel(attempt_dir)
-    taken = [n for n in channel.addresses if channel.ask(n, "drain", stop_at=stop_at)]
+    taken = [n for n in channel.addresses if channel.ask(n, Route.DRAIN, **{STOP_AT: stop_at})]
     if len(taken) < len(channel.addresses):
         log.warning("Drain to step %d reached only %s of %s", stop_at, taken,
                     sorted(channel.addresses))

@@ -35,6 +35,18 @@ from relay.launchers import Launcher, launcher_from
 from relay.launchers.agent_client import MAX_PARALLEL
 from relay.recover.ask_rescue import silent
 from relay_train.protocol.heartbeat import write_atomically
+from relay_train.protocol.routes import (
+    ANSWERS,
+    CULPRIT_RANK,
+    EXITED,
+    FAULT,
+    FAULTHANDLER,
+    FR_PICKLES,
+    REQUEST_ID,
+    SIGNALLED,
+    TRACES,
+    Route,
+)
 from relay_train.stacks import (
     EVIDENCE_DIR,
     FR_DIR,
@@ -95,12 +107,12 @@ def ask_for_evidence(attempt_dir: Path, fault: Fault, cfg: LaunchConfig,
     request = EvidenceRequest(attempt_dir / RECEIVED_DIR, uuid.uuid4().hex,
                               list(range(cfg.world_size)), channel,
                               [n for n in channel.addresses if n not in frozen], unheard)
-    body = {"id": request.request_id, "fault": fault.kind.value,
-            "culprit_rank": fault.culprit_rank}
+    body = {REQUEST_ID: request.request_id, FAULT: fault.kind.value,
+            CULPRIT_RANK: fault.culprit_rank}
     nodes = request.nodes
     if nodes:  # at once to every node: a frozen one costs its timeout, not the others'
         with ThreadPoolExecutor(max_workers=min(len(nodes), MAX_PARALLEL)) as pool:
-            asked = list(pool.map(lambda n: channel.ask(n, "stacks", **body), nodes))
+            asked = list(pool.map(lambda n: channel.ask(n, Route.STACKS, **body), nodes))
         if not any(asked):
             log.warning("No node agent took the request for stacks; going on without")
     return request
@@ -114,7 +126,7 @@ def _gather(request: EvidenceRequest, timeout: float) -> list[dict[str, Any]]:
 
     def one(node: str) -> dict[str, Any] | None:
         try:
-            reply = request.channel.call(node, "stacks", query={"id": request.request_id},
+            reply = request.channel.call(node, Route.STACKS, query={REQUEST_ID: request.request_id},
                                          timeout=max(timeout, 0.05))
         except LookupError:  # a stale agent: refused and recorded by the channel
             return None
@@ -127,10 +139,10 @@ def _gather(request: EvidenceRequest, timeout: float) -> list[dict[str, Any]]:
 def _signal(request: EvidenceRequest) -> None:
     """Have each agent dump its silent ranks' stacks from C (faulthandler)."""
     for node in request.nodes:
-        reply = request.channel.ask(node, "stacks/signal", id=request.request_id)
-        if reply and reply.get("signalled"):
+        reply = request.channel.ask(node, Route.STACKS_SIGNAL, **{REQUEST_ID: request.request_id})
+        if reply and reply.get(SIGNALLED):
             log.info("Agent of %s signalled rank(s) %s for a C-level stack dump", node,
-                     reply["signalled"])
+                     reply[SIGNALLED])
 
 
 def collect_evidence(request: EvidenceRequest, timeout_seconds: float) -> Evidence:
@@ -145,11 +157,12 @@ def collect_evidence(request: EvidenceRequest, timeout_seconds: float) -> Eviden
     signalled = False
     while True:
         for reply in _gather(request, deadline - time.monotonic()):
-            answers |= {int(r): v for r, v in (reply.get("answers") or {}).items()}
-            traces |= {int(r): v for r, v in (reply.get("traces") or {}).items()}
-            pickles |= {int(r): base64.b64decode(v) for r, v in (reply.get("fr") or {}).items()}
-            fallback |= {int(r): v for r, v in (reply.get("faulthandler") or {}).items()}
-            exited |= {int(r) for r in reply.get("exited") or []}
+            answers |= {int(r): v for r, v in (reply.get(ANSWERS) or {}).items()}
+            traces |= {int(r): v for r, v in (reply.get(TRACES) or {}).items()}
+            pickles |= {int(r): base64.b64decode(v)
+                        for r, v in (reply.get(FR_PICKLES) or {}).items()}
+            fallback |= {int(r): v for r, v in (reply.get(FAULTHANDLER) or {}).items()}
+            exited |= {int(r) for r in reply.get(EXITED) or []}
         waiting = [r for r in request.ranks if r not in answers and r not in request.unheard]
         exited &= set(waiting)
         now = time.monotonic()

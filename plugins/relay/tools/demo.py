@@ -17,6 +17,7 @@ from relay.launchers.local.warm_agents import release
 from relay.policy.notify import redact
 from relay.spec.job import JobSpec, load_job_spec, load_job_specs
 from relay.tools.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
+from relay_train.protocol.routes import NodeState
 
 # The three failure modes Relay exists for, one per segment of the demo job.
 DEMO_FAULTS = [
@@ -180,9 +181,10 @@ class ProgressPrinter:
                 continue
             status = self._status(workload)
             states = {n.state for n in status.nodes.values()}
-            live = {"starting", "running"}  # an agent says "starting" while it preloads
+            # an agent says it is starting while it preloads
+            live = {NodeState.STARTING, NodeState.RUNNING}
             if states and not states & live:
-                if "failed" not in states:
+                if NodeState.FAILED not in states:
                     self.reported_end.add(attempt)
                 continue  # a failure is reported once its decision is written
             beats = status.heartbeats

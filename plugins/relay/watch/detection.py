@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 from relay.core.faults import Fault, FaultKind, classify_exit, only_secondary_exits
 from relay.launchers.agent_client import FRESH_WAIT_SECONDS
-from relay.launchers.base import UNRESPONSIVE, LaunchState, LaunchStatus
+from relay.launchers.base import LaunchState, LaunchStatus
 from relay.policy.model import Detection
 from relay.watch.slowness import StragglerRule, ThroughputRule
 from relay.watch.steptime import HangLimit, StepTimes
 from relay_train.protocol.heartbeat import Heartbeat, Phase
+from relay_train.protocol.routes import SETTLED, NodeState
 
 # How late a live agent's word may come: it answers every poll, and a poll waits up to
 # this long for an answer (a later one counts at the next poll).
@@ -110,7 +111,7 @@ class Detector:
     def _exits(self, obs: Observation) -> Fault | None:
         if obs.launch is None or obs.launch.state is not LaunchState.FAILED:
             return None
-        unsettled = [n for n in obs.launch.nodes.values() if n.state not in ("succeeded", "failed")]
+        unsettled = [n for n in obs.launch.nodes.values() if n.state not in SETTLED]
         if only_secondary_exits(obs.launch) and unsettled:
             # The peers of a dead rank can report before the dead rank's own agent does;
             # blaming the first to report would name a bystander. Wait for the others.
@@ -202,7 +203,7 @@ class Detector:
         if obs.launch is None:
             return None
         for node in obs.launch.nodes.values():
-            if node.state == UNRESPONSIVE:
+            if node.state == NodeState.UNRESPONSIVE:
                 return Fault(FaultKind.NODE_UNRESPONSIVE, None, node.node,
                              {"summary": node.detail or f"{node.node} stopped answering",
                               "host": node.host}, obs.now)

@@ -33,6 +33,7 @@ from relay_train.protocol.heartbeat import (
     read_heartbeats,
 )
 from relay_train.protocol.launch import BOUNDARIES_FILE, DRAIN_FILE
+from relay_train.protocol.routes import NodeState, Route
 
 NODES = {"node-a": [0, 1], "node-b": [2, 3]}
 
@@ -126,25 +127,26 @@ def test_a_reply_from_another_attempt_is_refused_and_recorded(root: Path) -> Non
         first = next(r for r in status.refused if r["node"] == "node-a")
         assert first["expected_attempt"] == "relay_t/run-1/segment-000/try-2"
         assert first["found_attempt"] == "relay_t/run-1/segment-000/try-1"
-        assert (first["what"], first["heartbeats"], first["steps"]) == ("status", 2, [41])
+        assert (first["what"], first["heartbeats"], first["steps"]) == (Route.STATUS, 2, [41])
         channel = stale.channel(root)
-        assert channel.ask("node-a", "drain", stop_at=50) is None  # the agent says 409
+        assert channel.ask("node-a", Route.DRAIN, stop_at=50) is None  # the agent says 409
         assert not (root / DRAIN_FILE).exists()
-        assert any(r["what"] == "drain" for r in channel.refused)
+        assert any(r["what"] == Route.DRAIN for r in channel.refused)
         stale.status(root)
-        assert [r["count"] for r in channel.refused if r["what"] == "status"] == [2, 2]
+        assert [r["count"] for r in channel.refused if r["what"] == Route.STATUS] == [2, 2]
     finally:
         stale.close()
 
 
 def test_requests_reach_the_node_and_name_their_attempt(root: Path, agents: ServedAttempt) -> None:
     channel = agents.channel(root)
-    assert channel.ask("node-b", "drain", stop_at=12) == {
+    # The wire format, spelled out: a change to it is a change to both sides.
+    assert channel.ask("node-b", Route.DRAIN, stop_at=12) == {
         "attempt": channel.attempt_id, "node": "node-b", "stop_at": 12}
     assert json.loads((root / DRAIN_FILE).read_text()) == {"stop_at": 12}
-    assert channel.ask("node-a", "stop", reason="segment done") is not None
+    assert channel.ask("node-a", Route.STOP, reason="segment done") is not None
     assert agents.nodes["node-a"].stop_reasons == ["segment done"]
-    assert channel.ask("node-a", "rescue", rank=3) is None  # rank 3 lives on node-b: 400
+    assert channel.ask("node-a", Route.RESCUE, rank=3) is None  # rank 3 lives on node-b: 400
 
 
 def test_a_silent_agent_costs_one_short_timeout_and_keeps_its_last_word(
@@ -207,7 +209,7 @@ def test_an_agent_cut_off_mid_reply_is_not_an_answer() -> None:
     thread.start()
     try:
         channel = AgentChannel("a", {"node-a": "http://{}:{}".format(*server.getsockname())})
-        assert channel.call_quietly("node-a", "stop", 5.0) is None
+        assert channel.call_quietly("node-a", Route.STOP, 5.0) is None
     finally:
         thread.join()
         server.close()
@@ -251,10 +253,10 @@ def test_the_kubernetes_launcher_reads_pods_agents_over_the_channel(
         assert all(n.last_seen is not None for n in running.nodes.values())
 
         agent = pods.nodes["pod-1"]
-        agent.state, agent.exit_codes = "failed", {2: 1, 3: -15}
+        agent.state, agent.exit_codes = NodeState.FAILED, {2: 1, 3: -15}
         agent.errors = {2: "ZeroDivisionError: division by zero"}
         failed = launcher.status(cfg.root)  # the pod is still Running: the agent lingers
-        assert failed.nodes["pod-1"].state == "failed"
+        assert failed.nodes["pod-1"].state == NodeState.FAILED
         assert failed.errors() == {2: "ZeroDivisionError: division by zero"}
         assert failed.failed_ranks() == {2: 1, 3: -15}
     finally:

@@ -20,7 +20,6 @@ from k8s_fake import FakeApiServer
 
 from relay.core.faults import Fault, FaultKind
 from relay.launchers import LaunchState, launcher_from
-from relay.launchers.base import UNRESPONSIVE
 from relay.launchers.k8s.launcher import KubernetesLauncher
 from relay.launchers.k8s.objects import QUARANTINE_TAINT_KEY, AttemptKey
 from relay.nodes.pool import NodePool
@@ -30,6 +29,7 @@ from relay.recover.outcome import quarantine
 from relay.spec.sections import KubernetesSpec
 from relay.watch.detection import Detector, Observation
 from relay_train.protocol.launch import LaunchConfig
+from relay_train.protocol.routes import NodeState
 
 HOSTS = ["gpu-1", "gpu-2", "gpu-3"]
 POLICIES = Path(__file__).resolve().parents[3] / "policies"
@@ -168,13 +168,13 @@ def test_status_follows_pods_to_success(fake: FakeApiServer, tmp_path: Path) -> 
 
     starting = launcher.status(cfg.root)
     assert starting.state is LaunchState.RUNNING
-    assert {n.state for n in starting.nodes.values()} == {"starting"}
+    assert {n.state for n in starting.nodes.values()} == {NodeState.STARTING}
 
     fake.run_pods(name, ["gpu-2", "gpu-1"])
     running = launcher.status(cfg.root)
     assert running.state is LaunchState.RUNNING
     assert {n: (s.state, s.host) for n, s in running.nodes.items()} == {
-        "pod-0": ("running", "gpu-2"), "pod-1": ("running", "gpu-1")}
+        "pod-0": (NodeState.RUNNING, "gpu-2"), "pod-1": (NodeState.RUNNING, "gpu-1")}
     assert launcher.host_of(cfg.root, "pod-0") == "gpu-2"
 
     fake.set_phase(name, 0, "Succeeded", 0)
@@ -217,7 +217,7 @@ def test_not_ready_node_is_node_unresponsive_and_quarantined_by_taint_and_affini
     obs = observe(launcher, cfg)
     fault = Detector(Detection()).check(obs)
 
-    assert obs.launch.nodes["pod-1"].state == UNRESPONSIVE
+    assert obs.launch.nodes["pod-1"].state == NodeState.UNRESPONSIVE
     assert fault is not None and fault.kind is FaultKind.NODE_UNRESPONSIVE
     assert (fault.culprit_node, fault.evidence["host"]) == ("pod-1", "gpu-2")
     assert "NotReady" in fault.evidence["summary"]
@@ -273,8 +273,8 @@ def test_kubelet_lease_that_stops_moving_is_node_unresponsive(
     fake.renew_lease("gpu-1")  # gpu-2's kubelet has gone quiet (still "Ready" for now)
     status = launcher.status(cfg.root)
 
-    assert status.nodes["pod-0"].state == "running"
-    assert status.nodes["pod-1"].state == UNRESPONSIVE
+    assert status.nodes["pod-0"].state == NodeState.RUNNING
+    assert status.nodes["pod-1"].state == NodeState.UNRESPONSIVE
     assert "has not renewed its lease" in status.nodes["pod-1"].detail
 
 

@@ -9,13 +9,14 @@ import pytest
 
 from relay.core.faults import FaultKind
 from relay.launchers import Launcher, LaunchState, LaunchStatus, launcher_for, launcher_from
-from relay.launchers.base import UNRESPONSIVE, NodeStatus, overall_state
+from relay.launchers.base import NodeStatus, overall_state
 from relay.launchers.k8s.launcher import KubernetesLauncher
 from relay.launchers.local.launcher import LocalLauncher
 from relay.policy.model import Detection
 from relay.spec.job import load_job_spec
 from relay.spec.yamlsource import ConfigError
 from relay.watch.detection import Detector, Observation
+from relay_train.protocol.routes import NodeState
 
 PLUGIN = Path(__file__).resolve().parents[3] / "plugins" / "relay"
 BASE = """\
@@ -75,8 +76,8 @@ def test_unknown_launcher_kind_is_refused() -> None:
 
 
 def test_an_unresponsive_node_from_the_platform_is_node_unresponsive() -> None:
-    nodes = {"pod-0": NodeStatus("pod-0", "running", host="gpu-1"),
-             "pod-1": NodeStatus("pod-1", UNRESPONSIVE, detail="node gpu-2 is NotReady",
+    nodes = {"pod-0": NodeStatus("pod-0", NodeState.RUNNING, host="gpu-1"),
+             "pod-1": NodeStatus("pod-1", NodeState.UNRESPONSIVE, detail="node gpu-2 is NotReady",
                                  host="gpu-2")}
     status = LaunchStatus(overall_state(nodes), nodes)
     obs = Observation(now=100.0, launched_at=99.0, heartbeats={},

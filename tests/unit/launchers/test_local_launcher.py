@@ -23,6 +23,7 @@ from relay.launchers.local.launcher import (
     group_members,
 )
 from relay_train.protocol.launch import attempt_id_of
+from relay_train.protocol.routes import NodeState
 
 SLEEP_WITH_CHILD = "sleep 60 & sleep 60"
 IGNORES_TERM = 'trap "" TERM; sleep 60'
@@ -259,7 +260,7 @@ def fabricate(root: Path, agents: dict[str, int], records: dict[str, dict | None
     return root
 
 
-def record(node: str, state: str, exit_codes: dict[int, int | None]) -> dict:
+def record(node: str, state: NodeState, exit_codes: dict[int, int | None]) -> dict:
     return {
         "node": node,
         "state": state,
@@ -277,8 +278,8 @@ def test_status_running(tmp_path: Path, launcher: LocalLauncher) -> None:
         tmp_path,
         {"n0": me, "n1": me},
         {
-            "n0": record("n0", "running", {0: None, 1: None}),
-            "n1": record("n1", "running", {2: None, 3: None}),
+            "n0": record("n0", NodeState.RUNNING, {0: None, 1: None}),
+            "n1": record("n1", NodeState.RUNNING, {2: None, 3: None}),
         },
     )
 
@@ -286,7 +287,7 @@ def test_status_running(tmp_path: Path, launcher: LocalLauncher) -> None:
 
     assert status.state is LaunchState.RUNNING
     assert set(status.nodes) == {"n0", "n1"}
-    assert status.nodes["n0"].state == "running"
+    assert status.nodes["n0"].state == NodeState.RUNNING
     assert status.nodes["n0"].exit_codes == {0: None, 1: None}
     assert status.nodes["n0"].last_seen == pytest.approx(time.time(), abs=5)  # Relay's clock
     assert status.failed_ranks() == {}
@@ -297,13 +298,14 @@ def test_status_running_while_one_node_is_still_starting(
 ) -> None:
     me = os.getpid()
     root = fabricate(
-        tmp_path, {"n0": me, "n1": me}, {"n0": record("n0", "succeeded", {0: 0}), "n1": None}
+        tmp_path, {"n0": me, "n1": me},
+        {"n0": record("n0", NodeState.SUCCEEDED, {0: 0}), "n1": None},
     )
 
     status = launcher.status(root)
 
     assert status.state is LaunchState.RUNNING
-    assert status.nodes["n1"].state == "starting"
+    assert status.nodes["n1"].state == NodeState.STARTING
 
 
 def test_status_succeeded(tmp_path: Path, launcher: LocalLauncher) -> None:
@@ -312,8 +314,8 @@ def test_status_succeeded(tmp_path: Path, launcher: LocalLauncher) -> None:
         tmp_path,
         {"n0": gone, "n1": gone},
         {
-            "n0": record("n0", "succeeded", {0: 0, 1: 0}),
-            "n1": record("n1", "succeeded", {2: 0, 3: 0}),
+            "n0": record("n0", NodeState.SUCCEEDED, {0: 0, 1: 0}),
+            "n1": record("n1", NodeState.SUCCEEDED, {2: 0, 3: 0}),
         },
     )
 
@@ -329,28 +331,28 @@ def test_status_failed_with_exit_codes(tmp_path: Path, launcher: LocalLauncher) 
         tmp_path,
         {"n0": me, "n1": me},
         {
-            "n0": record("n0", "running", {0: None, 1: None}),
-            "n1": record("n1", "failed", {2: -9, 3: -15}),
+            "n0": record("n0", NodeState.RUNNING, {0: None, 1: None}),
+            "n1": record("n1", NodeState.FAILED, {2: -9, 3: -15}),
         },
     )
 
     status = launcher.status(root)
 
     assert status.state is LaunchState.FAILED
-    assert status.nodes["n1"].state == "failed"
+    assert status.nodes["n1"].state == NodeState.FAILED
     assert status.nodes["n1"].exit_codes == {2: -9, 3: -15}
     assert status.failed_ranks() == {2: -9, 3: -15}
 
 
-@pytest.mark.parametrize("last_said", ["starting", "running"])
+@pytest.mark.parametrize("last_said", [NodeState.STARTING, NodeState.RUNNING])
 def test_status_agent_died_without_a_final_status(
-    tmp_path: Path, launcher: LocalLauncher, last_said: str
+    tmp_path: Path, launcher: LocalLauncher, last_said: NodeState
 ) -> None:
     root = fabricate(
         tmp_path,
         {"n0": os.getpid(), "n1": dead_pid()},
         {
-            "n0": record("n0", "running", {0: None}),
+            "n0": record("n0", NodeState.RUNNING, {0: None}),
             "n1": record("n1", last_said, {1: None}),
         },
     )
@@ -358,8 +360,8 @@ def test_status_agent_died_without_a_final_status(
     status = launcher.status(root)
 
     assert status.state is LaunchState.FAILED
-    assert status.nodes["n0"].state == "running"
-    assert status.nodes["n1"].state == "failed"
+    assert status.nodes["n0"].state == NodeState.RUNNING
+    assert status.nodes["n1"].state == NodeState.FAILED
     assert "agent died without a final status" in status.nodes["n1"].detail
 
 
@@ -369,7 +371,7 @@ def test_status_agent_exited_before_reporting(tmp_path: Path, launcher: LocalLau
     status = launcher.status(root)
 
     assert status.state is LaunchState.FAILED
-    assert status.nodes["n0"].state == "failed"
+    assert status.nodes["n0"].state == NodeState.FAILED
     assert "before reporting" in status.nodes["n0"].detail
 
 
@@ -379,7 +381,8 @@ def test_status_zombie_agent_counts_as_dead(
     agent = workload.agent("sleep 60")
     agent.send_signal(signal.SIGKILL)
     assert wait_for(lambda: proc_state(agent.pid) == "Z")  # exited, not yet reaped
-    root = fabricate(tmp_path, {"n0": agent.pid}, {"n0": record("n0", "running", {0: None})})
+    root = fabricate(tmp_path, {"n0": agent.pid},
+                     {"n0": record("n0", NodeState.RUNNING, {0: None})})
 
     assert launcher.status(root).state is LaunchState.FAILED
 
@@ -396,8 +399,8 @@ def test_failed_ranks_ignores_running_and_clean_exits() -> None:
     status = LaunchStatus(
         LaunchState.FAILED,
         {
-            "n0": NodeStatus("n0", "failed", {0: 0, 1: None, 2: 1}),
-            "n1": NodeStatus("n1", "failed", {3: -9}),
+            "n0": NodeStatus("n0", NodeState.FAILED, {0: 0, 1: None, 2: 1}),
+            "n1": NodeStatus("n1", NodeState.FAILED, {3: -9}),
         },
     )
 

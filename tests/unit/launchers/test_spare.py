@@ -8,10 +8,11 @@ import pytest
 
 from relay.launchers.base import LaunchState, LaunchStatus, NodeStatus
 from relay.launchers.local import spare
+from relay_train.protocol.routes import NodeState
 
 
 def _status(**last_seen: float | None) -> LaunchStatus:
-    nodes = {n: NodeStatus(n, "running", last_seen=t) for n, t in last_seen.items()}
+    nodes = {n: NodeStatus(n, NodeState.RUNNING, last_seen=t) for n, t in last_seen.items()}
     return LaunchStatus(LaunchState.RUNNING, nodes)
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
 from relay.tools.demo import ProgressPrinter
+from relay_train.protocol.routes import NodeState
 
 LAUNCH = {"start_step": 0, "end_step": 60, "nodes": ["node-a", "node-b"], "ranks_per_node": 2,
           "resume": None}
@@ -29,21 +30,21 @@ def _attempt(tmp_path: Path) -> Path:
     return attempt
 
 
-def _status(printer: ProgressPrinter, state: str) -> None:
+def _status(printer: ProgressPrinter, state: NodeState) -> None:
     """Make the agents (as the channel would report them) say ``state``."""
     nodes = {n: NodeStatus(n, state) for n in LAUNCH["nodes"]}
     printer._status = lambda _attempt: LaunchStatus(overall_state(nodes), nodes)  # type: ignore[method-assign]
 
 
-@pytest.mark.parametrize("early", ["starting", "running"])
+@pytest.mark.parametrize("early", [NodeState.STARTING, NodeState.RUNNING])
 def test_a_fault_is_reported_after_agents_said_starting_or_running(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], early: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], early: NodeState
 ) -> None:
     attempt = _attempt(tmp_path)
     printer = ProgressPrinter(tmp_path / "relay_demo", 240, time.time())
     _status(printer, early)  # agents preloading: the attempt has not ended
     printer.poll()
-    _status(printer, "failed")
+    _status(printer, NodeState.FAILED)
     printer.poll()
     (attempt / "decision.json").write_text(json.dumps(DECISION))
     printer.poll()

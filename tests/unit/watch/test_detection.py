@@ -22,6 +22,7 @@ from relay.policy.model import Detection, StragglerDetection
 from relay.watch.detection import AGENT_STATUS_INTERVAL_SECONDS, Detector, Observation
 from relay.watch.slowness import MIN_SLOW_STEPS
 from relay_train.protocol.heartbeat import Heartbeat, HeartbeatWriter, Phase, read_heartbeats
+from relay_train.protocol.routes import NodeState
 
 NODE_RANKS = {"node-a": [0, 1], "node-b": [2, 3]}
 NODE_OF = {r: n for n, ranks in NODE_RANKS.items() for r in ranks}
@@ -80,7 +81,7 @@ def running(now: float, *, agent_age: dict[str, float | None] | None = None) -> 
     for node, ranks in NODE_RANKS.items():
         age = ages.get(node, 0.0)
         nodes[node] = NodeStatus(
-            node, "running", {r: None for r in ranks},
+            node, NodeState.RUNNING, {r: None for r in ranks},
             last_seen=None if age is None else now - age,
         )
     return LaunchStatus(LaunchState.RUNNING, nodes)
@@ -772,8 +773,8 @@ def failed(now: float) -> LaunchStatus:
     return LaunchStatus(
         LaunchState.FAILED,
         {
-            "node-a": NodeStatus("node-a", "failed", {1: -9, 0: -15}, last_seen=now),
-            "node-b": NodeStatus("node-b", "failed", {2: 1, 3: 1}, last_seen=now),
+            "node-a": NodeStatus("node-a", NodeState.FAILED, {1: -9, 0: -15}, last_seen=now),
+            "node-b": NodeStatus("node-b", NodeState.FAILED, {2: 1, 3: 1}, last_seen=now),
         },
     )
 
@@ -790,8 +791,8 @@ def test_crash_names_the_killed_rank() -> None:
 def peers_first() -> LaunchStatus:
     """node-b's ranks died of "connection reset"; node-a's agent has not reported rank 1 yet."""
     return LaunchStatus(LaunchState.FAILED, {
-        "node-a": NodeStatus("node-a", "running", {0: None, 1: None}, last_seen=T0),
-        "node-b": NodeStatus("node-b", "failed", {2: 1, 3: 1}, last_seen=T0),
+        "node-a": NodeStatus("node-a", NodeState.RUNNING, {0: None, 1: None}, last_seen=T0),
+        "node-b": NodeStatus("node-b", NodeState.FAILED, {2: 1, 3: 1}, last_seen=T0),
     })
 
 

@@ -37,9 +37,10 @@ from relay.watch.triggers import (
 from relay_train.protocol.heartbeat import Heartbeat, Phase, heartbeat_path, write_atomically
 from relay_train.protocol.launch import attempt_id_of
 from relay_train.protocol.pids import start_time
+from relay_train.protocol.routes import NodeState
 
 NODE_RANKS = {"node-a": [0, 1], "node-b": [2, 3]}
-Record = tuple[str, dict[int, int | None]]  # (state, exit codes by rank)
+Record = tuple[NodeState, dict[int, int | None]]  # (state, exit codes by rank)
 
 
 def failed_status() -> LaunchStatus:
@@ -47,8 +48,8 @@ def failed_status() -> LaunchStatus:
     return LaunchStatus(
         LaunchState.FAILED,
         {
-            "node-a": NodeStatus("node-a", "failed", {0: 1, 1: -15}),
-            "node-b": NodeStatus("node-b", "failed", {2: 1, 3: -9}),
+            "node-a": NodeStatus("node-a", NodeState.FAILED, {0: 1, 1: -15}),
+            "node-b": NodeStatus("node-b", NodeState.FAILED, {2: 1, 3: -9}),
         },
     )
 
@@ -69,8 +70,8 @@ def test_classify_exit_with_only_secondary_exits_picks_the_lowest_rank() -> None
     status = LaunchStatus(
         LaunchState.FAILED,
         {
-            "node-a": NodeStatus("node-a", "failed", {0: -15, 1: -15}),
-            "node-b": NodeStatus("node-b", "failed", {2: 1, 3: -15}),
+            "node-a": NodeStatus("node-a", NodeState.FAILED, {0: -15, 1: -15}),
+            "node-b": NodeStatus("node-b", NodeState.FAILED, {2: 1, 3: -15}),
         },
     )
 
@@ -84,9 +85,9 @@ def test_classify_exit_of_a_dead_agent_names_its_node() -> None:
     status = LaunchStatus(
         LaunchState.FAILED,
         {
-            "node-a": NodeStatus("node-a", "running", {0: None, 1: None}),
+            "node-a": NodeStatus("node-a", NodeState.RUNNING, {0: None, 1: None}),
             "node-b": NodeStatus(
-                "node-b", "failed", detail="agent died without a final status (killed?)"
+                "node-b", NodeState.FAILED, detail="agent died without a final status (killed?)"
             ),
         },
     )
@@ -182,7 +183,8 @@ def watch(root: Path, detection: dict[str, float] | None = None) -> SegmentWatch
 def test_run_fires_completed_when_every_node_succeeded(tmp_path: Path) -> None:
     root = fabricate(
         tmp_path / "try-1",
-        {"node-a": ("succeeded", {0: 0, 1: 0}), "node-b": ("succeeded", {2: 0, 3: 0})},
+        {"node-a": (NodeState.SUCCEEDED, {0: 0, 1: 0}),
+         "node-b": (NodeState.SUCCEEDED, {2: 0, 3: 0})},
     )
 
     event = asyncio.run(first_event(watch(root)))
@@ -195,7 +197,8 @@ def test_a_nan_the_ranks_outran_is_still_reported(tmp_path: Path) -> None:
     """The ranks finished 5 steps after rank 1's loss went NaN, before any poll saw it."""
     root = fabricate(
         tmp_path / "try-1",
-        {"node-a": ("succeeded", {0: 0, 1: 0}), "node-b": ("succeeded", {2: 0, 3: 0})},
+        {"node-a": (NodeState.SUCCEEDED, {0: 0, 1: 0}),
+         "node-b": (NodeState.SUCCEEDED, {2: 0, 3: 0})},
     )
     write_training_heartbeats(root, step=30)
     beat = Heartbeat(rank=1, node="node-a", pid=1, step=30, phase="done", loss=math.nan,
@@ -214,7 +217,8 @@ def test_the_watcher_finds_the_agents_through_the_launch_record_it_was_given(
     # The triggerer is another machine: no handle.json there, only the trigger's arguments.
     root = fabricate(
         tmp_path / "try-1",
-        {"node-a": ("failed", {0: 1, 1: -15}), "node-b": ("failed", {2: 1, 3: -9})},
+        {"node-a": (NodeState.FAILED, {0: 1, 1: -15}),
+         "node-b": (NodeState.FAILED, {2: 1, 3: -9})},
     )
     write_training_heartbeats(root)
     record = {"launch": {"attempt_dir": str(root)},
@@ -246,7 +250,8 @@ def write_training_heartbeats(root: Path, step: int = 5, age: float = 0.0) -> No
 def test_run_fires_a_crash_fault_naming_the_culprit(tmp_path: Path) -> None:
     root = fabricate(
         tmp_path / "try-1",
-        {"node-a": ("failed", {0: 1, 1: -15}), "node-b": ("failed", {2: 1, 3: -9})},
+        {"node-a": (NodeState.FAILED, {0: 1, 1: -15}),
+         "node-b": (NodeState.FAILED, {2: 1, 3: -9})},
     )
     write_training_heartbeats(root)
     before = time.time()
@@ -266,7 +271,8 @@ def test_run_fires_a_crash_fault_naming_the_culprit(tmp_path: Path) -> None:
 def test_run_keeps_watching_while_running_then_reports(tmp_path: Path) -> None:
     root = fabricate(
         tmp_path / "try-1",
-        {"node-a": ("running", {0: None, 1: None}), "node-b": ("running", {2: None, 3: None})},
+        {"node-a": (NodeState.RUNNING, {0: None, 1: None}),
+         "node-b": (NodeState.RUNNING, {2: None, 3: None})},
     )
     write_training_heartbeats(root)
 
@@ -276,7 +282,7 @@ def test_run_keeps_watching_while_running_then_reports(tmp_path: Path) -> None:
         task = asyncio.create_task(first_event(watch(root, patient)))
         await asyncio.sleep(0.2)  # ten polls of a running workload
         fired_early = task.done()
-        write_records(root, {"node-a": ("failed", {0: -9, 1: -15})})
+        write_records(root, {"node-a": (NodeState.FAILED, {0: -9, 1: -15})})
         return fired_early, await task
 
     fired_early, event = asyncio.run(scenario())
@@ -357,7 +363,8 @@ def test_run_looks_again_when_silent_ranks_reach_heartbeat_timeout(
     again when they reach heartbeat_timeout (2 s), not 5 s later."""
     root = fabricate(
         tmp_path / "try-1",
-        {"node-a": ("running", {0: None, 1: None}), "node-b": ("running", {2: None, 3: None})},
+        {"node-a": (NodeState.RUNNING, {0: None, 1: None}),
+         "node-b": (NodeState.RUNNING, {2: None, 3: None})},
     )
     write_training_heartbeats(root, step=40, age=1.0)
     pauses: list[float] = []
@@ -377,7 +384,8 @@ def test_run_polls_faster_once_every_rank_reported_its_loop_done(
 ) -> None:
     root = fabricate(
         tmp_path / "try-1",
-        {"node-a": ("running", {0: None, 1: None}), "node-b": ("running", {2: None, 3: None})},
+        {"node-a": (NodeState.RUNNING, {0: None, 1: None}),
+         "node-b": (NodeState.RUNNING, {2: None, 3: None})},
     )
     write_training_heartbeats(root, step=40)
     for beat_file in (root / "heartbeats").iterdir():  # every loop ended, no rank exited yet
@@ -393,8 +401,8 @@ def test_run_polls_faster_once_every_rank_reported_its_loop_done(
     async def scenario() -> TriggerEvent:
         task = asyncio.create_task(first_event(trigger))
         await asyncio.sleep(0.3)
-        write_records(root, {"node-a": ("succeeded", {0: 0, 1: 0}),
-                             "node-b": ("succeeded", {2: 0, 3: 0})})
+        write_records(root, {"node-a": (NodeState.SUCCEEDED, {0: 0, 1: 0}),
+                             "node-b": (NodeState.SUCCEEDED, {2: 0, 3: 0})})
         return await task
 
     event = asyncio.run(scenario())

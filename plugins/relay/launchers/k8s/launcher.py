@@ -63,6 +63,7 @@ from relay.launchers.k8s.status import (
 )
 from relay.spec.sections import KubernetesSpec
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
+from relay_train.protocol.routes import SETTLED, NodeState
 
 if TYPE_CHECKING:
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
@@ -262,14 +263,14 @@ class KubernetesLauncher(KubernetesNodes):
         nodes = {slot: slot_status(slot, pods.get(i), problems, now)
                  for i, slot in enumerate(slots)}
         channel = self.channel(root, slots)
-        channel.poll([s for s, n in nodes.items() if n.state == "running"])
+        channel.poll([s for s, n in nodes.items() if n.state == NodeState.RUNNING])
         for slot, node in nodes.items():
             merge_agent_report(node, channel.reports.get(slot))
         failure = job_failure(job)
         if failure:
             for node in nodes.values():
-                if node.state not in ("succeeded", "failed"):
-                    node.state, node.detail = "failed", failure
+                if node.state not in SETTLED:
+                    node.state, node.detail = NodeState.FAILED, failure
         return LaunchStatus(overall_state(nodes), nodes, dict(channel.beats),
                             list(channel.refused), set(channel.crossed))
 

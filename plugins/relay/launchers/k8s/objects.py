@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from relay.spec.sections import KubernetesSpec
-from relay_train.agent.server import AGENT_PORT
 from relay_train.protocol.env import ENV_HOST, ENV_NODE_INDEX
+from relay_train.protocol.routes import AGENT_PORT
 
 GROUP = "relay.dev"
 LABEL_ATTEMPT_ID = f"{GROUP}/attempt-id"

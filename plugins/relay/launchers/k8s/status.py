@@ -2,8 +2,9 @@
 
 Each node slot gets one :class:`~relay.launchers.base.NodeStatus`: the pod's phase,
 unless the pod outlived its deletion deadline or its node has a problem, which
-makes the slot ``unresponsive``; what its agent said over the channel adds exit
-codes, failed ranks' log tails and when it last answered. No API calls here;
+makes the slot ``unresponsive`` (:class:`~relay_train.protocol.routes.NodeState`);
+what its agent said over the channel adds exit codes, failed ranks' log tails and
+when it last answered. No API calls here;
 :mod:`relay.launchers.k8s.launcher` fetches the objects and asks the agents.
 """
 
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from relay.launchers.base import UNRESPONSIVE, NodeStatus
+from relay.launchers.base import NodeStatus
 from relay.launchers.k8s.objects import INDEX_ANNOTATION
+from relay_train.protocol.routes import ERRORS, EXIT_CODES, SETTLED, STATE, NodeState
 
 if TYPE_CHECKING:
     from relay.launchers.agent_client import NodeReport
@@ -51,26 +53,26 @@ def slot_status(slot: str, pod: Any, problems: dict[str, str | None],  # noqa: A
                  now: float) -> NodeStatus:
     """Say what one node slot is doing, from its pod and its node."""
     if pod is None:
-        return NodeStatus(slot, "starting", detail="no pod yet")
+        return NodeStatus(slot, NodeState.STARTING, detail="no pod yet")
     host = pod.spec.node_name if pod.spec else None
     phase = pod.status.phase if pod.status else None
     if phase == "Succeeded":
-        return NodeStatus(slot, "succeeded", host=host)
+        return NodeStatus(slot, NodeState.SUCCEEDED, host=host)
     if phase == "Failed":
-        return NodeStatus(slot, "failed", detail=failure_detail(pod), host=host)
+        return NodeStatus(slot, NodeState.FAILED, detail=failure_detail(pod), host=host)
     if stuck(pod, now):
         late = now - (epoch(pod.metadata.deletion_timestamp) or now)
-        return NodeStatus(slot, UNRESPONSIVE, host=host, detail=(
+        return NodeStatus(slot, NodeState.UNRESPONSIVE, host=host, detail=(
             f"pod {pod.metadata.name} stuck terminating on {host} for {late:.0f}s past its "
             "grace period"))
     if host and problems.get(host):
-        return NodeStatus(slot, UNRESPONSIVE, detail=str(problems[host]), host=host)
+        return NodeStatus(slot, NodeState.UNRESPONSIVE, detail=str(problems[host]), host=host)
     if phase == "Running":
-        return NodeStatus(slot, "running", host=host)
+        return NodeStatus(slot, NodeState.RUNNING, host=host)
     if phase == "Unknown":
-        return NodeStatus(slot, UNRESPONSIVE, host=host,
+        return NodeStatus(slot, NodeState.UNRESPONSIVE, host=host,
                           detail=f"pod {pod.metadata.name} state unknown (node lost?)")
-    return NodeStatus(slot, "starting", detail=pending_detail(pod), host=host)
+    return NodeStatus(slot, NodeState.STARTING, detail=pending_detail(pod), host=host)
 
 
 def merge_agent_report(node: NodeStatus, report: NodeReport | None) -> None:
@@ -83,10 +85,10 @@ def merge_agent_report(node: NodeStatus, report: NodeReport | None) -> None:
         return
     record = report.record
     node.last_seen = report.received_at
-    node.exit_codes = {int(r): c for r, c in (record.get("exit_codes") or {}).items()}
-    node.errors = {int(r): str(t) for r, t in (record.get("errors") or {}).items()}
-    if node.state == "running" and record.get("state") in ("succeeded", "failed"):
-        node.state = str(record["state"])
+    node.exit_codes = {int(r): c for r, c in (record.get(EXIT_CODES) or {}).items()}
+    node.errors = {int(r): str(t) for r, t in (record.get(ERRORS) or {}).items()}
+    if node.state == NodeState.RUNNING and record.get(STATE) in SETTLED:
+        node.state = NodeState(record[STATE])
         failed = {r: c for r, c in node.exit_codes.items() if c not in (None, 0)}
         node.detail = f"ranks exited with {failed}" if failed else node.detail
 

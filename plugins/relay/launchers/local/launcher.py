@@ -52,6 +52,17 @@ from relay_train.agent.resident import RESIDENT_DIR
 from relay_train.agent.standby import STANDBY_TTL_SECONDS
 from relay_train.protocol import pids
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
+from relay_train.protocol.routes import (
+    DIRECTORY,
+    ERRORS,
+    EXIT_CODES,
+    LINGER,
+    PID,
+    STATE,
+    TTL,
+    NodeState,
+    Route,
+)
 
 if TYPE_CHECKING:
     from relay.nodes.pool import Quarantine
@@ -224,10 +235,10 @@ class LocalLauncher(LocalSignals):
         channel = self.channel(source)
         if node not in channel.addresses or node in channel.silent:
             return None
-        reply = channel.call_quietly(node, "standby", STANDBY_ASK_TIMEOUT_SECONDS,
-                                     directory=str(directory), ttl=ttl_seconds,
-                                     linger=LINGER_SECONDS)
-        pid = (reply or {}).get("pid")
+        reply = channel.call_quietly(node, Route.STANDBY, STANDBY_ASK_TIMEOUT_SECONDS,
+                                     **{DIRECTORY: str(directory), TTL: ttl_seconds,
+                                        LINGER: LINGER_SECONDS})
+        pid = (reply or {}).get(PID)
         return pid if isinstance(pid, int) and pid > 0 else None
 
     _claim = staticmethod(claim)
@@ -286,17 +297,17 @@ class LocalLauncher(LocalSignals):
             report = channel.reports.get(node)  # its latest answer, if it ever answered
             alive = pids.is_running(ids["pid"], ids["started"])
             if report is None:
-                state = "starting" if alive else "failed"
+                state = NodeState.STARTING if alive else NodeState.FAILED
                 detail = "" if alive else "agent exited before reporting any status"
                 nodes[node] = NodeStatus(node, state, detail=detail)
                 continue
             record = report.record
-            codes = {int(r): c for r, c in record.get("exit_codes", {}).items()}
-            state = record.get("state", "running")
+            codes = {int(r): c for r, c in record.get(EXIT_CODES, {}).items()}
+            state = NodeState(record.get(STATE, NodeState.RUNNING))
             detail = ""
-            if state in ("starting", "running") and not alive:
-                state, detail = "failed", "agent died without a final status (killed?)"
-            errors = {int(r): str(t) for r, t in (record.get("errors") or {}).items()}
+            if state in (NodeState.STARTING, NodeState.RUNNING) and not alive:
+                state, detail = NodeState.FAILED, "agent died without a final status (killed?)"
+            errors = {int(r): str(t) for r, t in (record.get(ERRORS) or {}).items()}
             nodes[node] = NodeStatus(node, state, codes, detail, report.received_at,
                                      errors=errors)
         return LaunchStatus(overall_state(nodes), nodes, dict(channel.beats),
@@ -349,7 +360,7 @@ class LocalLauncher(LocalSignals):
         if not targets:
             return
         with ThreadPoolExecutor(max_workers=min(len(targets), MAX_PARALLEL)) as pool:
-            list(pool.map(lambda n: channel.call_quietly(n, "stop", STOP_ASK_TIMEOUT_SECONDS),
+            list(pool.map(lambda n: channel.call_quietly(n, Route.STOP, STOP_ASK_TIMEOUT_SECONDS),
                           targets))
 
     @staticmethod

@@ -31,6 +31,7 @@ import json, random, sys, time
 from pathlib import Path
 from relay_train.agent.server import AgentServer
 from relay_train.protocol.heartbeat import Heartbeat, heartbeat_path, write_atomically
+from relay_train.protocol.routes import EXIT_CODES, STATE, NodeState
 root, ranks, per_node = Path(sys.argv[1]), int(sys.argv[2]), 4
 interval, attempt_id, rounds = float(sys.argv[3]), sys.argv[4], 0
 
@@ -41,7 +42,7 @@ class Node:  # what the real agent serves: its state; heartbeats from its node-l
         self.ranks = list(range(n * per_node, (n + 1) * per_node))
         (self.root / "heartbeats").mkdir(parents=True, exist_ok=True)
     def status_record(self):
-        return {"state": "running", "exit_codes": {str(r): None for r in self.ranks}}
+        return {STATE: NodeState.RUNNING, EXIT_CODES: {str(r): None for r in self.ranks}}
     def request_stop(self, reason):
         pass
 

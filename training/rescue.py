@@ -10,9 +10,9 @@ loop holds around its optimizer step, and writes the checkpoint file next to
 the attempt. Relay, which stops the workload afterwards, verifies and
 publishes it. Nothing here touches MLflow: a frozen rank may hold its lock.
 
-The files, in ``<attempt>/rescue/``: ``request.json`` (Relay: which rank),
-``ack.json`` (the rank: on it), ``done.json`` (the rank: step, sha256, path,
-or why it refused). Relay reads them, so this module imports torch only to save.
+The files, in ``<attempt>/rescue/``, and the :class:`RescueResult` Relay reads are
+the protocol's (:mod:`relay_train.protocol.rescue_files`); this module imports
+torch only to save.
 """
 
 from __future__ import annotations
@@ -23,38 +23,24 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from relay_train.protocol.heartbeat import write_atomically
 from relay_train.protocol.manifest import CHECKPOINT_FILE, file_sha256
+from relay_train.protocol.rescue_files import (
+    ACK_FILE,
+    DONE_FILE,
+    REQUEST_FILE,
+    RESCUE_DIR,
+    RescueResult,
+)
+from relay_train.protocol.routes import RANK, STOP_AT
 
 log = logging.getLogger(__name__)
 
-RESCUE_DIR = "rescue"
-REQUEST_FILE = "request.json"
-ACK_FILE = "ack.json"
-DONE_FILE = "done.json"
 POLL_SECONDS = 0.1
-
-
-@dataclass(frozen=True)
-class RescueResult:
-    """What a rescued rank wrote (or why it did not)."""
-
-    rank: int
-    step: int | None = None
-    path: str | None = None
-    sha256: str | None = None
-    size_bytes: int | None = None
-    refused: str | None = None
-    seconds: float = 0.0
-
-    @classmethod
-    def read(cls, path: Path) -> RescueResult:
-        """Parse ``done.json``."""
-        return cls(**json.loads(path.read_text()))
 
 
 class TrainingState:
@@ -104,7 +90,7 @@ class RescueResponder:
             request = json.loads((self.dir / REQUEST_FILE).read_text())
         except (OSError, ValueError):
             return False  # none yet, or being written: look again next poll
-        return isinstance(request, dict) and request.get("rank") == self.rank
+        return isinstance(request, dict) and request.get(RANK) == self.rank
 
     def _run(self) -> None:
         while not self._stop.wait(self._poll):
@@ -162,7 +148,7 @@ class DrainRequest:
         """Return the step to stop at, once requested (one stat() per step otherwise)."""
         if self.last is None and self.path.exists():
             try:
-                self.last = int(json.loads(self.path.read_text())["stop_at"])
+                self.last = int(json.loads(self.path.read_text())[STOP_AT])
             except (OSError, ValueError, KeyError, TypeError):
                 return None  # being written: read it next step
         return self.last

@@ -15,11 +15,9 @@ NCCL: sequence id, op, sizes, whether it finished. Its dump is written twice:
 as JSON for Relay's summary and as the pickle that torch's analyzer reads
 (``python -m torch.distributed.flight_recorder.fr_trace <evidence>/fr``).
 
-:func:`collect` is the answer; :class:`EvidenceResponder` is today's transport
-(files in ``<attempt>/evidence/``): ``request.json`` (Relay: an id), then per
-rank ``fr/rank_<r>`` and ``fr-rank-<r>.json`` (the trace) and ``rank-<r>.json``
-(the stacks, written last: it is the answer). Imports torch only to dump the
-trace, never Airflow.
+:func:`collect` is the answer; :class:`EvidenceResponder` is today's transport,
+files in ``<attempt>/evidence/`` laid out as :mod:`relay_train.protocol.stacks_files`
+says. Imports torch only to dump the trace, never Airflow.
 """
 
 from __future__ import annotations
@@ -39,37 +37,24 @@ from pathlib import Path
 from typing import IO, Any
 
 from relay_train.protocol.heartbeat import write_atomically
+from relay_train.protocol.routes import REQUEST_ID
+from relay_train.protocol.stacks_files import (
+    EVIDENCE_DIR,
+    REQUEST_FILE,
+    answer_path,
+    armed_path,
+    faulthandler_path,
+    fr_dump_path,
+    trace_path,
+)
 
 log = logging.getLogger(__name__)
 
-EVIDENCE_DIR = "evidence"
-REQUEST_FILE = "request.json"
-FR_DIR = "fr"  # pickled dumps named rank_<r>: the layout torch's fr_trace analyzer reads
 ENV_FR_BUFFER = "TORCH_FR_BUFFER_SIZE"
 FR_BUFFER_ENTRIES = 2000  # per process group: about 2000 steps of one collective each
 FAULTHANDLER_SIGNAL = signal.SIGUSR2
 POLL_SECONDS = 0.1
 MAX_FRAMES = 64
-
-
-def answer_path(folder: Path, rank: int) -> Path:
-    """Return the file holding ``rank``'s stacks (present once it answered)."""
-    return folder / f"rank-{rank}.json"
-
-
-def trace_path(folder: Path, rank: int) -> Path:
-    """Return the file holding ``rank``'s Flight Recorder dump as JSON."""
-    return folder / f"fr-rank-{rank}.json"
-
-
-def faulthandler_path(folder: Path, rank: int) -> Path:
-    """Return where ``rank``'s faulthandler writes when signalled."""
-    return folder / f"faulthandler-rank-{rank}.txt"
-
-
-def armed_path(folder: Path, rank: int) -> Path:
-    """Return the record saying ``rank``'s faulthandler is armed: its pid and host."""
-    return folder / f"faulthandler-rank-{rank}.armed.json"
 
 
 def process_start(pid: int) -> str | None:
@@ -194,7 +179,7 @@ class EvidenceResponder:
             request = json.loads((self.dir / REQUEST_FILE).read_text())
         except (OSError, ValueError):
             return None  # none yet, or being written: look again next poll
-        found = request.get("id") if isinstance(request, dict) else None
+        found = request.get(REQUEST_ID) if isinstance(request, dict) else None
         return str(found) if found is not None and found != self._answered else None
 
     def _run(self) -> None:
@@ -212,7 +197,7 @@ class EvidenceResponder:
         """Write the trace, then the stacks (the answer); return the answer's path."""
         record, trace_json, trace_pickle = collect(self.rank, self.node, request_id)
         if trace_pickle is not None:
-            pickled = self.dir / FR_DIR / f"rank_{self.rank}"
+            pickled = fr_dump_path(self.dir, self.rank)
             pickled.parent.mkdir(exist_ok=True)
             partial = pickled.with_name(f".{pickled.name}.partial")
             partial.write_bytes(trace_pickle)

@@ -12,8 +12,8 @@ its launcher gave it (127.0.0.1 locally, the pod's address on Kubernetes):
   (``crossed``: steps, from its ``boundaries.jsonl``; see :mod:`relay_train.boundary`);
 - ``POST /v1/stop``, ``/v1/drain`` (``stop_at``), ``/v1/rescue`` (``rank``),
   ``/v1/stacks`` (``id``), ``/v1/stacks/signal`` (``id``): requests, which the agent
-  hands to its ranks on node-local disk (the files :mod:`relay_train.rescue` and
-  :mod:`relay_train.stacks` watch);
+  hands to its ranks on node-local disk (the files of
+  :mod:`relay_train.protocol.rescue_files` and :mod:`relay_train.protocol.stacks_files`);
 - ``GET /v1/rescue``, ``/v1/rescue/file``, ``/v1/stacks``: the ranks' answers;
 - ``POST /v1/standby`` (``directory``, ``ttl``, ``linger``): fork a standby agent for this
   node's next attempt (see :mod:`relay_train.agent.standby`): a copy of this agent, already
@@ -45,6 +45,8 @@ from urllib.parse import parse_qs, urlparse
 
 from relay_train.protocol.heartbeat import node_clock, read_heartbeats, write_atomically
 from relay_train.protocol.launch import BOUNDARIES_FILE, DRAIN_FILE
+from relay_train.protocol.rescue_files import ACK_FILE, DONE_FILE, RESCUE_DIR
+from relay_train.protocol.rescue_files import REQUEST_FILE as RESCUE_REQUEST
 from relay_train.protocol.routes import (
     ACK,
     AGE_SECONDS,
@@ -80,18 +82,16 @@ from relay_train.protocol.routes import (
     Route,
     route_path,
 )
-from relay_train.rescue import ACK_FILE, DONE_FILE, RESCUE_DIR
-from relay_train.rescue import REQUEST_FILE as RESCUE_REQUEST
-from relay_train.stacks import (
+from relay_train.protocol.stacks_files import (
     EVIDENCE_DIR,
-    FR_DIR,
     answer_path,
     armed_path,
     faulthandler_path,
-    process_start,
+    fr_dump_path,
     trace_path,
 )
-from relay_train.stacks import REQUEST_FILE as STACKS_REQUEST
+from relay_train.protocol.stacks_files import REQUEST_FILE as STACKS_REQUEST
+from relay_train.stacks import process_start
 
 log = logging.getLogger("relay_train.agent.server")
 
@@ -352,7 +352,7 @@ class _Handler(BaseHTTPRequestHandler):
                 trace = _read_json(trace_path(folder, rank))
                 if trace is not None:
                     traces[str(rank)] = trace
-                pickled = folder / FR_DIR / f"rank_{rank}"
+                pickled = fr_dump_path(folder, rank)
                 if pickled.exists():
                     pickles[str(rank)] = base64.b64encode(pickled.read_bytes()).decode()
                 continue

@@ -2,7 +2,7 @@
 
 After a hang or an unresponsive rank or node, the healthy ranks wait in the
 step's collective with weights complete up to the last finished step. One of
-them writes that state on its node (see :mod:`relay_train.rescue`); Relay asks
+them writes that state on its node (see :mod:`relay_train.protocol.rescue_files`); Relay asks
 for it and fetches it through the node's agent, over the channel, before the
 workload is stopped, verifies its sha256, and after the stop publishes it to the
 attempt's MLflow run as a checkpoint like any other, whose manifest says where
@@ -31,8 +31,8 @@ from relay_train.protocol.manifest import (
     CheckpointRef,
     file_sha256,
 )
+from relay_train.protocol.rescue_files import RescueResult
 from relay_train.protocol.routes import ACK, DONE, FAULT, RANK, STEP, Route
-from relay_train.rescue import RescueResult
 
 if TYPE_CHECKING:
     from relay.launchers.agent_client import AgentChannel

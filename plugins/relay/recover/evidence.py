@@ -1,7 +1,7 @@
 """Evidence from the culprit before it is killed: every rank's stacks and collective trace.
 
 On a hang, or a silent rank or node, Relay asks every rank of the attempt
-where it is (see :mod:`relay_train.stacks`) *before* it stops the workload:
+where it is (see :mod:`relay_train.protocol.stacks_files`) *before* it stops the workload:
 after the stop there is nothing left to ask. The request goes to every node's
 agent over the channel first, the rescue runs meanwhile, and the answers are
 gathered from the agents for at most ``detection.evidence_timeout`` from the
@@ -47,11 +47,12 @@ from relay_train.protocol.routes import (
     TRACES,
     Route,
 )
-from relay_train.stacks import (
+from relay_train.protocol.stacks_files import (
     EVIDENCE_DIR,
     FR_DIR,
     answer_path,
     faulthandler_path,
+    fr_dump_path,
     trace_path,
 )
 
@@ -194,7 +195,7 @@ def _keep(folder: Path, answers: dict[int, dict[str, Any]], traces: dict[int, di
         for rank, trace in traces.items():
             write_atomically(trace_path(folder, rank), json.dumps(trace))
         for rank, data in pickles.items():
-            (folder / FR_DIR / f"rank_{rank}").write_bytes(data)
+            fr_dump_path(folder, rank).write_bytes(data)
         for rank, text in fallback.items():
             faulthandler_path(folder, rank).write_text(text)
     except OSError as exc:  # evidence helps the on-call engineer; it never holds up recovery

@@ -167,7 +167,7 @@ class Stopped:
     stopped_at: float
     step: str
     survivors: list[str]
-    rescued: dict[str, Any] | None = None  # relay_train.rescue.RescueResult fields
+    rescued: dict[str, Any] | None = None  # relay_train.protocol.rescue_files.RescueResult fields
     drained_at: int | None = None
     evidence_request: dict[str, Any] | None = None  # {id, ranks}
 
@@ -253,7 +253,7 @@ def results(warden: Stopped, decision: Any, fault: Any,  # noqa: ANN401 - Decisi
     from relay.core.faults import RESCUABLE
     from relay.recover.evidence import RECEIVED_DIR, kept_evidence
     from relay_train.protocol.manifest import file_sha256
-    from relay_train.rescue import RescueResult
+    from relay_train.protocol.rescue_files import RescueResult
 
     log.warning("The workload was stopped by its warden %.1fs after the fault was detected "
                 "(no one resumed the task sooner); using what it saved",

@@ -21,7 +21,8 @@ from relay.recover.ask_rescue import request_rescue as ask_agents
 from relay_train.checkpoint import load_verified, snapshot
 from relay_train.protocol.heartbeat import Heartbeat, HeartbeatWriter
 from relay_train.protocol.launch import LaunchConfig
-from relay_train.rescue import DONE_FILE, REQUEST_FILE, RESCUE_DIR, RescueResponder, TrainingState
+from relay_train.protocol.rescue_files import DONE_FILE, REQUEST_FILE, RESCUE_DIR
+from relay_train.rescue import RescueResponder, TrainingState
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from relay.recover import warden_results
 from relay.recover.claim import claim_attempt
 from relay.recover.evidence import RECEIVED_DIR
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
-from relay_train.stacks import answer_path
+from relay_train.protocol.stacks_files import answer_path
 
 NODES = {"node-a": [0], "node-b": [1], "node-c": [2]}
 DETECTION = {"stop_unattended_after": 1.0, "checkpoint_timeout": 5.0, "evidence_timeout": 1.0}

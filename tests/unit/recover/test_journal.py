@@ -14,7 +14,7 @@ from relay.recover import warden as unattended
 from relay.recover.evidence import RECEIVED_DIR
 from relay.recover.outcome import SegmentFaultError
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig
-from relay_train.stacks import answer_path, faulthandler_path
+from relay_train.protocol.stacks_files import answer_path, faulthandler_path
 
 
 def _attempt(tmp_path: Path) -> Path:

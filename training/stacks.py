@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from relay_train.protocol.heartbeat import write_atomically
+from relay_train.protocol.pids import start_time
 from relay_train.protocol.routes import REQUEST_ID
 from relay_train.protocol.stacks_files import (
     EVIDENCE_DIR,
@@ -55,15 +56,6 @@ FR_BUFFER_ENTRIES = 2000  # per process group: about 2000 steps of one collectiv
 FAULTHANDLER_SIGNAL = signal.SIGUSR2
 POLL_SECONDS = 0.1
 MAX_FRAMES = 64
-
-
-def process_start(pid: int) -> str | None:
-    """Return when process ``pid`` started (clock ticks since boot), to tell a reused pid apart."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the name before ")" may hold spaces
 
 
 def flight_recorder_environment() -> dict[str, str]:
@@ -171,7 +163,7 @@ class EvidenceResponder:
                               all_threads=True, chain=False)
         # Armed: who may signal (this pid, from this host only; the default action kills).
         write_atomically(armed_path(self.dir, self.rank), json.dumps(
-            {"pid": os.getpid(), "started": process_start(os.getpid()),
+            {"pid": os.getpid(), "started": start_time(os.getpid()),
              "host": socket.gethostname(), "signal": FAULTHANDLER_SIGNAL}))
 
     def _request(self) -> str | None:

@@ -45,6 +45,7 @@ from urllib.parse import parse_qs, urlparse
 
 from relay_train.protocol.heartbeat import node_clock, read_heartbeats, write_atomically
 from relay_train.protocol.launch import BOUNDARIES_FILE, DRAIN_FILE
+from relay_train.protocol.pids import start_time
 from relay_train.protocol.rescue_files import ACK_FILE, DONE_FILE, RESCUE_DIR
 from relay_train.protocol.rescue_files import REQUEST_FILE as RESCUE_REQUEST
 from relay_train.protocol.routes import (
@@ -91,7 +92,6 @@ from relay_train.protocol.stacks_files import (
     trace_path,
 )
 from relay_train.protocol.stacks_files import REQUEST_FILE as STACKS_REQUEST
-from relay_train.stacks import process_start
 
 log = logging.getLogger("relay_train.agent.server")
 
@@ -414,4 +414,4 @@ def _exited(folder: Path, rank: int) -> bool:
     armed = _read_json(armed_path(folder, rank))
     if armed is None or armed.get("started") is None:
         return False
-    return process_start(int(armed["pid"])) != armed["started"]
+    return start_time(int(armed["pid"])) != armed["started"]

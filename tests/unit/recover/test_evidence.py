@@ -270,7 +270,7 @@ def test_a_pid_that_may_have_been_reused_is_never_signalled(tmp_path: Path) -> N
     folder = tmp_path / EVIDENCE_DIR
     folder.mkdir()
     armed = {"pid": os.getpid(), "host": socket.gethostname(), "signal": int(signal.SIGUSR2)}
-    for started in ("0", None):  # another process's start time, or none known
+    for started in (0, None):  # another process's start time, or none known
         armed_path(folder, 0).write_text(json.dumps({**armed, "started": started}))
         assert not signal_faulthandler(folder, 0)  # SIGUSR2's default action would end us
 

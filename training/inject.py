@@ -1,37 +1,23 @@
 """Fault injection from inside a rank, for tests, demos and benchmarks.
 
-A fault is a dict from the DAG run's conf, e.g.
-``{"kind": "hang", "segment": 1, "step": 30, "rank": 1, "attempt": 1}``:
-strike at global ``step`` on ``rank`` (or on every rank of ``node``, or every
-rank when neither is given), only on that segment attempt (``attempt``
-defaults to 1 so Airflow's retry runs clean; ``null`` means every attempt).
+What a fault is (its kinds, targets and fields, as a DAG run's conf gives it) is
+the protocol's: :class:`~relay_train.protocol.injection.InjectedFault`. This is
+how a rank applies the faults planned for it (:class:`ChaosMonkey`), as its
+steps go by, and records each strike in the attempt's ``chaos.jsonl``.
 
-One-shot kinds strike once at ``step``: ``crash`` (SIGKILL the rank),
-``hang`` (the rank stops stepping but stays alive), ``stop_rank`` (SIGSTOP the
-rank: it goes silent), ``stop_node`` (SIGSTOP the rank's whole process group:
-the node's agent and every rank on it), ``nan`` (the loss becomes NaN) and
-``launch_failure`` (the rank never starts; ``step`` is ignored). Lasting kinds
-hold from ``step`` on: ``straggler`` (compute takes ``factor`` x as long),
-``jitter`` (up to ``seconds`` of random extra time per step) and ``pace``
-(exactly ``seconds`` more per step: a slower job, not a fault). Every strike is
-appended to ``chaos.jsonl`` in the attempt folder with its wall-clock time.
-
-``once: true`` makes a one-shot fault strike only the first time the job
-reaches ``step``, whichever attempt that is (use ``attempt: null`` with it):
-the first rank to strike leaves a marker two folders up from the attempt
-folder (the DAG run's folder), which later attempts see. A lasting fault with
-``once: true`` is a property of a *node*: the first time the job reaches
-``step``, the node then hosting ``rank`` turns slow and stays slow, so every
-rank on that node, in this attempt and every later one, is struck from then
-on (a job that moves away from the node leaves it behind; one that stays keeps
-paying).
+A ``once`` fault: the first rank to strike leaves a marker two folders up from
+the attempt folder (the DAG run's folder), which later attempts see. A lasting
+fault with ``once: true`` is a property of a *node*: the first time the job
+reaches ``step``, the node then hosting ``rank`` turns slow and stays slow, so
+every rank on that node, in this attempt and every later one, is struck from
+then on (a job that moves away from the node leaves it behind; one that stays
+keeps paying).
 
 ``stop_node`` freezes every process of the node: under Relay's node agent that
 is the rank's process group; under torchrun (whose ranks each get a session of
 their own) ``relay_train.baselines.torchrun_worker`` sets ``RELAY_NODE_AGENT_PID``, and the
 agent and all its children are frozen too.
 """
-
 from __future__ import annotations
 
 import json
@@ -41,73 +27,14 @@ import os
 import random
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from relay_train.protocol.env import ENV_NODE_AGENT_PID
+from relay_train.protocol.injection import CHAOS_LOG, LASTING, InjectedFault
 
 log = logging.getLogger(__name__)
-
-ONE_SHOT = ("crash", "hang", "stop_rank", "stop_node", "nan", "launch_failure")
-LASTING = ("straggler", "jitter", "pace")
-KINDS = ONE_SHOT + LASTING
-CHAOS_LOG = "chaos.jsonl"
-
-
-@dataclass(frozen=True)
-class Fault:
-    """One planned fault."""
-
-    kind: str
-    step: int = 0
-    segment: int | None = None
-    rank: int | None = None
-    node: str | None = None
-    attempt: int | None = 1
-    factor: float = 2.0
-    seconds: float = 0.05
-    once: bool = False
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Fault:
-        """Build a fault from run conf; reject unknown kinds, fields and wrong types."""
-        kind = raw.get("kind")
-        if kind not in KINDS:
-            raise ValueError(f"chaos fault kind: expected one of {KINDS}, found {kind!r}")
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"chaos fault: unknown fields {sorted(unknown)}")
-        for name in ("step", "segment", "rank", "attempt"):
-            value = raw.get(name)
-            required = name == "step" and kind != "launch_failure"
-            if (required or value is not None) and (
-                not isinstance(value, int) or isinstance(value, bool)
-            ):
-                raise ValueError(f"chaos fault {name}: expected a whole number, found {value!r}")
-        if "once" in raw and not isinstance(raw["once"], bool):
-            raise ValueError(f"chaos fault once: expected true or false, found {raw['once']!r}")
-        for name in ("factor", "seconds"):
-            if name in raw and not isinstance(raw[name], int | float):
-                raise ValueError(f"chaos fault {name}: expected a number, found {raw[name]!r}")
-        return cls(**raw)
-
-    def targets(self, *, segment: int, attempt: int, rank: int, node: str) -> bool:
-        """Return whether this fault is meant for this rank on this attempt."""
-        if self.segment is not None and self.segment != segment:
-            return False
-        if self.attempt is not None and self.attempt != attempt:
-            return False
-        if self.rank is not None and self.rank != rank:
-            return False
-        return self.node is None or self.node == node
-
-    def strikes(self, *, segment: int, attempt: int, step: int, rank: int, node: str) -> bool:
-        """Return whether this fault hits this rank at ``step``."""
-        if not self.targets(segment=segment, attempt=attempt, rank=rank, node=node):
-            return False
-        return step >= self.step if self.kind in LASTING else step == self.step
-
 
 def chaos_hang_forever() -> None:
     """Stay alive (heartbeats keep coming) but never finish the step.
@@ -132,7 +59,7 @@ class ChaosMonkey:
         record_dir: Path | None = None,
     ) -> None:
         where = {"segment": segment, "attempt": attempt, "rank": rank, "node": node}
-        self._planned = [Fault.from_dict(raw) for raw in faults]
+        self._planned = [InjectedFault.from_dict(raw) for raw in faults]
         self._faults = [f for f in self._planned if f.targets(**where) or _node_bound(f)]
         self._where = where
         self._record_dir = record_dir
@@ -154,7 +81,7 @@ class ChaosMonkey:
         self._struck = {i for i, f in enumerate(self._faults) if any(f is s for s in struck)}
         self._slow_nodes = {i: slow[id(f)] for i, f in enumerate(self._faults) if id(f) in slow}
 
-    def _due(self, step: int, kinds: tuple[str, ...]) -> list[tuple[int, Fault]]:
+    def _due(self, step: int, kinds: tuple[str, ...]) -> list[tuple[int, InjectedFault]]:
         return [
             (i, f) for i, f in enumerate(self._faults)
             if f.kind in kinds and (
@@ -163,12 +90,12 @@ class ChaosMonkey:
             )
         ]
 
-    def _marker(self, fault: Fault) -> Path | None:
+    def _marker(self, fault: InjectedFault) -> Path | None:
         if self._markers is None:
             return None
         return self._markers / f"{fault.kind}-{fault.step}-{fault.rank}-{fault.node}"
 
-    def _on_struck_node(self, index: int, fault: Fault, step: int) -> bool:
+    def _on_struck_node(self, index: int, fault: InjectedFault, step: int) -> bool:
         """Return whether a node-bound fault holds on this rank's node now."""
         node = self._slow_nodes.get(index)
         marker = self._marker(fault)
@@ -189,7 +116,7 @@ class ChaosMonkey:
             self._slow_nodes[index] = node
         return node == self._where["node"]
 
-    def _first_time(self, index: int, fault: Fault) -> bool:
+    def _first_time(self, index: int, fault: InjectedFault) -> bool:
         """Return False for a ``once`` fault that an earlier attempt already struck."""
         marker = self._marker(fault)
         if not fault.once or marker is None or index in self._struck:
@@ -205,7 +132,7 @@ class ChaosMonkey:
             fh.write(attempt)
         return True
 
-    def _record(self, index: int, fault: Fault, step: int) -> None:
+    def _record(self, index: int, fault: InjectedFault, step: int) -> None:
         if index in self._struck:
             return
         self._struck.add(index)
@@ -264,7 +191,7 @@ class ChaosMonkey:
         return loss
 
 
-def _node_bound(fault: Fault) -> bool:
+def _node_bound(fault: InjectedFault) -> bool:
     return fault.once and fault.kind in LASTING
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from relay.lineage.store import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, TAG_TRY, Lineage
-from relay_train.inject import CHAOS_LOG
+from relay_train.protocol.injection import CHAOS_LOG
 from relay_train.protocol.launch import FIRST_STEP_FILE
 
 

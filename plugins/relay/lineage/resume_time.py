@@ -35,8 +35,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from relay_train.inject import CHAOS_LOG
 from relay_train.protocol.heartbeat import write_atomically
+from relay_train.protocol.injection import CHAOS_LOG
 from relay_train.protocol.launch import FIRST_STEP_FILE
 
 PREFLIGHT_FILE = "preflight.json"  # in a DAG run's folder: when preflight started and ended

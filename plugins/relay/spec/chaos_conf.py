@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from relay.spec.job import JobSpec
-from relay_train.inject import KINDS
-from relay_train.inject import Fault as ChaosFault
+from relay_train.protocol.injection import KINDS, InjectedFault
 
 CHAOS_EXAMPLE = '[{"kind": "crash", "segment": 1, "step": 75, "rank": 1, "attempt": 1}]'
 
@@ -68,7 +67,7 @@ def chaos_faults(conf: Mapping[str, Any] | None, spec: JobSpec, spec_file: Path)
     faults = [_as_object(entry, i) for i, entry in enumerate(raw)]
     for i, fault in enumerate(faults):
         try:
-            ChaosFault.from_dict(fault)
+            InjectedFault.from_dict(fault)
         except (ValueError, TypeError) as exc:
             raise ChaosConfError(f"DAG run conf `chaos`[{i}]: {exc} in {fault!r}. Fix the conf "
                                  "and trigger again.") from exc

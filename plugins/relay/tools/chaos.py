@@ -20,7 +20,7 @@ from pathlib import Path
 from relay.core import settings
 from relay.launchers import launcher_from
 from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher, NotOursError
-from relay_train.inject import CHAOS_LOG
+from relay_train.protocol.injection import CHAOS_LOG
 
 log = logging.getLogger(__name__)
 # Freezes far longer than the scheduler's wake-up credit (a few ms): on a busy machine the

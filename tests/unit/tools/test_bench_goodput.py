@@ -23,13 +23,13 @@ from relay.tools.bench.goodput import (
 )
 from relay.tools.bench.goodput_report import ettr, spread
 from relay.tools.bench.torchrun_baseline import _cause
-from relay_train.inject import Fault
+from relay_train.protocol.injection import InjectedFault
 
 
 def test_the_schedule_is_valid_chaos_and_strikes_rank_positions_once() -> None:
     schedule = fault_schedule(1200)
 
-    faults = [Fault.from_dict(raw) for raw in schedule]
+    faults = [InjectedFault.from_dict(raw) for raw in schedule]
     assert [f.kind for f in faults] == ["hang", "stop_node", "straggler"]
     assert [f.rank for f in faults] == [1, 2, 3]
     assert all(f.once and f.attempt is None and f.node is None for f in faults)

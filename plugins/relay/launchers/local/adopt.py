@@ -41,8 +41,8 @@ from relay.launchers.local.warm_agents import release_run
 from relay.lineage.interval import INTERVAL_FILE
 from relay.nodes.pool import NodePool
 from relay.spec.job import JobSpec
-from relay_train.inject import CHAOS_LOG
 from relay_train.protocol.heartbeat import read_heartbeats, write_atomically
+from relay_train.protocol.injection import CHAOS_LOG
 from relay_train.protocol.launch import (
     ADOPT_FILE,
     FIRST_STEP_FILE,

@@ -34,8 +34,9 @@ from typing import Any
 
 from relay.launchers.local.launcher import free_port
 from relay.lineage.report import chaos_strikes, first_step_at
-from relay_train.inject import LASTING, child_pids
+from relay_train.inject import child_pids
 from relay_train.protocol.heartbeat import read_heartbeats
+from relay_train.protocol.injection import LASTING
 from relay_train.protocol.launch import LaunchConfig, ResumeFrom
 
 LIVE_GRACE_SECONDS = 3.0  # a healthy torchrun tears its ranks down and exits in ~2 s

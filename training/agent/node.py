@@ -37,7 +37,6 @@ from relay_train.agent.preload import preload_publisher, preload_worker
 from relay_train.agent.priority import yielding_thread
 from relay_train.agent.server import AgentServer
 from relay_train.agent.standby import (
-    STANDBY_TTL_SECONDS,
     announce_ready,
     fork_detached,
     wait_for_launch,
@@ -69,6 +68,7 @@ from relay_train.protocol.routes import (
     EXIT_CODES,
     PGID,
     RANK_PIDS,
+    STANDBY_TTL_SECONDS,
     STATE,
     NodeState,
 )

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 from relay_train.protocol.heartbeat import write_atomically
+from relay_train.protocol.routes import STANDBY_TTL_SECONDS
 
-STANDBY_TTL_SECONDS = 60.0
 CLAIMED_GRACE_SECONDS = 10.0  # from a claim to its launch file: the launcher writes it at once
 DETACH_WAIT_SECONDS = 10.0  # a forked child calls setsid first thing: this is only a backstop
 

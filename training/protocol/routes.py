@@ -56,12 +56,12 @@ class NodeState(StrEnum):
 
 SETTLED = frozenset({NodeState.SUCCEEDED, NodeState.FAILED})  # a node's ranks have all ended
 
-# -- fields of every message ----------------------------------------------------------
+# -- fields of every message -----------------------------------------------------------
 ATTEMPT = "attempt"  # the attempt a request is for; the one the answering agent serves
 NODE = "node"  # the answering agent's node
 ERROR = "error"  # why a request was refused (4xx, 5xx)
 
-# -- GET status: the answer ---------------------------------------------------------
+# -- GET status: the answer ------------------------------------------------------------
 STATE = "state"  # a NodeState
 AGENT_PID = "agent_pid"
 PGID = "pgid"
@@ -74,41 +74,42 @@ AGE_SECONDS = "age_seconds"  # since the record was written, on the node's clock
 PHASE_AGE_SECONDS = "phase_age_seconds"  # since the rank entered its phase, likewise
 CROSSED = "crossed"  # the last segment boundaries rank 0 recorded crossing (rank 0's node)
 
-# -- POST stop ------------------------------------------------------------------------
+# -- POST stop -------------------------------------------------------------------------
 REASON = "reason"  # request: why (for the agent's log)
 STOPPING = "stopping"  # answer: true
 
-# -- POST drain: request and answer (and the node-local drain file) ----------------------
+# -- POST drain: request and answer (and the node-local drain file) --------------------
 STOP_AT = "stop_at"  # the step every rank stops at
 
-# -- POST rescue: request (rank, fault) and answer (rank) --------------------------------
+# -- POST rescue: request (rank, fault) and answer (rank) ------------------------------
 RANK = "rank"  # the rank asked to hand over its state
 FAULT = "fault"  # the fault kind that made Relay ask (for the ranks' logs)
-# -- GET rescue: the answer ---------------------------------------------------------------
+# -- GET rescue: the answer ------------------------------------------------------------
 ACK = "ack"  # the rank is on it
 DONE = "done"  # the rank's RescueResult (relay_train.protocol.rescue_files), once written
 # -- GET rescue/file: the query --------------------------------------------------------
 STEP = "step"  # the rescued step whose file is wanted
 
-# -- POST stacks: request (id, fault, culprit_rank) and answer (id) -----------------------
+# -- POST stacks: request (id, fault, culprit_rank) and answer (id) --------------------
 REQUEST_ID = "id"  # names one request for stacks; answers name it back
 CULPRIT_RANK = "culprit_rank"
-# -- GET stacks (query: id): the answer, each keyed by rank (as a string) -------------------
+# -- GET stacks (query: id): the answer, each keyed by rank (as a string) --------------
 ANSWERS = "answers"  # the stacks records of the ranks that answered this id
 TRACES = "traces"  # their Flight Recorder traces (JSON)
 FR_PICKLES = "fr"  # their Flight Recorder dumps as torch's pickle, base64
 FAULTHANDLER = "faulthandler"  # the C-level stacks of ranks that did not answer
 EXITED = "exited"  # ranks that exited: a list, they can answer nothing
-# -- POST stacks/signal (id): the answer -------------------------------------------------
+# -- POST stacks/signal (id): the answer -----------------------------------------------
 SIGNALLED = "signalled"  # ranks whose faulthandler was signalled
 
-# -- POST claim ----------------------------------------------------------------------
+# -- POST claim ------------------------------------------------------------------------
 BY = "by"  # request: who claims
 GRANTED = "granted"  # answer: whether this claimer holds the claim
 HOLDER = "holder"  # answer: who holds it
 
 # -- POST standby ----------------------------------------------------------------------
 DIRECTORY = "directory"  # request: the standby folder (absolute)
-TTL = "ttl"  # request: seconds the standby waits to be claimed
+TTL = "ttl"  # request: seconds the standby waits to be claimed before it leaves
+STANDBY_TTL_SECONDS = 60.0  # the ttl Relay asks for (plus a retry's backoff, if any)
 LINGER = "linger"  # request: seconds its agent answers after its ranks end
 PID = "pid"  # answer: the standby's pid

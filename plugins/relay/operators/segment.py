@@ -36,8 +36,8 @@ from relay.recover.record import best_effort
 from relay.spec.chaos_conf import ChaosConfError, chaos_faults
 from relay.spec.job import JobSpec
 from relay.watch.triggers import SegmentWatchTrigger
-from relay_train.agent.standby import STANDBY_TTL_SECONDS
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig
+from relay_train.protocol.routes import STANDBY_TTL_SECONDS
 
 log = logging.getLogger(__name__)
 

@@ -41,9 +41,9 @@ from relay.recover.evidence import Evidence, ask_for_evidence, attach_evidence, 
 from relay.recover.outcome import SegmentFaultError, quarantine
 from relay.recover.record import best_effort, record_fault
 from relay.spec.job import JobSpec
-from relay_train.agent.standby import STANDBY_TTL_SECONDS
 from relay_train.protocol.heartbeat import write_atomically
 from relay_train.protocol.launch import LaunchConfig
+from relay_train.protocol.routes import STANDBY_TTL_SECONDS
 
 log = logging.getLogger("relay.operators.segment")
 

@@ -49,7 +49,6 @@ from relay.launchers.local.warm_agents import (
     start_recorded,
 )
 from relay_train.agent.resident import RESIDENT_DIR
-from relay_train.agent.standby import STANDBY_TTL_SECONDS
 from relay_train.protocol import pids
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 from relay_train.protocol.routes import (
@@ -58,6 +57,7 @@ from relay_train.protocol.routes import (
     EXIT_CODES,
     LINGER,
     PID,
+    STANDBY_TTL_SECONDS,
     STATE,
     TTL,
     NodeState,

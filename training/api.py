@@ -48,6 +48,7 @@ import torch.distributed as dist
 from relay_train.boundary import PUBLISH_WAIT_SECONDS, BoundaryKeeper
 from relay_train.checkpoint import Checkpointer
 from relay_train.device import RankDevice, setup_rank_device, wait_for_compute
+from relay_train.errors import NotUnderRelayError
 from relay_train.inject import ChaosMonkey
 from relay_train.protocol.env import ENV_LAUNCH, ENV_NODE
 from relay_train.protocol.heartbeat import HeartbeatWriter, Phase
@@ -74,10 +75,6 @@ WARMUP_STEPS = 2
 # Metrics go to MLflow (off the loop) every this many steps too, not only with a checkpoint,
 # so an attempt that faults still shows its loss and throughput up to the fault.
 METRICS_EVERY = 5
-
-
-class NotUnderRelayError(RuntimeError):
-    """The script was started without Relay's environment."""
 
 
 class Session(SessionState):

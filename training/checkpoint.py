@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from relay_train.errors import CorruptCheckpointError
 from relay_train.protocol.manifest import (
     CHECKPOINT_FILE,
     FORMAT_DCP,
@@ -32,10 +33,6 @@ from relay_train.protocol.manifest import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class CorruptCheckpointError(Exception):
-    """A checkpoint file does not match the sha256 its manifest promises."""
 
 
 class CheckpointSink(Protocol):

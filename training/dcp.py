@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from relay_train.checkpoint import Checkpointer, CorruptCheckpointError, SaveStats
+from relay_train.checkpoint import Checkpointer, SaveStats
+from relay_train.errors import CorruptCheckpointError
 from relay_train.protocol.launch import ResumeFrom
 from relay_train.protocol.manifest import DCP_DIR, FORMAT_DCP, files_digest, tree_mismatches
 

@@ -45,6 +45,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from relay_train.errors import DeviceError
+
 log = logging.getLogger(__name__)
 
 FLIGHT_RECORDER_DIR = "flight_recorder"  # in the attempt folder; files rank_<RANK>
@@ -58,10 +60,6 @@ class Backend(StrEnum):
     AUTO = "auto"
     GLOO = "gloo"
     NCCL = "nccl"
-
-
-class DeviceError(RuntimeError):
-    """This node cannot run the ranks the way the spec asks (message: expected/found/fix)."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
-from relay_train.checkpoint import CorruptCheckpointError
+from relay_train.errors import CorruptCheckpointError
 from relay_train.protocol.launch import ResumeFrom
 from relay_train.protocol.manifest import FORMAT_DCP, file_sha256, tree_mismatches
 

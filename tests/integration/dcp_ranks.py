@@ -20,8 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from relay_train.checkpoint import Checkpointer, CorruptCheckpointError
+from relay_train.checkpoint import Checkpointer
 from relay_train.dcp import DcpCheckpointer, load_model
+from relay_train.errors import CorruptCheckpointError
 from relay_train.protocol.launch import ResumeFrom
 
 WORLD_SIZE = 2

@@ -15,11 +15,11 @@ from torch import nn
 
 from relay_train.checkpoint import (
     Checkpointer,
-    CorruptCheckpointError,
     load_verified,
     restore_rng,
     snapshot,
 )
+from relay_train.errors import CorruptCheckpointError
 from relay_train.protocol.manifest import (
     CHECKPOINT_FILE,
     CheckpointManifest,

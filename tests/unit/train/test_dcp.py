@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from relay_train.checkpoint import Checkpointer, CorruptCheckpointError, load_verified
+from relay_train.checkpoint import Checkpointer, load_verified
 from relay_train.dcp import DcpCheckpointer, load_dcp, load_model, model_state, verify_dcp
+from relay_train.errors import CorruptCheckpointError
 from relay_train.protocol.launch import LaunchConfig, ResumeFrom
 from relay_train.protocol.manifest import (
     DCP_DIR,

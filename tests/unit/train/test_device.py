@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from relay_train import device as dev
+from relay_train.errors import DeviceError
 
 
 class FakeCuda:
@@ -96,7 +97,7 @@ def test_gloo_forced_on_a_gpu_node(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_nccl_forced_without_cuda_says_expected_found_fix() -> None:
-    with pytest.raises(dev.DeviceError) as err:
+    with pytest.raises(DeviceError) as err:
         dev.resolve_backend("nccl", 2)
     message = str(err.value)
     assert "expected a CUDA build of torch with NCCL and at least 2 GPU(s)" in message
@@ -107,12 +108,12 @@ def test_nccl_forced_without_cuda_says_expected_found_fix() -> None:
 def test_nccl_forced_with_too_few_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """FAKE CUDA: 2 GPUs cannot host 4 NCCL ranks."""
     FakeCuda(2).install(monkeypatch)
-    with pytest.raises(dev.DeviceError, match=r"found 2 CUDA device\(s\) for 4 local rank"):
+    with pytest.raises(DeviceError, match=r"found 2 CUDA device\(s\) for 4 local rank"):
         dev.resolve_backend("nccl", 4)
 
 
 def test_unknown_backend_is_refused() -> None:
-    with pytest.raises(dev.DeviceError, match="expected one of auto, gloo, nccl; found 'mpi'"):
+    with pytest.raises(DeviceError, match="expected one of auto, gloo, nccl; found 'mpi'"):
         dev.resolve_backend("mpi", 1)
 
 
@@ -158,7 +159,7 @@ def test_deterministic_after_cuda_started_without_cublas_config_is_refused(
 ) -> None:
     """FAKE CUDA: too late to set CUBLAS_WORKSPACE_CONFIG once CUDA is up; say how to fix."""
     FakeCuda(2, initialized=True).install(monkeypatch)
-    with pytest.raises(dev.DeviceError, match="expected CUBLAS_WORKSPACE_CONFIG=:4096:8"):
+    with pytest.raises(DeviceError, match="expected CUBLAS_WORKSPACE_CONFIG=:4096:8"):
         dev.enable_determinism(torch.device("cuda", 0))
     assert no_determinism == []
 

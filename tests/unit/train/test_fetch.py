@@ -11,7 +11,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from relay_train.checkpoint import CorruptCheckpointError, load_verified
+from relay_train.checkpoint import load_verified
+from relay_train.errors import CorruptCheckpointError
 from relay_train.fetch import fetch_resume
 from relay_train.protocol.launch import ResumeFrom
 from relay_train.protocol.manifest import (

@@ -1,0 +1,29 @@
+"""The exceptions the worker side raises, in one place (re-exported by ``relay_train``).
+
+Each keeps the built-in base a script or a caller already catches it by::
+
+    Exception
+     +-- RuntimeError
+     |    +-- NotUnderRelayError      relay_train.init() without Relay's environment
+     |    +-- DeviceError             this node cannot run the ranks the way the spec asks
+     +-- CorruptCheckpointError       a checkpoint does not match its manifest
+
+Every message says what was expected, what was found, and what to do. Stdlib only:
+the agent and Relay's side may catch these without importing torch.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CorruptCheckpointError", "DeviceError", "NotUnderRelayError"]
+
+
+class NotUnderRelayError(RuntimeError):
+    """The script was started without Relay's environment."""
+
+
+class DeviceError(RuntimeError):
+    """This node cannot run the ranks the way the spec asks (message: expected/found/fix)."""
+
+
+class CorruptCheckpointError(Exception):
+    """A checkpoint file does not match the sha256 its manifest promises."""

@@ -43,46 +43,13 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlparse
 
+from relay_train.protocol import routes as wire
 from relay_train.protocol.heartbeat import node_clock, read_heartbeats, write_atomically
 from relay_train.protocol.launch import BOUNDARIES_FILE, DRAIN_FILE
 from relay_train.protocol.pids import start_time
 from relay_train.protocol.rescue_files import ACK_FILE, DONE_FILE, RESCUE_DIR
 from relay_train.protocol.rescue_files import REQUEST_FILE as RESCUE_REQUEST
-from relay_train.protocol.routes import (
-    ACK,
-    AGE_SECONDS,
-    ANSWERS,
-    ATTEMPT,
-    BY,
-    CROSSED,
-    CULPRIT_RANK,
-    DIRECTORY,
-    DONE,
-    ERROR,
-    EXITED,
-    FAULT,
-    FAULTHANDLER,
-    FR_PICKLES,
-    GRANTED,
-    HEARTBEATS,
-    HOLDER,
-    LINGER,
-    MAX_BODY_BYTES,
-    NODE,
-    PHASE_AGE_SECONDS,
-    PID,
-    RANK,
-    REASON,
-    REQUEST_ID,
-    SIGNALLED,
-    STEP,
-    STOP_AT,
-    STOPPING,
-    TRACES,
-    TTL,
-    Route,
-    route_path,
-)
+from relay_train.protocol.routes import MAX_BODY_BYTES, Route, route_path
 from relay_train.protocol.stacks_files import (
     EVIDENCE_DIR,
     answer_path,
@@ -129,8 +96,8 @@ def heartbeat_report(directory: Path, ranks: list[int], now: float) -> list[dict
     for rank in sorted(r for r in beats if r in ranks):
         beat = beats[rank]
         record = json.loads(beat.to_json())
-        record[AGE_SECONDS] = now - beat.wall_clock
-        record[PHASE_AGE_SECONDS] = now - beat.phase_started_at
+        record[wire.AGE_SECONDS] = now - beat.wall_clock
+        record[wire.PHASE_AGE_SECONDS] = now - beat.phase_started_at
         report.append(record)
     return report
 
@@ -197,7 +164,7 @@ class _Claim:
             if self.holder is None:
                 self.holder, self.at = by, node_clock()
                 log.info("channel: attempt claimed by %s", by)
-            return {GRANTED: self.holder == by, HOLDER: self.holder}
+            return {wire.GRANTED: self.holder == by, wire.HOLDER: self.holder}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -225,8 +192,8 @@ class _Handler(BaseHTTPRequestHandler):
             return True
         log.warning("channel: refused a request for attempt %r (this agent serves %r)", asked,
                     self.agent.attempt_id)
-        self._reply(409, {ATTEMPT: self.agent.attempt_id, NODE: self.agent.node,
-                          ERROR: f"this agent serves attempt {self.agent.attempt_id!r}, "
+        self._reply(409, {wire.ATTEMPT: self.agent.attempt_id, wire.NODE: self.agent.node,
+                          wire.ERROR: f"this agent serves attempt {self.agent.attempt_id!r}, "
                                    f"not {asked!r}"})
         return False
 
@@ -237,8 +204,8 @@ class _Handler(BaseHTTPRequestHandler):
                  Route.RESCUE_FILE: self._rescue_file, Route.STACKS: self._stacks}
         handler = {route_path(r): h for r, h in route.items()}.get(url.path)
         if handler is None:
-            self._reply(404, {ERROR: f"no such path {url.path}"})
-        elif handler == self._status or self._mine(query.get(ATTEMPT)):
+            self._reply(404, {wire.ERROR: f"no such path {url.path}"})
+        elif handler == self._status or self._mine(query.get(wire.ATTEMPT)):
             # Status is answered whoever asks: it names its attempt, and Relay refuses a
             # stale one's heartbeats itself (and records that it did).
             self._answer(handler, query)
@@ -251,30 +218,31 @@ class _Handler(BaseHTTPRequestHandler):
             if not isinstance(body, dict):
                 raise ValueError("expected a JSON object")
         except ValueError as exc:
-            self._reply(400, {ERROR: f"bad request body: {exc}"})
+            self._reply(400, {wire.ERROR: f"bad request body: {exc}"})
             return
         route = {Route.STOP: self._stop, Route.DRAIN: self._drain, Route.RESCUE: self._rescue,
                  Route.STACKS: self._ask_stacks, Route.STACKS_SIGNAL: self._signal_stacks,
                  Route.CLAIM: self._claim, Route.STANDBY: self._standby}
         handler = {route_path(r): h for r, h in route.items()}.get(url.path)
         if handler is None:
-            self._reply(404, {ERROR: f"no such path {url.path}"})
-        elif self._mine(body.get(ATTEMPT)):
+            self._reply(404, {wire.ERROR: f"no such path {url.path}"})
+        elif self._mine(body.get(wire.ATTEMPT)):
             self._answer(handler, body)
 
     def _answer(self, handler: Any, args: dict[str, Any]) -> None:  # noqa: ANN401
         try:
             result = handler(args)
         except (KeyError, TypeError, ValueError) as exc:
-            self._reply(400, {ATTEMPT: self.agent.attempt_id, ERROR: repr(exc)})
+            self._reply(400, {wire.ATTEMPT: self.agent.attempt_id, wire.ERROR: repr(exc)})
             return
         except OSError as exc:
-            self._reply(500, {ATTEMPT: self.agent.attempt_id, ERROR: repr(exc)})
+            self._reply(500, {wire.ATTEMPT: self.agent.attempt_id, wire.ERROR: repr(exc)})
             return
         if isinstance(result, bytes):
             self._reply(200, result)
         else:
-            self._reply(200, {ATTEMPT: self.agent.attempt_id, NODE: self.agent.node, **result})
+            self._reply(200, {wire.ATTEMPT: self.agent.attempt_id, wire.NODE: self.agent.node,
+                              **result})
 
     # -- the routes ------------------------------------------------------------------
 
@@ -282,52 +250,52 @@ class _Handler(BaseHTTPRequestHandler):
         now = node_clock()
         beats = heartbeat_report(self.agent.root / "heartbeats", self.agent.ranks, now)
         crossed = crossed_report(self.agent.root, self.agent.ranks)
-        return {**self.agent.status_record(), HEARTBEATS: beats, CROSSED: crossed}
+        return {**self.agent.status_record(), wire.HEARTBEATS: beats, wire.CROSSED: crossed}
 
     def _stop(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.agent.request_stop(str(body.get(REASON) or "Relay asked over the channel"))
-        return {STOPPING: True}
+        self.agent.request_stop(str(body.get(wire.REASON) or "Relay asked over the channel"))
+        return {wire.STOPPING: True}
 
     def _standby(self, body: dict[str, Any]) -> dict[str, Any]:
-        directory = Path(str(body[DIRECTORY]))
+        directory = Path(str(body[wire.DIRECTORY]))
         if not directory.is_absolute():
             raise ValueError(f"standby: expected an absolute directory, found {directory}")
-        pid = self.agent.request_standby(directory, float(body[TTL]),
-                                         float(body.get(LINGER) or 0.0))
+        pid = self.agent.request_standby(directory, float(body[wire.TTL]),
+                                         float(body.get(wire.LINGER) or 0.0))
         if pid is None:
             raise OSError("this agent cannot fork a standby now (it is stopping)")
-        return {PID: pid}
+        return {wire.PID: pid}
 
     def _claim(self, body: dict[str, Any]) -> dict[str, Any]:
-        by = body[BY]
+        by = body[wire.BY]
         if not isinstance(by, str) or not by:
-            raise ValueError(f"claim: expected a non-empty string {BY!r}, found {by!r}")
+            raise ValueError(f"claim: expected a non-empty string {wire.BY!r}, found {by!r}")
         return self.claim.take(by)
 
     def _drain(self, body: dict[str, Any]) -> dict[str, Any]:
-        stop_at = int(body[STOP_AT])
-        write_atomically(self.agent.root / DRAIN_FILE, json.dumps({STOP_AT: stop_at}))
-        return {STOP_AT: stop_at}
+        stop_at = int(body[wire.STOP_AT])
+        write_atomically(self.agent.root / DRAIN_FILE, json.dumps({wire.STOP_AT: stop_at}))
+        return {wire.STOP_AT: stop_at}
 
     def _rescue(self, body: dict[str, Any]) -> dict[str, Any]:
-        rank = int(body[RANK])
+        rank = int(body[wire.RANK])
         if rank not in self.agent.ranks:
             raise ValueError(f"rank {rank} is not on node {self.agent.node}")
         folder = self.agent.root / RESCUE_DIR
         folder.mkdir(parents=True, exist_ok=True)
         write_atomically(folder / RESCUE_REQUEST, json.dumps(
-            {RANK: rank, FAULT: body.get(FAULT), "at": node_clock()}))
-        return {RANK: rank}
+            {wire.RANK: rank, wire.FAULT: body.get(wire.FAULT), "at": node_clock()}))
+        return {wire.RANK: rank}
 
     def _rescue_state(self, _query: dict[str, Any]) -> dict[str, Any]:
         folder = self.agent.root / RESCUE_DIR
         done = None
         if (folder / DONE_FILE).exists():
             done = json.loads((folder / DONE_FILE).read_text())
-        return {ACK: (folder / ACK_FILE).exists(), DONE: done}
+        return {wire.ACK: (folder / ACK_FILE).exists(), wire.DONE: done}
 
     def _rescue_file(self, query: dict[str, Any]) -> bytes:
-        step = int(query[STEP])
+        step = int(query[wire.STEP])
         done = json.loads((self.agent.root / RESCUE_DIR / DONE_FILE).read_text())
         if done.get("step") != step or not done.get("path"):
             raise ValueError(f"no rescued state at step {step}")
@@ -336,18 +304,19 @@ class _Handler(BaseHTTPRequestHandler):
     def _ask_stacks(self, body: dict[str, Any]) -> dict[str, Any]:
         folder = self.agent.root / EVIDENCE_DIR
         folder.mkdir(parents=True, exist_ok=True)
-        if not (folder / STACKS_REQUEST).exists() or _request_id(folder) != body[REQUEST_ID]:
+        request_id = body[wire.REQUEST_ID]
+        if not (folder / STACKS_REQUEST).exists() or _request_id(folder) != request_id:
             write_atomically(folder / STACKS_REQUEST, json.dumps(
-                {REQUEST_ID: str(body[REQUEST_ID]), FAULT: body.get(FAULT),
-                 CULPRIT_RANK: body.get(CULPRIT_RANK), "at": node_clock()}))
-        return {REQUEST_ID: body[REQUEST_ID]}
+                {wire.REQUEST_ID: str(request_id), wire.FAULT: body.get(wire.FAULT),
+                 wire.CULPRIT_RANK: body.get(wire.CULPRIT_RANK), "at": node_clock()}))
+        return {wire.REQUEST_ID: request_id}
 
     def _stacks(self, query: dict[str, Any]) -> dict[str, Any]:
         folder = self.agent.root / EVIDENCE_DIR
         answers, traces, pickles, fallback, exited = {}, {}, {}, {}, []
         for rank in self.agent.ranks:
             record = _read_json(answer_path(folder, rank))
-            if record is not None and record.get("request") == query[REQUEST_ID]:
+            if record is not None and record.get("request") == query[wire.REQUEST_ID]:
                 answers[str(rank)] = record
                 trace = _read_json(trace_path(folder, rank))
                 if trace is not None:
@@ -361,8 +330,8 @@ class _Handler(BaseHTTPRequestHandler):
                 fallback[str(rank)] = text
             if _exited(folder, rank):
                 exited.append(rank)
-        return {ANSWERS: answers, TRACES: traces, FR_PICKLES: pickles, FAULTHANDLER: fallback,
-                EXITED: exited}
+        return {wire.ANSWERS: answers, wire.TRACES: traces, wire.FR_PICKLES: pickles,
+                wire.FAULTHANDLER: fallback, wire.EXITED: exited}
 
     def _signal_stacks(self, _body: dict[str, Any]) -> dict[str, Any]:
         folder = self.agent.root / EVIDENCE_DIR
@@ -370,7 +339,7 @@ class _Handler(BaseHTTPRequestHandler):
         for rank in self.agent.ranks:
             if not answer_path(folder, rank).exists() and signal_faulthandler(folder, rank):
                 signalled.append(rank)
-        return {SIGNALLED: signalled}
+        return {wire.SIGNALLED: signalled}
 
 
 def signal_faulthandler(folder: Path, rank: int) -> bool:
@@ -391,7 +360,7 @@ def signal_faulthandler(folder: Path, rank: int) -> bool:
 
 def _request_id(folder: Path) -> object:
     record = _read_json(folder / STACKS_REQUEST)
-    return None if record is None else record.get(REQUEST_ID)
+    return None if record is None else record.get(wire.REQUEST_ID)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

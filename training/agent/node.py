@@ -11,9 +11,12 @@ is read over the channel too.
 
 The agent is a fork server: it imports what every rank needs once (torch,
 the training loop, the optimizer's lazy imports, MLflow on the node hosting
-rank 0) and then forks its ranks, so they skip those seconds of start-up. A
-resume pays for them once per node, not once per rank, which on a loaded host
-is most of the time from launch to the first productive step.
+rank 0) and then forks its ranks (:mod:`relay_train.agent.ranks`: their
+environment, logs and stop), so they skip those seconds of start-up. A resume
+pays for them once per node, not once per rank, which on a loaded host is most
+of the time from launch to the first productive step. Asked over the channel,
+it forks a preloaded copy of itself as the node's standby for the next attempt
+(:mod:`relay_train.agent.standby_fork`).
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 from relay_train.agent.preload import preload_publisher, preload_worker
 from relay_train.agent.priority import yielding_thread
+from relay_train.agent.ranks import log_tail, rank_env, rank_log, start_rank, stop_ranks
 from relay_train.agent.server import AgentServer
 from relay_train.agent.standby import (
     announce_ready,
@@ -49,16 +52,10 @@ from relay_train.agent.standby_fork import (
 )
 from relay_train.device import (
     FLIGHT_RECORDER_DIR,
-    apply_thread_count,
     rank_environment,
     rank_start_method,
 )
-from relay_train.protocol.env import (
-    ENV_HEARTBEAT_DIR,
-    ENV_HEARTBEAT_INTERVAL,
-    ENV_NODE,
-    ENV_SPAWNED_AT,
-)
+from relay_train.protocol.env import ENV_NODE
 from relay_train.protocol.heartbeat import node_clock
 from relay_train.protocol.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
 from relay_train.protocol.routes import (
@@ -75,7 +72,6 @@ from relay_train.protocol.routes import (
 
 log = logging.getLogger("relay_train.agent.node")
 
-TERM_GRACE_SECONDS = 5.0
 LOCAL_BIND = "127.0.0.1"
 STANDBY_FORK_WAIT_SECONDS = 1.0  # the channel's wait for the main thread to fork a standby
 
@@ -124,21 +120,9 @@ class NodeAgent:
         )
         for local_rank in range(self.cfg.ranks_per_node):
             rank = self.cfg.global_rank(self.node, local_rank)
-            env = {
-                **self.cfg.rank_environment(self.node, local_rank),
-                ENV_SPAWNED_AT: repr(time.time()),
-                ENV_NODE: self.node,
-                ENV_HEARTBEAT_DIR: str(self.cfg.heartbeat_dir),
-                ENV_HEARTBEAT_INTERVAL: str(self.cfg.heartbeat_interval_seconds),
-                **device_env,
-            }
-            log_file = self.cfg.log_dir / f"rank-{rank}.log"
-            sys.stdout.flush()
-            sys.stderr.flush()
-            proc = context.Process(
-                target=_run_rank, args=(env, log_file, self.launch_file), name=f"rank-{rank}"
-            )
-            proc.start()
+            env = rank_env(self.cfg, self.node, local_rank, device_env)
+            proc = start_rank(context, env, rank_log(self.cfg, rank), self.launch_file,
+                              f"rank-{rank}")
             self.procs[rank] = proc
             log.info("started rank %d as pid %d", rank, proc.pid)
 
@@ -222,24 +206,13 @@ class NodeAgent:
         for rank, proc in procs.items():
             if proc.exitcode not in (None, 0):
                 if rank not in self._error_tails:
-                    self._error_tails[rank] = log_tail(self.cfg.log_dir / f"rank-{rank}.log")
+                    self._error_tails[rank] = log_tail(rank_log(self.cfg, rank))
                 errors[str(rank)] = self._error_tails[rank]
         return errors
 
     def stop_ranks(self, reason: str) -> None:
         """Terminate the ranks still running: SIGTERM, then SIGKILL after a grace period."""
-        running = [p for p in self.procs.values() if p.exitcode is None]
-        if not running:
-            return
-        log.warning("stopping %d rank(s): %s", len(running), reason)
-        for proc in running:
-            proc.terminate()
-        deadline = time.monotonic() + TERM_GRACE_SECONDS
-        for proc in running:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join()
+        stop_ranks([p for p in self.procs.values() if p.exitcode is None], reason)
 
     def run(self) -> int:
         """Supervise until every rank has exited; return 0 only if all succeeded."""
@@ -304,37 +277,6 @@ class NodeAgent:
 
     def _on_term(self, _signum: int, _frame: object) -> None:
         self.stopping = True
-
-
-def log_tail(path: Path, lines: int = 12, max_chars: int = 4000) -> str:
-    """Return the last ``lines`` lines of a log file (empty if there is none)."""
-    try:
-        with path.open("rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 64 * 1024))
-            text = fh.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])[-max_chars:]
-
-
-def _run_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
-    """The forked child: become one rank (its own log, environment and signals)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.environ.update(env)
-    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    apply_thread_count()
-    from relay_train import worker
-
-    try:
-        code = worker.run_rank(launch_file)
-    except BaseException:  # noqa: BLE001 - a rank's death must reach its log and exit code
-        traceback.print_exc()
-        code = 1
-    worker.exit_now(code)
 
 
 def fork_standby(node: str, directory: Path, ttl: float, linger: float) -> int:

@@ -380,10 +380,10 @@ def test_spawned_rank_refuses_forced_nccl_on_cpu_with_the_fix_in_its_log(
 def test_a_forked_rank_runs_with_the_thread_count_its_environment_sets(tmp_path: Path) -> None:
     """A rank forked from a process whose main thread kept the default intra-op thread
     count (a resident's standby: it preloaded in a thread) still gets OMP_NUM_THREADS.
-    The rank is played by a fork of this test that calls the agent's ``_run_rank`` with a
+    The rank is played by a fork of this test that calls the agent's ``become_rank`` with a
     ``run_rank`` that exits with the rank's thread count."""
     from relay_train import worker
-    from relay_train.agent import node as agent
+    from relay_train.agent import ranks
     pid = os.fork()
     if pid == 0:  # the forked "agent" and, at once, its rank
         code = 99
@@ -391,7 +391,7 @@ def test_a_forked_rank_runs_with_the_thread_count_its_environment_sets(tmp_path:
             torch.set_num_threads(2)  # what a thread's preload leaves the main thread
             worker.run_rank = lambda _launch: torch.get_num_threads()  # type: ignore[assignment]
             worker.exit_now = os._exit  # type: ignore[assignment]
-            agent._run_rank({"OMP_NUM_THREADS": "1"}, tmp_path / "rank.log", tmp_path / "x")
+            ranks.become_rank({"OMP_NUM_THREADS": "1"}, tmp_path / "rank.log", tmp_path / "x")
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)

@@ -1,0 +1,108 @@
+"""A node agent's ranks as processes: how each starts, what its log says, how they stop.
+
+The agent (:mod:`relay_train.agent.node`) forks one process per local rank from its
+preloaded interpreter; the child takes the rank's environment (torchrun's and Relay's),
+its own log file and the default SIGTERM, then runs :func:`relay_train.worker.run_rank`.
+A failed rank's own error is the end of its log, which the agent reports to Relay.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from relay_train.device import apply_thread_count
+from relay_train.protocol.env import (
+    ENV_HEARTBEAT_DIR,
+    ENV_HEARTBEAT_INTERVAL,
+    ENV_NODE,
+    ENV_SPAWNED_AT,
+)
+from relay_train.protocol.launch import LaunchConfig
+
+log = logging.getLogger("relay_train.agent.ranks")
+
+TERM_GRACE_SECONDS = 5.0  # from SIGTERM to SIGKILL
+
+
+def rank_log(cfg: LaunchConfig, rank: int) -> Path:
+    """Return the log file of global ``rank``."""
+    return cfg.log_dir / f"rank-{rank}.log"
+
+
+def rank_env(cfg: LaunchConfig, node: str, local_rank: int,
+             device_env: dict[str, str]) -> dict[str, str]:
+    """Return what one rank's environment gets: torchrun's, Relay's, the device's."""
+    return {
+        **cfg.rank_environment(node, local_rank),
+        ENV_SPAWNED_AT: repr(time.time()),
+        ENV_NODE: node,
+        ENV_HEARTBEAT_DIR: str(cfg.heartbeat_dir),
+        ENV_HEARTBEAT_INTERVAL: str(cfg.heartbeat_interval_seconds),
+        **device_env,
+    }
+
+
+def start_rank(context: BaseContext, env: dict[str, str], log_file: Path, launch_file: Path,
+               name: str) -> BaseProcess:
+    """Fork (or spawn) one rank; return its process, started."""
+    sys.stdout.flush()  # else the child writes the agent's buffered output again
+    sys.stderr.flush()
+    proc = context.Process(  # type: ignore[attr-defined]
+        target=become_rank, args=(env, log_file, launch_file), name=name)
+    proc.start()
+    return proc
+
+
+def become_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
+    """The forked child: become one rank (its own log, environment and signals)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.update(env)
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    apply_thread_count()
+    from relay_train import worker
+
+    try:
+        code = worker.run_rank(launch_file)
+    except BaseException:  # noqa: BLE001 - a rank's death must reach its log and exit code
+        traceback.print_exc()
+        code = 1
+    worker.exit_now(code)
+
+
+def log_tail(path: Path, lines: int = 12, max_chars: int = 4000) -> str:
+    """Return the last ``lines`` lines of a log file (empty if there is none)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 64 * 1024))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])[-max_chars:]
+
+
+def stop_ranks(running: list[BaseProcess], reason: str,
+               grace_seconds: float = TERM_GRACE_SECONDS) -> None:
+    """Terminate ``running``: SIGTERM, then SIGKILL to any still alive after the grace."""
+    if not running:
+        return
+    log.warning("stopping %d rank(s): %s", len(running), reason)
+    for proc in running:
+        proc.terminate()
+    deadline = time.monotonic() + grace_seconds
+    for proc in running:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()

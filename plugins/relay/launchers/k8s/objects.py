@@ -19,6 +19,7 @@ from typing import Any
 
 from relay.spec.sections import KubernetesSpec
 from relay_train.protocol.env import ENV_HOST, ENV_NODE_INDEX
+from relay_train.protocol.launch import LAUNCH_FILE
 from relay_train.protocol.routes import AGENT_PORT
 
 GROUP = "relay.dev"
@@ -155,7 +156,8 @@ def _container(k8s: KubernetesSpec, key: AttemptKey) -> dict[str, Any]:
         "name": AGENT_CONTAINER,
         "image": k8s.image,
         "command": ["python", "-m", "relay_train.agent.node"],
-        "args": ["--launch", f"{LAUNCH_MOUNT}/launch.json", "--node-index", f"$({ENV_NODE_INDEX})",
+        "args": ["--launch", f"{LAUNCH_MOUNT}/{LAUNCH_FILE}",
+                 "--node-index", f"$({ENV_NODE_INDEX})",
                  "--bind", "0.0.0.0", "--port", str(AGENT_PORT),  # noqa: S104 - the pod's IP
                  "--linger", str(AGENT_LINGER_SECONDS)],
         "env": env,
@@ -237,7 +239,7 @@ def configmap_manifest(key: AttemptKey, namespace: str, owner: dict[str, Any],
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(key, namespace, owner),
-        "data": {"launch.json": launch_json},
+        "data": {LAUNCH_FILE: launch_json},
     }
 
 

@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay.core.errors import StaleAgentError
 from relay_train.protocol.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -45,10 +46,6 @@ STATUS_TIMEOUT_SECONDS = 10.0
 REQUEST_TIMEOUT_SECONDS = 2.0
 MAX_PARALLEL = 32  # agents asked at once (a frozen one costs its timeout, not the others')
 API = "/v1"
-
-
-class StaleAgentError(LookupError):
-    """An agent answered for another attempt than the one asked about."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from relay.core.errors import ChaosConfError
 from relay.spec.job import JobSpec
 from relay_train.inject import KINDS
 from relay_train.inject import Fault as ChaosFault
@@ -27,10 +28,6 @@ CHAOS_ITEMS: dict[str, Any] = {
     "properties": {"kind": {"type": "string", "enum": list(KINDS)}},
     "required": ["kind"],
 }
-
-
-class ChaosConfError(ValueError):
-    """The DAG run conf's ``chaos`` is not allowed for this job, or not valid."""
 
 
 def _as_object(entry: object, index: int) -> dict[str, Any]:

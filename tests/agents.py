@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from relay.core.attempt import Attempt
 from relay.launchers.agent_client import AgentChannel
 from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
 from relay_train.agent.server import AgentServer
@@ -56,13 +57,13 @@ class ServedAttempt:
         self.addresses = {n: "http://{}:{}".format(*s.address) for n, s in self.servers.items()}
         self._channel: AgentChannel | None = None
 
-    def channel(self, root: Path) -> AgentChannel:
+    def channel(self, attempt: Attempt) -> AgentChannel:
         if self._channel is None:
-            self._channel = AgentChannel(attempt_id_of(root), self.addresses)
+            self._channel = AgentChannel(attempt_id_of(attempt.runs_in), self.addresses)
         return self._channel
 
-    def status(self, root: Path) -> LaunchStatus:
-        channel = self.channel(root)
+    def status(self, attempt: Attempt) -> LaunchStatus:
+        channel = self.channel(attempt)
         channel.poll()
         nodes = {}
         for name in self.nodes:

@@ -122,7 +122,7 @@ def fault_records(lineage: Lineage, parent: str, where: Path) -> dict[str, dict[
     """Return each faulty attempt's decision.json, by segment."""
     found = {}
     for child in lineage.child_runs(parent):
-        if child.data.tags[TAG_OUTCOME] == "fault":
+        if child.data.tags[TAG_OUTCOME] == "faulted":
             path = lineage.client.download_artifacts(child.info.run_id, "decision.json",
                                                      str(where / child.info.run_id))
             found[child.data.tags[TAG_SEGMENT]] = json.loads(Path(path).read_text())

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from relay.core.errors import ConfigError
 from relay.policy.model import load_policy
-from relay.spec.yamlsource import ConfigError
 
 
 def line_of(path: Path, key: str) -> int:

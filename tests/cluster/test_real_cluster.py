@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from relay.core.attempt import Attempt
 from relay_train.protocol.routes import NodeState
 
 IMAGE = os.environ.get("RELAY_K8S_E2E_IMAGE")
@@ -85,23 +86,23 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str) -> float:
 def test_a_segment_trains_to_its_end_on_two_nodes(tmp_path: Path, launcher) -> None:  # noqa: ANN001
     from mlflow.tracking import MlflowClient
 
-    from relay.launchers import LaunchState
+    from relay.core.attempt import Attempt, AttemptState
 
     cfg = launch_config(tmp_path, launcher, attempt=1, steps=10)
     launcher.launch(cfg)
     hosts: set[str] = set()
 
     def done() -> bool:
-        status = launcher.status(cfg.root)
-        assert status.state is not LaunchState.FAILED, status
+        status = launcher.status(Attempt(cfg.root))
+        assert status.state is not AttemptState.FAILED, status
         hosts.update(n.host for n in status.nodes.values() if n.host)
-        return status.state is LaunchState.SUCCEEDED
+        return status.state is AttemptState.COMPLETED
 
     wait_for(done, 600, "the Job to succeed")
     assert len(hosts) == 2, f"anti-affinity: expected 2 nodes, found {hosts}"
     artifacts = MlflowClient(MLFLOW).list_artifacts(cfg.run_id, "checkpoints")
     assert artifacts, "rank 0 published no checkpoint from inside the cluster"
-    assert launcher.stop(cfg.root) == []
+    assert launcher.stop(Attempt(cfg.root)) == []
 
 
 def test_a_quarantined_node_gets_no_pod(tmp_path: Path, launcher) -> None:  # noqa: ANN001
@@ -113,28 +114,29 @@ def test_a_quarantined_node_gets_no_pod(tmp_path: Path, launcher) -> None:  # no
     cfg = launch_config(tmp_path, launcher, attempt=2, steps=10)
     launcher.launch(cfg)
 
-    wait_for(lambda: all(n.host for n in launcher.status(cfg.root).nodes.values()), 300,
+    wait_for(lambda: all(n.host for n in launcher.status(Attempt(cfg.root)).nodes.values()), 300,
              "both pods to be scheduled")
-    hosts = {n.host for n in launcher.status(cfg.root).nodes.values()}
+    hosts = {n.host for n in launcher.status(Attempt(cfg.root)).nodes.values()}
     assert pool.nodes[0] not in hosts
-    assert launcher.stop(cfg.root) == []
+    assert launcher.stop(Attempt(cfg.root)) == []
 
 
 def test_a_paused_node_is_unresponsive_long_before_eviction(tmp_path: Path, launcher) -> None:  # noqa: ANN001
     """kind nodes are containers: `docker pause` freezes the kubelet and the pods alike."""
 
     cfg = launch_config(tmp_path, launcher, attempt=3, steps=100_000)
-    launcher.launch(cfg)
-    wait_for(lambda: launcher.status(cfg.root).nodes["pod-1"].state == NodeState.RUNNING, 300,
+    attempt = launcher.launch(cfg)
+    wait_for(lambda: launcher.status(attempt).nodes["pod-1"].state == NodeState.RUNNING, 300,
              "pod-1 to run")
-    host = launcher.host_of(cfg.root, "pod-1")
+    host = launcher.host_of(attempt, "pod-1")
     subprocess.run(["docker", "pause", host], check=True)
     try:
         seconds = wait_for(
-            lambda: launcher.status(cfg.root).nodes["pod-1"].state == NodeState.UNRESPONSIVE, 120,
+            lambda: launcher.status(attempt).nodes["pod-1"].state == NodeState.UNRESPONSIVE,
+            120,
             f"{host} to be reported unresponsive")
         print(f"{host} paused: unresponsive after {seconds:.0f}s "
-              f"({launcher.status(cfg.root).nodes['pod-1'].detail})")
+              f"({launcher.status(Attempt(cfg.root)).nodes['pod-1'].detail})")
     finally:
         subprocess.run(["docker", "unpause", host], check=False)
-    assert launcher.stop(cfg.root) == []
+    assert launcher.stop(Attempt(cfg.root)) == []

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from relay.core.attempt import Attempt
 from relay.core.faults import Fault
 from relay.launchers.local.launcher import ENV_PARTITIONED, LocalLauncher, free_port
 from relay.lineage.store import TAG_REJECTED, Lineage
@@ -36,7 +37,6 @@ from relay.watch.triggers import observe_attempt
 from relay_train.protocol.env import ENV_CLOCK_SKEW
 from relay_train.protocol.heartbeat import read_heartbeats
 from relay_train.protocol.launch import LaunchConfig, attempt_id_of
-from relay_train.protocol.routes import Route
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +56,8 @@ def test_node_clocks_skewed_30s_either_way_raise_no_false_alarm(
     # the compute-time ratios (straggler, throughput) read no clock, and on this loaded
     # 2-core machine they trip on their own: they are out of this test's way.
     detection = Detection(straggler={"ratio": 50}, throughput={"floor": 0.01})
-    with launched(cfg) as root:
+    with launched(cfg) as attempt:
+        root = attempt.folder
         event = watch(cfg, detection, timeout=300)
         on_disk = read_heartbeats(root / "heartbeats")  # the test looks; Relay did not
     assert event["status"] == "completed", event
@@ -99,14 +100,15 @@ def test_the_watcher_evidence_and_rescue_read_no_file_of_the_attempt(
                         chaos=[{"kind": "hang", "step": 30, "rank": 1}])
     audit = FileAudit(cfg.root)
     launcher = LocalLauncher()
-    with launched(cfg) as root:
+    with launched(cfg) as attempt:
+        root = attempt.folder
         audit.on = True
         # Only the hang is under test: a loaded machine's slow rank is not this test's business.
         event = watch(cfg, Detection(straggler={"ratio": 50}), timeout=180)
-        assert event["status"] == "fault" and event["fault"]["kind"] == "hang", event
+        assert event["status"] == "faulted" and event["fault"]["kind"] == "hang", event
         fault = Fault.from_event(event["fault"])
-        asked = ask_for_evidence(root, fault, cfg, launcher)
-        rescued = request_rescue(root, cfg, fault, 60, launcher)
+        asked = ask_for_evidence(attempt, fault, cfg, launcher)
+        rescued = request_rescue(attempt, cfg, fault, 60, launcher)
         evidence = collect_evidence(asked, 5.0) if asked else None
         audit.on = False
     assert rescued is not None and rescued.step is not None and rescued.step >= 29
@@ -129,11 +131,11 @@ def test_a_watcher_at_a_segment_boundary_reads_no_file_of_the_attempt(
                               boundaries=[40, 100_000], run_on_to=100_000)
     audit = FileAudit(cfg.root)
     launcher = LocalLauncher()
-    with launched(cfg) as root:
+    with launched(cfg) as attempt:
         audit.on = True
         event = watch(cfg, Detection(straggler={"ratio": 50}), timeout=180, boundary_step=40)
         crossed = _wait("rank 0's crossing, over the channel",
-                        lambda: launcher.status(root).crossed, timeout=60)
+                        lambda: launcher.status(attempt).crossed, timeout=60)
         audit.on = False
     assert event["status"] == "completed" and event["boundary_step"] == 40, event
     assert crossed == {40}
@@ -203,27 +205,28 @@ def test_a_frozen_node_resumed_after_its_attempt_was_replaced_is_refused(
     watcher.start()
     try:
         _wait("a first checkpoint", lambda: lineage._published_dirs(old.run_id))
-        launcher.signal_node(old.root, "node-a", signal.SIGSTOP)  # the node freezes
+        launcher.signal_node(Attempt(old.root), "node-a", signal.SIGSTOP)  # the node freezes
         watcher.join(timeout=120)
         assert events and events[0]["fault"]["kind"] == "node_unresponsive", events
         monkeypatch.setenv(ENV_PARTITIONED, "node-a")  # Relay's stop cannot reach it
-        assert launcher.stop(old.root, grace_seconds=1.0) == []
+        assert launcher.stop(Attempt(old.root), grace_seconds=1.0) == []
         accepted = lineage.fence_attempt(old.run_id, "replaced after node_unresponsive (try 1)")
         new = _attempt(lineage, parent, tmp_path, 2, "node-b", end_step=60)
         launcher.launch(new)  # the replacement, on another node
-        launcher.signal_node(old.root, "node-a", signal.SIGCONT)  # the partition heals
+        launcher.signal_node(Attempt(old.root), "node-a", signal.SIGCONT)  # the partition heals
 
         # Late heartbeats: the retry's watcher reaches the old agent (a stale address).
-        stale_address = launcher.channel(old.root).addresses["node-a"]
-        launcher.channel(new.root).addresses["node-a"] = stale_address
+        stale_address = launcher.channel(Attempt(old.root)).addresses["node-a"]
+        launcher.channel(Attempt(new.root)).addresses["node-a"] = stale_address
         refused = _wait("a refused heartbeat", lambda: [
             r for r in observe_attempt(new.root, node_ranks(new), 0.5, launcher).launch.refused
             if r["node"] == "node-a" and r["heartbeats"]])
         assert refused[0]["found_attempt"] == attempt_id_of(old.root)  # type: ignore[index]
         assert refused[0]["expected_attempt"] == attempt_id_of(new.root)  # type: ignore[index]
-        assert launcher.channel(new.root).ask("node-a", Route.DRAIN, stop_at=99) is None  # 409
-        assert 0 not in launcher.status(new.root).heartbeats or \
-            launcher.status(new.root).heartbeats[0].node == "node-b"
+        assert launcher.channel(Attempt(new.root)).ask(
+            "node-a", "drain", stop_at=99) is None  # 409
+        assert 0 not in launcher.status(Attempt(new.root)).heartbeats or \
+            launcher.status(Attempt(new.root)).heartbeats[0].node == "node-b"
 
         # A late checkpoint: the old attempt's rank 0 goes on publishing into its run.
         late = _wait("a late checkpoint", lambda: sorted(
@@ -236,8 +239,8 @@ def test_a_frozen_node_resumed_after_its_attempt_was_replaced_is_refused(
             assert tags[TAG_REJECTED + step_dir].startswith("fenced: published by attempt run")
     finally:
         monkeypatch.delenv(ENV_PARTITIONED, raising=False)
-        launcher.signal_node(old.root, "node-a", signal.SIGCONT)
+        launcher.signal_node(Attempt(old.root), "node-a", signal.SIGCONT)
         watcher.join(timeout=400)
-        assert launcher.stop(old.root, grace_seconds=2.0) == []
+        assert launcher.stop(Attempt(old.root), grace_seconds=2.0) == []
         if new is not None:
-            assert launcher.stop(new.root, grace_seconds=2.0) == []
+            assert launcher.stop(Attempt(new.root), grace_seconds=2.0) == []

@@ -92,7 +92,7 @@ def test_crashed_and_retried_run_equals_uninterrupted_run_bit_for_bit(
     faulty = _run(airflow_job, relay_home, {"chaos": [CRASH]}, "faulty")
     children = lineage.child_runs(faulty)
     seg1 = [c for c in children if c.data.tags[TAG_SEGMENT] == "1"]
-    assert [c.data.tags[TAG_OUTCOME] for c in seg1] == ["fault", "completed"]
+    assert [c.data.tags[TAG_OUTCOME] for c in seg1] == ["faulted", "completed"]
     # The retry resumed from the last checkpoint before the crash, not from the segment start.
     assert seg1[1].data.params["resume_step"] == "40"
     fault_file = lineage.client.download_artifacts(seg1[0].info.run_id, "fault.json", str(tmp_path))
@@ -128,7 +128,7 @@ THREE_FAULTS = [
 
 def _assert_time_to_resume_recorded(lineage: Lineage, parent: str, where: Path) -> None:
     """Every recovery's breakdown is in MLflow, complete, and its parts add up (not speed)."""
-    faults = [c for c in lineage.child_runs(parent) if c.data.tags[TAG_OUTCOME] == "fault"]
+    faults = [c for c in lineage.child_runs(parent) if c.data.tags[TAG_OUTCOME] == "faulted"]
     assert faults
     for child in faults:
         path = lineage.client.download_artifacts(child.info.run_id, "time_to_resume.json",

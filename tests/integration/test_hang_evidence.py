@@ -51,7 +51,7 @@ def test_the_hang_fault_carries_the_culprits_stack_and_the_collective_trace(
     assert code == 0, f"airflow dags test failed:\n{log[-4000:]}"
     lineage = Lineage.from_settings()
     children = lineage.child_runs(parent)
-    faulty = [c for c in children if c.data.tags[TAG_OUTCOME] == "fault"
+    faulty = [c for c in children if c.data.tags[TAG_OUTCOME] == "faulted"
               and c.data.tags["relay.fault_kind"] == "hang"]
     assert len(faulty) == 1, [c.data.tags for c in children]
     run_id = faulty[0].info.run_id

@@ -39,16 +39,17 @@ def test_stop_workloads_stops_a_running_attempt_and_an_unclaimed_standby(tmp_pat
     (finished / "handle.json").write_text('{"nodes": {"node-a": {"pid": 999999999, '
                                           '"pgid": 999999999, "started": 1, "port": null}}}')
     launcher = LocalLauncher()
-    with launched(cfg) as root:
+    with launched(cfg) as attempt:
+        root = attempt.folder
         launcher.prestart(standbys, ["node-c"])
         _until("every rank stepping", lambda: len(read_heartbeats(root / "heartbeats")) == 4)
         _until("the standby preloaded", lambda: ready_file(standbys, "node-c").exists())
-        assert launcher.has_processes(root)
+        assert launcher.has_processes(attempt)
 
         survivors = services.stop_workloads(runs)
 
         assert survivors == []
-        assert not launcher.has_processes(root)
+        assert not launcher.has_processes(attempt)
         assert (root / STOPPED_FILE).exists(), "a stopped attempt must never be adopted"
         assert not (finished / STOPPED_FILE).exists()
         assert not list(standbys.glob("*.standby"))

@@ -131,7 +131,7 @@ def test_execute_complete_without_the_folder_execute_wrote_decides_quarantines_a
     runs = {int(c.data.tags[TAG_TRY]): c for c in lineage.child_runs(parent)
             if c.data.tags[TAG_SEGMENT] == "0"}
     assert {t: r.data.tags[TAG_OUTCOME] for t, r in runs.items()} == {
-        1: "fault", 2: "fault", 3: "completed"}
+        1: "faulted", 2: "faulted", 3: "completed"}
     first, second = (_decision(lineage, runs[t], tmp_path / "mlflow") for t in (1, 2))
 
     # Try 1: the hang found through the launch record alone; the stalled rank's node

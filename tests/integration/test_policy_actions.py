@@ -73,7 +73,7 @@ def test_nan_rolls_back_to_the_checkpoint_before_the_newest(
     assert code == 0
     lineage = Lineage.from_settings()
     children = [c for c in lineage.child_runs(parent) if c.data.tags[TAG_SEGMENT] == "0"]
-    assert [c.data.tags[TAG_OUTCOME] for c in children] == ["fault", "completed"]
+    assert [c.data.tags[TAG_OUTCOME] for c in children] == ["faulted", "completed"]
     assert children[0].data.tags["relay.fault_kind"] == "nan_loss"
     assert children[0].data.tags["relay.decision"] == "rollback"
     # No checkpoint after the NaN was saved (20 was the newest); rollback discards 20 too.

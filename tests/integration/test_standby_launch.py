@@ -20,19 +20,19 @@ from relay_train.agent.standby import ready_file, standby_file
 pytestmark = pytest.mark.integration
 
 
-def _train_on_standbys(launcher: LocalLauncher, store: Store, attempt: Path,
-                       standby: Path) -> Path:
-    """Launch 20 steps on the standbys in ``standby``, watch them complete, stop; return root."""
-    cfg = launch_config(store, attempt, steps=20)
-    root = launcher.launch(cfg, standby_dir=standby)
+def _train_on_standbys(launcher: LocalLauncher, store: Store, folder: Path) -> Path:
+    """Launch 20 steps on the standbys of the segment's standby folder (the launcher looks
+    there), watch them complete, stop; return the attempt folder."""
+    cfg = launch_config(store, folder, steps=20)
+    attempt = launcher.launch(cfg)
     try:
         # What is tested is the launch, not the detector's thresholds on a busy machine:
         # a generous hang timeout still ends a workload that is stuck for good.
         event = watch(cfg, Detection(hang_timeout=30.0), timeout=180)
     finally:
-        launcher.stop(root, grace_seconds=2.0)
-    assert event["status"] == "completed", (event, _stacks(root))
-    return root
+        launcher.stop(attempt, grace_seconds=2.0)
+    assert event["status"] == "completed", (event, _stacks(attempt.folder))
+    return attempt.folder
 
 
 def _stacks(root: Path) -> str:
@@ -60,7 +60,7 @@ def test_a_launch_takes_the_preloaded_standbys_and_stops_the_rest(tmp_path: Path
     while not all(ready_file(standby, n).exists() for n in pids):
         assert time.monotonic() < deadline, "standbys never became ready"
         time.sleep(0.1)
-    root = _train_on_standbys(launcher, store, tmp_path / "segment" / "try-1", standby)
+    root = _train_on_standbys(launcher, store, tmp_path / "segment" / "try-1")
     for node in ("node-a", "node-b"):
         agent_log = (root / "logs" / f"agent-{node}.log").read_text()
         assert "took over" in agent_log, agent_log
@@ -89,8 +89,7 @@ def test_a_launch_without_standbys_gets_them_forked_by_the_runs_resident(
     launcher.reside(tmp_path, ["node-a"])  # the run's folder: segment/standby's grandparent
     resident_pid = json.loads(standby_file(tmp_path / RESIDENT_DIR, "node-a").read_text())["pid"]
     try:
-        root = _train_on_standbys(launcher, store, tmp_path / "segment" / "try-1",
-                                  tmp_path / "segment" / "standby")
+        root = _train_on_standbys(launcher, store, tmp_path / "segment" / "try-1")
         handle = json.loads((root / "handle.json").read_text())["nodes"]
         resident_log = (tmp_path / RESIDENT_DIR / "node-a.log").read_text()
         for node in ("node-a", "node-b"):
@@ -112,14 +111,15 @@ def test_the_agents_of_a_stopped_attempt_hand_on_preloaded_copies(tmp_path: Path
     standby = tmp_path / "segment" / "standby"
     launcher = LocalLauncher()
     first = launch_config(store, tmp_path / "segment" / "try-1", steps=10**6)
-    root = launcher.launch(first)
+    attempt = launcher.launch(first)
+    root = attempt.folder
     try:
         deadline = time.monotonic() + 120
         while not (root / "first_step.json").exists():  # the agents run and answer
             assert time.monotonic() < deadline, "the first attempt never stepped"
             time.sleep(0.1)
-        agents = {n: h["pid"] for n, h in launcher.handle(root)["nodes"].items()}
-        launcher.prestart(standby, ["node-a", "node-b", "node-c"], source=root)
+        agents = {n: h["pid"] for n, h in launcher.handle(attempt)["nodes"].items()}
+        launcher.prestart(standby, ["node-a", "node-b", "node-c"], source=attempt)
         pids = {n: json.loads(standby_file(standby, n).read_text())["pid"]
                 for n in ("node-a", "node-b", "node-c")}
         for node in ("node-a", "node-b"):  # copies of the attempt's agents...
@@ -127,9 +127,9 @@ def test_the_agents_of_a_stopped_attempt_hand_on_preloaded_copies(tmp_path: Path
             assert group_members(pids[node]) and pids[node] not in group_members(agents[node])
         assert _parent(pids["node-c"]) != agents.get("node-c")  # ...a node it lacked: new
     finally:
-        assert launcher.stop(root, grace_seconds=2.0) == []
+        assert launcher.stop(attempt, grace_seconds=2.0) == []
     assert all(group_members(pids[n]) for n in ("node-a", "node-b")), "the stop took them"
-    root = _train_on_standbys(launcher, store, tmp_path / "segment" / "try-2", standby)
+    root = _train_on_standbys(launcher, store, tmp_path / "segment" / "try-2")
     handle = json.loads((root / "handle.json").read_text())["nodes"]
     for node in ("node-a", "node-b"):
         assert handle[node]["pid"] == pids[node]
@@ -153,7 +153,8 @@ def _watch_with_spare(tmp_path: Path, chaos: list[dict[str, Any]],
     standby = tmp_path / "segment" / "standby"
     launcher = LocalLauncher()
     cfg = launch_config(store, tmp_path / "segment" / "try-1", steps=10**6, chaos=chaos)
-    root = launcher.launch(cfg)
+    attempt = launcher.launch(cfg)
+    root = attempt.folder
     detection = Detection()
     trigger = SegmentWatchTrigger(
         attempt_dir=cfg.attempt_dir, node_ranks=node_ranks(cfg),
@@ -170,12 +171,12 @@ def _watch_with_spare(tmp_path: Path, chaos: list[dict[str, Any]],
             if freeze is not None:  # the watcher hears both nodes, then one freezes
                 time.sleep(3)
                 assert not watching.done(), watching.result()
-                launcher.signal_node(root, freeze, signal.SIGSTOP)
+                launcher.signal_node(attempt, freeze, signal.SIGSTOP)
             event = watching.result()
     finally:
         if freeze is not None:
-            launcher.signal_node(root, freeze, signal.SIGCONT)
-        launcher.stop(root, grace_seconds=2.0)
+            launcher.signal_node(attempt, freeze, signal.SIGCONT)
+        launcher.stop(attempt, grace_seconds=2.0)
     record = json.loads(standby_file(standby, "node-c").read_text())
     assert list(standby.glob("node-[ab].standby")) == []  # only the spare
     LocalLauncher.release_standbys(standby)

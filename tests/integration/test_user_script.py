@@ -112,7 +112,7 @@ def test_broken_entrypoint_is_a_launch_failure_with_its_own_message(
                           "sys.exit(2)\n")
         entry, message = Entrypoint(script=str(script)), "bad --lr: expected a number"
     event = _broken(Store(tmp_path / "mlflow"), tmp_path / "attempt", entry)
-    assert event["status"] == "fault", event
+    assert event["status"] == "faulted", event
     fault = event["fault"]
     assert fault["kind"] == "launch_failure", fault
     assert message in fault["evidence"]["summary"], fault["evidence"]

@@ -48,7 +48,7 @@ def test_fault_is_classified_with_its_culprit(
     scenario: Scenario, store: Store, tmp_path: Path
 ) -> None:
     record = run_trial(store, tmp_path / "attempt", scenario, Detection(startup_timeout=10.0))
-    assert record["status"] == "fault", record
+    assert record["status"] == "faulted", record
     assert record["kind"] == scenario.expected_kind, record
     assert record["culprit"] == (scenario.culprit_rank, scenario.culprit_node), record
     assert record["latency"] is not None
@@ -147,7 +147,8 @@ def test_relay_chaos_from_outside_is_detected(
 ) -> None:
     cfg = launch_config(store, tmp_path / "attempt", steps=100_000, model=COMPUTE_BOUND_MODEL,
                         batch_size=16)
-    with launched(cfg) as attempt:
+    with launched(cfg) as launched_attempt:
+        attempt = launched_attempt.folder
         _wait_for_step(attempt, 20)
         relay = Path(sys.executable).with_name("relay")
         chaos = subprocess.Popen([str(relay), "chaos", *command, "--attempt-dir", str(attempt)])
@@ -156,6 +157,6 @@ def test_relay_chaos_from_outside_is_detected(
         finally:
             chaos.kill()
             chaos.wait()
-    assert event["status"] == "fault", event
+    assert event["status"] == "faulted", event
     assert event["fault"]["kind"] == kind, event
     assert (event["fault"]["culprit_rank"], event["fault"]["culprit_node"]) == culprit

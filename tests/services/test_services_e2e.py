@@ -119,7 +119,7 @@ def _faults(view: RunView) -> str:
     return "\n".join(
         f"segment {a.segment} try {a.try_number}: {a.outcome}"
         + (f" {client.get_run(a.run_id).data.tags.get(TAG_FAULT)} {a.fault}"
-           if a.outcome == "fault" else "") for a in view.attempts)
+           if a.outcome == "faulted" else "") for a in view.attempts)
 
 
 def _crash(deployment: services.Deployment, name: str) -> None:

@@ -32,7 +32,7 @@ from relay.lineage.report import final_state, same_bits
 from relay.lineage.run_view import find_parent, run_view
 from relay.lineage.store import Lineage
 from relay.nodes.pool import NodePool
-from relay.policy.model import load_policy
+from relay.policy.model import UNATTENDED_MARGIN_SECONDS, load_policy
 from relay.recover import warden as unattended
 from relay.tools import services
 from relay.tools.airflow_api import AirflowApi
@@ -125,7 +125,7 @@ def _stopped_while_scheduler_down(api: AirflowApi, home: Path, run_id: str,
     """Wait for the warden's stop; check it came within the bound, the scheduler still down."""
     attempt = _attempt(home, run_id, 0, 1)
     bound = (DETECTION.stop_unattended_after + DETECTION.checkpoint_timeout
-             + unattended.BOUND_MARGIN_SECONDS)
+             + UNATTENDED_MARGIN_SECONDS)
     _wait_for(unattended.folder(attempt) / unattended.STOPPED_FILE, bound + 120)
     stopped = unattended.Stopped.read(attempt)
     assert stopped is not None

@@ -82,13 +82,14 @@ class LaunchConfig:
     checkpoint_every: int
     nodes: list[str]
     ranks_per_node: int
-    master_addr: str
-    master_port: int
     tracking_uri: str
     run_id: str
     attempt_dir: str
     attempt: int
     segment: int
+    # Where the ranks meet (rank 0's store): chosen by the launcher when it launches.
+    master_addr: str = ""
+    master_port: int = 0
     heartbeat_interval_seconds: float = 0.5
     collective_timeout_seconds: float = 1800.0
     backend: str = "auto"  # auto | gloo | nccl (NCCL when every local rank has a GPU)

@@ -12,13 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from relay.core import settings
+from relay.core.errors import PathEscapeError
 
 ENV_WATCH_ROOTS = "RELAY_WATCH_ROOTS"
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
-
-
-class PathEscapeError(ValueError):
-    """A path from run conf or a param points outside the folders it may use."""
 
 
 def watch_roots() -> list[Path]:

@@ -11,12 +11,12 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from relay.launchers.base import Launcher, LaunchState, LaunchStatus, NodeStatus
+from relay.launchers.base import Continuity, Launcher, LaunchStatus, NodeStatus
 
 if TYPE_CHECKING:
     from relay.spec.job import JobSpec
 
-__all__ = ["Launcher", "LaunchState", "LaunchStatus", "NodeStatus", "launcher_for",
+__all__ = ["Continuity", "Launcher", "LaunchStatus", "NodeStatus", "launcher_for",
            "launcher_from"]
 
 ENV_KUBERNETES_CONN_ID = "RELAY_KUBERNETES_CONN_ID"  # Airflow connection of the cluster

@@ -35,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay.core.errors import StaleAgentError
 from relay_train.protocol.heartbeat import Heartbeat
 from relay_train.protocol.routes import (
     AGE_SECONDS,
@@ -56,10 +57,6 @@ FRESH_WAIT_SECONDS = 1.0
 STATUS_TIMEOUT_SECONDS = 10.0
 REQUEST_TIMEOUT_SECONDS = 2.0
 MAX_PARALLEL = 32  # agents asked at once (a frozen one costs its timeout, not the others')
-
-
-class StaleAgentError(LookupError):
-    """An agent answered for another attempt than the one asked about."""
 
 
 @dataclass

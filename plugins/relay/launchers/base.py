@@ -1,21 +1,25 @@
 """The launcher seam: what Relay needs from wherever a segment attempt runs.
 
-Operators, triggers and recovery talk to a :class:`Launcher` only, and get one
-from :func:`relay.launchers.launcher_from`. An attempt is named by its attempt
-folder (``.../<dag_id>/<run>/segment-NNN/try-N``): the local launcher keeps its
-handle there; the Kubernetes launcher only derives its object names from the
-folder's last four parts, so any worker finds the same Job again.
+Operators, watchers and the recovery pipeline talk to a :class:`Launcher` only, and
+get one from :func:`relay.launchers.launcher_from`; only that factory names a
+concrete launcher. An attempt travels as a :class:`relay.core.attempt.Attempt`:
+the local launcher keeps its handle in the folder its workload runs in
+(:attr:`Attempt.runs_in`); the Kubernetes launcher derives its object names from
+that folder's last four parts, so any worker finds the same Job again. The
+launcher chooses where the ranks meet (rendezvous address and port) when it
+launches.
 
-Lifecycle of one attempt, as a launcher reports it (:class:`LaunchState`)::
+What a launcher reports of an attempt's workload is an
+:class:`~relay.core.attempt.AttemptState`::
 
-    launch() --> RUNNING --> SUCCEEDED      every node's agent ended well
+    launch() --> RUNNING --> COMPLETED      every node's agent ended well
                      \\--> FAILED          an agent or a rank failed, or the attempt vanished
 
 Everything Relay learns from a running attempt, and everything it asks of it,
 goes over the network to the node agents (:meth:`Launcher.channel`, see
-:mod:`relay.launchers.agent_client`): :meth:`Launcher.status` carries the ranks' heartbeats,
-already placed on Relay's clock, the segment boundaries rank 0 recorded
-crossing, and the messages refused from agents of another attempt. No
+:mod:`relay.launchers.agent_client`): :meth:`Launcher.status` carries the ranks'
+heartbeats, already placed on Relay's clock, the segment boundaries rank 0
+recorded crossing, and the messages refused from agents of another attempt. No
 launcher reads a file a node wrote.
 
 Per node, :class:`NodeStatus` says what its agent reports, a
@@ -23,30 +27,29 @@ Per node, :class:`NodeStatus` says what its agent reports, a
 ``succeeded``, ``failed``, or ``unresponsive`` (the platform says the node
 stopped answering: a NotReady Kubernetes node, a pod stuck terminating); the
 detector turns ``unresponsive`` into a ``node_unresponsive`` fault at once.
+
+A launcher whose agents outlive an attempt (the local one) also offers
+:class:`Continuity` as ``launcher.continuity``: agents kept warm for the next
+attempt, and workloads handed over from one segment to the next. Others set it
+to None, and every attempt launches afresh.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from relay.core.attempt import Attempt, AttemptState
 from relay_train.protocol.routes import NodeState
 
 if TYPE_CHECKING:
     from relay.launchers.agent_client import AgentChannel
     from relay.nodes.pool import Quarantine
+    from relay.spec.job import JobSpec
     from relay_train.protocol.heartbeat import Heartbeat
     from relay_train.protocol.launch import LaunchConfig
-
-
-class LaunchState(StrEnum):
-    """What the launcher knows of a workload."""
-
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
 
 
 @dataclass
@@ -70,7 +73,7 @@ class NodeStatus:
 class LaunchStatus:
     """The whole workload's state, with per-node detail."""
 
-    state: LaunchState
+    state: AttemptState  # RUNNING, COMPLETED or FAILED
     nodes: dict[str, NodeStatus]
     heartbeats: dict[int, Heartbeat] = field(default_factory=dict)  # on Relay's clock
     refused: list[dict[str, Any]] = field(default_factory=list)  # messages of stale attempts
@@ -87,14 +90,14 @@ class LaunchStatus:
         }
 
 
-def overall_state(nodes: dict[str, NodeStatus]) -> LaunchState:
+def overall_state(nodes: dict[str, NodeStatus]) -> AttemptState:
     """Return the attempt's state from its nodes' states."""
     states = {n.state for n in nodes.values()}
     if not nodes or NodeState.FAILED in states:
-        return LaunchState.FAILED
+        return AttemptState.FAILED
     if states == {NodeState.SUCCEEDED}:
-        return LaunchState.SUCCEEDED
-    return LaunchState.RUNNING
+        return AttemptState.COMPLETED
+    return AttemptState.RUNNING
 
 
 @runtime_checkable
@@ -102,6 +105,7 @@ class Launcher(Protocol):
     """Start, watch and stop segment attempts on some set of nodes."""
 
     name: str
+    continuity: Continuity | None  # see the module docstring
 
     def config(self) -> dict[str, Any]:
         """Return what :func:`relay.launchers.launcher_from` needs to rebuild this launcher."""
@@ -111,36 +115,37 @@ class Launcher(Protocol):
         """Return the node names an attempt on ``nodes`` (healthy ones Relay picked) uses."""
         ...
 
-    def launch(self, cfg: LaunchConfig, standby_dir: Path | None = None) -> Path:
-        """Start one node agent per node of ``cfg``; return the attempt folder."""
+    def launch(self, cfg: LaunchConfig) -> Attempt:
+        """Start one node agent per node of ``cfg``, choosing the rendezvous; return the
+        attempt (its folder is ``cfg.attempt_dir``)."""
         ...
 
-    def handle(self, root: Path) -> dict[str, Any]:
+    def handle(self, attempt: Attempt) -> dict[str, Any]:
         """Return what this launcher needs to find a launched attempt again on another
         machine (JSON; it travels with the attempt, see :mod:`relay.launchers.launch_record`)."""
         ...
 
-    def attach(self, root: Path, handle: dict[str, Any]) -> None:
-        """Find the attempt at ``root`` through ``handle`` (from :meth:`handle`), not a file."""
+    def attach(self, attempt: Attempt, handle: dict[str, Any]) -> None:
+        """Find ``attempt`` through ``handle`` (from :meth:`handle`), not a file."""
         ...
 
-    def status(self, root: Path) -> LaunchStatus:
+    def status(self, attempt: Attempt) -> LaunchStatus:
         """Return the attempt's state now, with its heartbeats; never blocks for long."""
         ...
 
-    def channel(self, root: Path) -> AgentChannel:
+    def channel(self, attempt: Attempt) -> AgentChannel:
         """Return the channel to the attempt's node agents (one per attempt, kept)."""
         ...
 
-    def started_at(self, root: Path) -> float:
+    def started_at(self, attempt: Attempt) -> float:
         """Return when the attempt was launched (epoch seconds, on Relay's clock)."""
         ...
 
-    def host_of(self, root: Path, node: str) -> str:
+    def host_of(self, attempt: Attempt, node: str) -> str:
         """Return the machine ``node`` of a running attempt is on (what a quarantine names)."""
         ...
 
-    def stop(self, root: Path, grace_seconds: float = 5.0) -> list[str]:
+    def stop(self, attempt: Attempt, grace_seconds: float = 5.0) -> list[str]:
         """Stop every process of the attempt; return what survived (should be nothing)."""
         ...
 
@@ -148,21 +153,116 @@ class Launcher(Protocol):
         """Stop every attempt of a segment (e.g. one left behind by a killed task)."""
         ...
 
-    def prestart(self, directory: Path, nodes: list[str], ttl_seconds: float,
-                 source: Path | None = None) -> None:
-        """Warm up agents for the next attempt on ``nodes`` while ``source`` (the attempt
-        being wound down, if any) is stopped."""
-        ...
-
-    def reside(self, run_dir: Path, nodes: list[str], prestarted: Path | None = None) -> None:
-        """Keep an agent preloaded on each of ``nodes`` for the DAG run (the first
-        segment's, from preflight; spares, from a watch), from which a launch or
-        :meth:`prestart` forks a standby at once; they leave with the run
-        (:func:`relay.launchers.local.adopt.end_run`). ``prestarted``: a resident started before the
-        run existed (:mod:`relay.launchers.local.prestart`), for a launcher that can
-        use one."""
-        ...
-
     def enforce_quarantines(self, held: dict[str, Quarantine]) -> None:
         """Make the platform keep quarantined hosts out (and let released ones back)."""
+        ...
+
+
+@runtime_checkable
+class Continuity(Protocol):
+    """What a launcher whose agents and workloads outlive an attempt also offers.
+
+    Warm starts: agents preloaded before an attempt needs them (a resident agent
+    per DAG run, standbys for a retry, a spare at the first sign of a fault).
+    Handovers (``segment_boundary: adopt``): a segment's workload trains on past
+    its end and the next segment's task adopts it instead of restarting it. The
+    segment task asks ``launcher.continuity``; when it is None every attempt
+    launches afresh and nothing here is called.
+    """
+
+    # -- warm starts -------------------------------------------------------------------
+
+    def prepare_run(self, run_dir: Path, nodes: list[str], conf: object, dag_id: str) -> None:
+        """Keep an agent preloaded for the DAG run's first segment on ``nodes`` (one a
+        runner prestarted and named in the run's ``conf`` is the run's if usable)."""
+        ...
+
+    def warm_for_retry(self, faulty: Attempt, nodes: list[str], ttl_seconds: float) -> None:
+        """Have the retry's agents preload on ``nodes`` while ``faulty`` is stopped."""
+        ...
+
+    def plan_spare(self, attempt: Attempt, free: list[str]) -> dict[str, Any] | None:
+        """Return what the watcher of ``attempt`` warms at a sign of a fault (None: no
+        free node)."""
+        ...
+
+    def warm_spare(self, spare: dict[str, Any], why: str) -> None:
+        """Start the planned spare (blocking: a watcher calls it off its event loop)."""
+        ...
+
+    def end_run(self, run_dir: Path) -> list[Path]:
+        """Stop what still trains for a DAG run that is over, and its warm agents; return
+        the workloads stopped."""
+        ...
+
+    # -- handovers -----------------------------------------------------------------------
+
+    def hands_over(self, spec: JobSpec) -> bool:
+        """Return whether segments of this job hand their workload over."""
+        ...
+
+    def run_on(self, spec: JobSpec, index: int) -> tuple[list[int], int | None]:
+        """Return the job's segment ends and how far segment ``index``'s workload may train
+        on past its own end (None: the job's last segment)."""
+        ...
+
+    def guard(self, run_dir: Path, index: int,
+              silent_seconds: float) -> AbstractContextManager[None]:
+        """Guard a task's MLflow calls while an earlier segment's workload runs unwatched."""
+        ...
+
+    def stop_adopted(self, segment_dir: Path) -> list[str]:
+        """Stop the workloads earlier tries of this segment adopted; return survivors."""
+        ...
+
+    def adoptable(self, run_dir: Path, index: int, end: int, resume_step: int,
+                  healthy: list[str]) -> Path | None:
+        """Return the workload segment ``index`` may adopt (one it may not is let go of)."""
+        ...
+
+    def adopt(self, folder: Path, workload: Path, *, run_id: str, segment: int, attempt: int,
+              resume_step: int, end: int, next_end: int | None) -> int | None:
+        """Take ``workload`` over for the attempt in ``folder``; return the step it was at
+        (None: it was stopped first)."""
+        ...
+
+    def kept_interval(self, workload: Path, folder: Path, steps: int) -> dict[str, str]:
+        """Record the checkpoint interval an adopting attempt keeps; return MLflow params."""
+        ...
+
+    def attempt_at(self, folder: Path) -> Attempt:
+        """Return the attempt of a try folder, with the workload it adopted, if any."""
+        ...
+
+    def view(self, attempt: Attempt, cfg: LaunchConfig) -> LaunchConfig:
+        """Return the workload's launch config as ``attempt`` sees it (its run, its bounds)."""
+        ...
+
+    def watch_boundary(self, view: LaunchConfig, workload: LaunchConfig) -> int | None:
+        """Return the step whose passing completes the watched segment (None: its end)."""
+        ...
+
+    def let_go(self, attempt: Attempt) -> None:
+        """Mark the attempt's workload stopped by Relay: never adopt it again."""
+        ...
+
+    def note_boundary(self, attempt: Attempt, fired_at: float | None, woke_at: float) -> None:
+        """Record when the attempt's watcher saw its boundary and when its task finished."""
+        ...
+
+    def wait_published(self, lineage: Any, parent: str, run_id: str, step: int,  # noqa: ANN401
+                       timeout_seconds: float, workload: Path) -> bool:
+        """Wait (bounded) until the boundary checkpoint at ``step`` is in MLflow."""
+        ...
+
+    def copy_strikes(self, attempt: Attempt) -> None:
+        """Copy the injected faults aimed at an adopting attempt into its own folder."""
+        ...
+
+    def run_id_of(self, attempt: Attempt) -> str:
+        """Return the MLflow run of an attempt (the adopting one's, if it adopted)."""
+        ...
+
+    def wait_for_end(self, run_dir: Path, index: int) -> None:
+        """Let a workload that already trained the last segment finish, then stop it."""
         ...

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from relay.core.attempt import Attempt
 from relay.launchers import Launcher
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig
 
@@ -40,13 +41,13 @@ def build(cfg: LaunchConfig, launcher: Launcher) -> dict[str, Any]:
     """Return the launch record of the attempt ``cfg`` describes (JSON, no tracking URI)."""
     launch = dataclasses.asdict(cfg)
     launch["tracking_uri"] = ""
-    return {"launch": launch, "handle": launcher.handle(cfg.root)}
+    return {"launch": launch, "handle": launcher.handle(Attempt(cfg.root))}
 
 
 def restore(record: Mapping[str, Any], launcher: Launcher, tracking_uri: str) -> LaunchConfig:
     """Return the record's launch config, and have ``launcher`` find the attempt by its handle."""
     cfg = LaunchConfig.from_dict({**record["launch"], "tracking_uri": tracking_uri})
-    launcher.attach(cfg.root, dict(record.get("handle") or {}))
+    launcher.attach(Attempt(cfg.root), dict(record.get("handle") or {}))
     _restored[cfg.root] = cfg
     return cfg
 

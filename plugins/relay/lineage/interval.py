@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relay.core.attempt import INTERVAL_FILE
 from relay.spec.job import JobSpec
 from relay_train.protocol.heartbeat import write_atomically
 
@@ -44,7 +45,6 @@ DEFAULT_CHECKPOINT_COST_SECONDS = 1.0  # until the job's own async saves are mea
 DEFAULT_MTBF_SECONDS = 24 * 3600.0  # one fault a day: a common planning figure for a node pool
 FALLBACK_CHECKPOINTS_PER_SEGMENT = 4  # the first attempt's interval, before any step is timed
 HISTORY_ATTEMPTS = 200  # the newest segment attempts of the job that count
-INTERVAL_FILE = "checkpoint_interval.json"
 STALL_METRIC = "checkpoint_stall_seconds"  # logged by rank 0 at each save (relay_train.api)
 STEP_METRIC = "step_seconds"  # rank 0's moving average of one step's wall time
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from relay.core.attempt import AttemptState
 from relay.lineage.store import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, TAG_TRY, Lineage
 from relay_train.protocol.injection import CHAOS_LOG
 from relay_train.protocol.launch import FIRST_STEP_FILE
@@ -42,7 +43,7 @@ def reference_run(lineage: Lineage, job: str, spec_sha256: str) -> str | None:
     runs = lineage.client.search_runs(
         [lineage.experiment_id(job)],
         filter_string=(f"params.spec_sha256 = '{spec_sha256}' and params.chaos = '[]' "
-                       f"and tags.`{TAG_OUTCOME}` = 'completed'"),
+                       f"and tags.`{TAG_OUTCOME}` = '{AttemptState.COMPLETED.value}'"),
         order_by=["attributes.start_time DESC"], max_results=1,
     )
     return str(runs[0].info.run_id) if runs else None
@@ -77,7 +78,7 @@ def fault_rows(lineage: Lineage, parent: str) -> list[FaultRow]:
     by_key = {(c.data.tags.get(TAG_SEGMENT), c.data.tags.get(TAG_TRY)): c for c in children}
     rows = []
     for child in children:
-        if child.data.tags.get(TAG_OUTCOME) != "fault":
+        if AttemptState.from_outcome(child.data.tags.get(TAG_OUTCOME)) is not AttemptState.FAULTED:
             continue
         record = _json_artifact(lineage, child.info.run_id, "decision.json")
         if record is None:

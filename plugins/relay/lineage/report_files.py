@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from relay.core.attempt import AttemptState
 from relay.lineage.report import format_fault_table
 from relay.lineage.run_view import RunView, find_parent, run_view
 from relay.lineage.store import Lineage
@@ -18,8 +19,9 @@ LOSS_PNG = "loss.png"
 TABLE_TXT = "faults.txt"
 REPORT_JSON = "report.json"
 MLFLOW_DIR = "report"
-OUTCOME_COLOURS = {"completed": "#3a9d5d", "fault": "#d1495b", "running": "#2e86de",
-                   "abandoned": "#9a9a9a", "skipped": "#bdbdbd"}
+OUTCOME_COLOURS = {AttemptState.COMPLETED: "#3a9d5d", AttemptState.FAULTED: "#d1495b",
+                   AttemptState.RUNNING: "#2e86de", AttemptState.ABANDONED: "#9a9a9a",
+                   AttemptState.FAILED: "#8e6c8a"}
 
 
 def _figure(width: float, height: float) -> Any:  # noqa: ANN401 - a matplotlib Figure

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from relay.core.attempt import Attempt
 from relay_train.protocol.heartbeat import write_atomically
 from relay_train.protocol.injection import CHAOS_LOG
-from relay_train.protocol.launch import FIRST_STEP_FILE
+from relay_train.protocol.launch import FIRST_STEP_FILE, LAUNCH_FILE, LaunchConfig
 
 PREFLIGHT_FILE = "preflight.json"  # in a DAG run's folder: when preflight started and ended
 
@@ -148,6 +150,24 @@ def complete_previous(attempt_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     record[KEY] = breakdown(marks, record[KEY]["onset"] != "unknown", agent_start=kind)
     write_atomically(previous, json.dumps(record, indent=2, default=str))
     return previous.parent, record[KEY]
+
+
+def finish_previous(lineage: Any, attempt_dir: Path,  # noqa: ANN401
+                    run_id_of: Callable[[Attempt], str] | None = None) -> None:
+    """Complete the breakdown of the recovery that started the attempt in ``attempt_dir``,
+    and log it to the faulty attempt's MLflow run (``run_id_of``: how to find an attempt's
+    run, where a launcher's handovers move it; default: its launch file's). Never raises:
+    a report must not fail the segment."""
+    try:
+        done = complete_previous(attempt_dir)
+        if done is not None:
+            previous, result = done
+            run_id = (run_id_of(Attempt(previous)) if run_id_of is not None
+                      else LaunchConfig.read(previous / LAUNCH_FILE).run_id)
+            log_to_mlflow(lineage, run_id, result)
+            log.info("Time to resume after %s: %.1fs", previous, result["total"])
+    except Exception:  # noqa: BLE001 - a report must never fail the segment
+        log.exception("Could not record the time to resume of the previous attempt")
 
 
 def log_to_mlflow(lineage: Any, run_id: str, result: dict[str, Any]) -> None:  # noqa: ANN401

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relay.core.attempt import AttemptState
 from relay.lineage.report import FaultRow, _json_artifact, fault_rows, first_step_at
 from relay.lineage.store import TAG_DAG_RUN, TAG_OUTCOME, TAG_SEGMENT, TAG_TRY, Lineage
 from relay.nodes.pool import NodePool
@@ -71,7 +72,7 @@ def _attempt(lineage: Lineage, child: Any) -> AttemptView:  # noqa: ANN401 - an 
     params, tags, info = child.data.params, child.data.tags, child.info
     attempt_dir = Path(params.get("attempt_dir", "/nonexistent"))
     record = None
-    if tags.get(TAG_OUTCOME) == "fault":
+    if AttemptState.from_outcome(tags.get(TAG_OUTCOME)) is AttemptState.FAULTED:
         record = _json_artifact(lineage, info.run_id, "decision.json")
     reached = None
     history = lineage.client.get_metric_history(info.run_id, "loss")
@@ -84,7 +85,7 @@ def _attempt(lineage: Lineage, child: Any) -> AttemptView:  # noqa: ANN401 - an 
         segment=int(tags.get(TAG_SEGMENT, -1)), try_number=int(tags.get(TAG_TRY, 0)),
         run_id=info.run_id, nodes=[n for n in params.get("nodes", "").split(",") if n],
         resume_step=int(params.get("resume_step", 0)), end_step=int(params.get("end_step", 0)),
-        outcome=tags.get(TAG_OUTCOME, "running"), started_at=info.start_time / 1000,
+        outcome=AttemptState.from_outcome(tags.get(TAG_OUTCOME)), started_at=info.start_time / 1000,
         ended_at=info.end_time / 1000 if info.end_time else None,
         productive_at=first_step_at(attempt_dir), reached_step=reached,
         fault=record["fault"] if record else None, decision=record["decision"] if record else None,
@@ -140,7 +141,7 @@ def _detect_delay(faults: list[FaultRow], a: AttemptView) -> float:
 def _progress(attempts: list[AttemptView], total: int, now: float,
               finished: bool) -> tuple[int, float | None]:
     step = max((a.next_resume_step or 0 for a in attempts), default=0)
-    done = [a for a in attempts if a.outcome == "completed"]
+    done = [a for a in attempts if a.outcome == AttemptState.COMPLETED]
     step = max([step, *(a.end_step for a in done), *(a.reached_step or 0 for a in attempts)])
     step = min(step, total)
     if finished or step >= total:
@@ -163,7 +164,7 @@ def run_view(lineage: Lineage, parent_run_id: str) -> RunView:
     started = parent.info.start_time / 1000
     ended = parent.info.end_time / 1000 if parent.info.end_time else None
     total = int(params.get("total_steps", 0))
-    outcome = tags.get(TAG_OUTCOME, "running")
+    outcome = AttemptState.from_outcome(tags.get(TAG_OUTCOME))
     step, eta = _progress(attempts, total, now, outcome == "completed")
     quarantines = [asdict(q) for q in NodePool().quarantines(now).values()]
     return RunView(

@@ -25,6 +25,24 @@ from mlflow.tracking import MlflowClient
 from tenacity import Retrying
 
 from relay.core import settings
+from relay.core.attempt import AttemptState
+from relay.lineage.tags import (  # noqa: F401 - re-exported: the tags are the store's vocabulary
+    MODEL_TRAINING_KIND,
+    TAG_DAG_ID,
+    TAG_DAG_RUN,
+    TAG_EXPERIMENT_KIND,
+    TAG_FAILURE_REASON,
+    TAG_FAULT,
+    TAG_FENCED_AT,
+    TAG_FENCED_CHECKPOINTS,
+    TAG_FENCED_REASON,
+    TAG_JOB,
+    TAG_OUTCOME,
+    TAG_PARENT,
+    TAG_REJECTED,
+    TAG_SEGMENT,
+    TAG_TRY,
+)
 from relay_train.protocol.launch import ResumeFrom
 from relay_train.protocol.manifest import (
     CHECKPOINT_ROOT,
@@ -41,24 +59,6 @@ from relay_train.publish import mlflow_retrying
 log = logging.getLogger(__name__)
 
 READERS = 8  # manifests read at once when a whole chain is read
-TAG_JOB = "relay.job"
-TAG_DAG_ID = "relay.dag_id"
-TAG_DAG_RUN = "relay.dag_run_id"
-TAG_SEGMENT = "relay.segment"
-TAG_TRY = "relay.try_number"
-TAG_OUTCOME = "relay.outcome"
-TAG_PARENT = "mlflow.parentRunId"
-TAG_FAULT = "relay.fault_kind"
-# MLflow 3 opens untagged experiments in its GenAI view; this tag opens the model-training one.
-TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
-MODEL_TRAINING_KIND = "custom_model_development"
-TAG_REJECTED = "relay.rejected."  # + step dir name, on the run that logged the checkpoint
-# Fencing: set on an attempt's run when Relay stops or replaces it. Only the checkpoints
-# published by then count; one its nodes publish later (a partitioned node coming back)
-# is refused by the resume chooser, and the refusal recorded as a rejected tag.
-TAG_FENCED_AT = "relay.fenced_at"  # epoch seconds on Relay's clock
-TAG_FENCED_CHECKPOINTS = "relay.fenced_checkpoints"  # the step dirs accepted, comma-separated
-TAG_FENCED_REASON = "relay.fenced_reason"
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,8 @@ class Lineage:
         parent = self._call(self.client.get_run, parent_run_id)
         exp = parent.info.experiment_id
         key = {TAG_PARENT: parent_run_id, TAG_SEGMENT: str(segment), TAG_TRY: str(try_number)}
-        tags = {**key, TAG_JOB: parent.data.tags.get(TAG_JOB, ""), TAG_OUTCOME: "running"}
+        tags = {**key, TAG_JOB: parent.data.tags.get(TAG_JOB, ""),
+                TAG_OUTCOME: AttemptState.RUNNING.value}
         name = f"segment-{segment:03d}-try-{try_number}"
         run = self._call(self.client.create_run, exp, tags=tags, run_name=name)
         run_id = str(run.info.run_id)
@@ -206,20 +207,23 @@ class Lineage:
         stale = [
             run.info.run_id for run in self.child_runs(parent_run_id)
             if run.data.tags.get(TAG_SEGMENT) == str(segment)
-            and run.data.tags.get(TAG_OUTCOME) == "running"
+            and AttemptState.from_outcome(run.data.tags.get(TAG_OUTCOME))
+            is AttemptState.RUNNING
         ]
         for run_id in stale:
             self.fence_attempt(run_id, "abandoned: its task was killed, a new try replaces it")
-            self.finish_run(run_id, "abandoned")
+            self.finish_run(run_id, AttemptState.ABANDONED)
         return stale
 
     def finish_run(
-        self, run_id: str, outcome: str, tags: Mapping[str, str] | None = None
+        self, run_id: str, state: AttemptState, tags: Mapping[str, str] | None = None
     ) -> None:
-        """Tag a run's outcome and close it (FINISHED on success, FAILED otherwise)."""
-        for k, v in {TAG_OUTCOME: outcome, **(tags or {})}.items():
+        """Tag a run's outcome (``state.outcome``: an attempt's, or a DAG run's) and close it
+        (FINISHED when completed, FAILED otherwise)."""
+        outcome = state.outcome
+        for k, v in {TAG_OUTCOME: outcome.value, **(tags or {})}.items():
             self._call(self.client.set_tag, run_id, k, v)
-        ok = outcome in ("completed", "skipped")
+        ok = outcome is AttemptState.COMPLETED
         status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
         self._call(self.client.set_terminated, run_id, status)
 

@@ -25,16 +25,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from relay.core.errors import NotEnoughNodesError
 from relay.nodes.store import FileStore, PoolStore, from_settings
 
 log = logging.getLogger(__name__)
 
 DEFAULT_NODES = ("node-a", "node-b", "node-c", "node-d", "node-e")
 LEASE_SECONDS = 6 * 3600.0
-
-
-class NotEnoughNodesError(Exception):
-    """Fewer healthy nodes than a segment needs."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +47,11 @@ class Quarantine:
     def active(self, now: float) -> bool:
         """Return whether the quarantine still holds at ``now``."""
         return now < self.until
+
+
+def lease_holder(dag_id: str, dag_run_id: str) -> str:
+    """Return who holds a DAG run's node leases."""
+    return f"{dag_id}/{dag_run_id}"
 
 
 def inventory() -> list[str]:

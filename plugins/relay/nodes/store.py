@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from relay.core import settings
+from relay.core.errors import PoolStoreError
 from relay_train.protocol.heartbeat import write_atomically
 
 TABLE_NAME = "relay_node_pool"
@@ -47,10 +48,6 @@ CONNECT_TIMEOUT_SECONDS = 10
 _ADVISORY_KEY = 0x52454C4159504F4F  # "RELAYPOO": serialises creating the table on PostgreSQL
 BACKENDS = ("postgresql", "sqlite")
 EXAMPLES = "postgresql://USER:PASSWORD@HOST:5432/relay or sqlite:////shared/relay/nodes.db"
-
-
-class PoolStoreError(RuntimeError):
-    """The node pool's state cannot be read or written; the message says what to do."""
 
 
 class PoolStore(Protocol):

@@ -16,11 +16,15 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay.core import settings
+from relay.core.attempt import AttemptState
+from relay.core.errors import ChaosConfError
 from relay.core.paths import safe_name
+from relay.launchers import Launcher
 from relay.lineage.resume_time import PREFLIGHT_FILE
-from relay.nodes.pool import NodePool
+from relay.lineage.tags import TAG_FINAL_CHECKPOINT, TAG_FINAL_SHA256
+from relay.nodes.pool import NodePool, lease_holder
 from relay.policy.model import LoadedPolicy, load_policy
-from relay.spec.chaos_conf import ChaosConfError, chaos_faults
+from relay.spec.chaos_conf import chaos_faults
 from relay.spec.job import JobSpec, load_job_spec
 from relay_train.protocol.heartbeat import write_atomically
 
@@ -40,22 +44,43 @@ def lineage_store():  # noqa: ANN201 - imported lazily: DAG parsing must not imp
     return Lineage.from_settings()
 
 
+def end_run(launcher: Launcher, run_dir: Path, holder: str, stop_workloads: bool) -> None:
+    """The DAG run is over (finalized, or failed): stop what still trains for it, its warm
+    agents, and end its nodes' lease, so that nothing outlives the run and the next run
+    gets the nodes. A workload handed over at a boundary keeps the run's lease while no
+    task watches it; a task that ends without its own ``execute_complete`` (nothing left
+    to train) would otherwise leave that lease to expire hours later."""
+    if launcher.continuity is not None:
+        for root in launcher.continuity.end_run(run_dir, stop_workloads):
+            log.warning("Stopped the workload %s: nothing may outlive its DAG run", root)
+    freed = NodePool().release_lease(holder)
+    if freed:
+        log.info("DAG run %s is over: released node(s) %s", holder, ", ".join(freed))
+
+
 def _end_run(spec: JobSpec, dag_run_id: str) -> None:
-    """Stop what still trains for the DAG run and end its node lease (see
-    relay.launchers.local.adopt)."""
+    """End the DAG run's workloads, warm agents and node lease (:func:`end_run`)."""
     from relay.launchers import launcher_for
-    from relay.launchers.local import adopt
-    from relay.recover.pipeline import _lease_holder
 
     run_dir = segment_dir(spec, dag_run_id, 0).parent
     launcher = launcher_for(spec)
-    handing_over = launcher if adopt.enabled(spec, launcher) else None
-    for root in adopt.end_run(run_dir, _lease_holder(spec.dag_id, dag_run_id), handing_over):
-        log.warning("Stopped the workload %s: nothing may outlive its DAG run", root)
+    hands_over = launcher.continuity is not None and launcher.continuity.hands_over(spec)
+    end_run(launcher, run_dir, lease_holder(spec.dag_id, dag_run_id), hands_over)
     try:  # lift the taints of quarantines that ended since the last launch (Kubernetes)
         launcher.enforce_quarantines(NodePool().quarantines())
     except Exception:  # noqa: BLE001 - the run's result stands; the next launch tries again
         log.exception("Could not bring the nodes' quarantine taints up to date")
+
+
+def attempt_params(spec: JobSpec, policy: LoadedPolicy, index: int, try_number: int,
+                   nodes: list[str], resume_step: int, latest: Any,  # noqa: ANN401
+                   folder: Path) -> dict[str, Any]:
+    """Return the MLflow params of an attempt's run (besides its checkpoint interval)."""
+    return {"segment": index, "attempt": try_number, "nodes": ",".join(nodes),
+            "resume_step": resume_step, "end_step": spec.segments[index][2],
+            "world_size": spec.world_size,
+            "resume_checkpoint": str(latest.manifest.ref) if latest else "none (step 0)",
+            "policy_sha256": policy.sha256, "attempt_dir": str(folder)}
 
 
 class RelayOperator(BaseOperator):
@@ -133,29 +158,24 @@ class PreflightOperator(RelayOperator):
     def _warm_first_segment(spec: JobSpec, dag_run_id: str, conf: object) -> None:
         """Have the first segment's agents preload meanwhile (MLflow, Airflow's hop).
 
-        The launcher keeps an agent resident for the DAG run (:meth:`Launcher.reside`; the
-        local launcher one per run, its nodes sharing one host), started now on the first
-        of the nodes the first lease will pick unless the pool changes first. The
-        segment's launch then gets its standbys forked from it, preloaded, and so does
-        every later retry: the run imports the training stack once. A resident that
-        Relay's runner prestarted beside Airflow's start-up (named in the conf,
-        :mod:`relay.launchers.local.prestart`) is the run's if the launcher can use it,
-        and stopped if not.
+        A launcher with continuity keeps an agent resident for the DAG run (the local
+        launcher one per run, its nodes sharing one host), started now on the first of
+        the nodes the first lease will pick unless the pool changes first. The segment's
+        launch then gets its standbys forked from it, preloaded, and so does every later
+        retry: the run imports the training stack once. A resident that Relay's runner
+        prestarted beside Airflow's start-up (named in the conf) is the run's if the
+        launcher can use it, and stopped if not.
         """
         from relay.launchers import launcher_for
-        from relay.launchers.local import prestart as local_prestart
-        from relay.recover.pipeline import _lease_holder
 
-        prestarted = local_prestart.prestarted(conf, spec.dag_id)
-        try:
-            nodes = NodePool().next_lease(_lease_holder(spec.dag_id, dag_run_id), spec.nodes)
-            if nodes is not None:  # else the segment waits for nodes (or fails): nothing to do
-                launcher = launcher_for(spec)
-                launcher.reside(segment_dir(spec, dag_run_id, 0).parent,
-                                launcher.slots(nodes)[:1], prestarted)
-        finally:
-            if prestarted is not None:
-                local_prestart.release_unclaimed(prestarted)
+        launcher = launcher_for(spec)
+        if launcher.continuity is None:
+            return
+        nodes = NodePool().next_lease(lease_holder(spec.dag_id, dag_run_id), spec.nodes)
+        # No nodes: the segment waits for nodes (or fails); a prestarted resident is let go.
+        launcher.continuity.prepare_run(segment_dir(spec, dag_run_id, 0).parent,
+                                        launcher.slots(nodes) if nodes else [], conf,
+                                        spec.dag_id)
 
 
 class FinalizeOperator(RelayOperator):
@@ -184,8 +204,8 @@ class FinalizeOperator(RelayOperator):
         summary = lineage_record(lineage, parent, chain)
         lineage.log_json(parent, "lineage.json", summary)
         lineage.finish_run(
-            parent, "completed",
-            {"relay.final_checkpoint": str(chain[0].ref), "relay.final_sha256": chain[0].sha256},
+            parent, AttemptState.COMPLETED,
+            {TAG_FINAL_CHECKPOINT: str(chain[0].ref), TAG_FINAL_SHA256: chain[0].sha256},
         )
         log_report_pictures(lineage, parent)
         log.info("Final checkpoint %s; chain of %d checkpoints back to step 0 logged to run %s",

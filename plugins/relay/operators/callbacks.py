@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from relay.core.attempt import AttemptState
+from relay.lineage.tags import TAG_FAILED_TASK, TAG_FAILURE_REASON
+
 log = logging.getLogger(__name__)
 
-TAG_FAILURE_REASON = "relay.failure_reason"
-TAG_FAILED_TASK = "relay.failed_task"
 
 
 class CloseParentRunOnFailure:
@@ -42,16 +43,16 @@ class CloseParentRunOnFailure:
         from relay.core import settings
         from relay.core.paths import safe_name
         from relay.launchers import launcher_from
-        from relay.launchers.local.adopt import end_run
-        from relay.recover.pipeline import _lease_holder
+        from relay.nodes.pool import lease_holder
+        from relay.operators.base import end_run
 
         dag_run = context.get("dag_run")
         if dag_run is None:
             return
         run_dir = settings.runs_dir() / dag_run.dag_id / safe_name(dag_run.run_id)
-        holder = _lease_holder(dag_run.dag_id, dag_run.run_id)
-        for root in end_run(run_dir, holder, launcher_from(None)):
-            log.warning("Stopped the workload %s: its DAG run failed", root)
+        holder = lease_holder(dag_run.dag_id, dag_run.run_id)
+        log.info("Stopping the workloads of DAG run %s: it failed", dag_run.run_id)
+        end_run(launcher_from(None), run_dir, holder, stop_workloads=True)
 
     def _close(self, context: Any) -> None:  # noqa: ANN401
         from mlflow.entities import RunStatus
@@ -77,6 +78,6 @@ class CloseParentRunOnFailure:
         tags = {TAG_FAILURE_REASON: reason[:4000]}
         if ti is not None:
             tags[TAG_FAILED_TASK] = str(ti.task_id)
-        lineage.finish_run(runs[0].info.run_id, "failed", tags)
+        lineage.finish_run(runs[0].info.run_id, AttemptState.FAILED, tags)
         log.error("Closed MLflow run %s of DAG run %s as FAILED: %s", runs[0].info.run_id,
                   dag_run.run_id, reason)

@@ -13,14 +13,14 @@ from pathlib import Path
 from airflow.sdk import DAG, Param, chain
 
 from relay.core import settings
+from relay.core.errors import ConfigError, InvalidJobSpecError
 from relay.operators.base import FinalizeOperator, PreflightOperator
 from relay.operators.callbacks import CloseParentRunOnFailure
+from relay.operators.retry import PolicyRetry
 from relay.operators.segment import TrainSegmentOperator
 from relay.policy.model import load_policy
-from relay.recover.outcome import PolicyRetry
 from relay.spec.chaos_conf import CHAOS_EXAMPLE, CHAOS_ITEMS
 from relay.spec.job import JobSpec, load_job_specs
-from relay.spec.yamlsource import ConfigError
 
 CHAOS_PARAM_DOC = (
     f"Faults to inject (only if the job spec says `chaos: allowed`), e.g. {CHAOS_EXAMPLE}"
@@ -90,10 +90,6 @@ def job_dags(folder: Path | None = None) -> dict[str, DAG]:
     """Return a DAG for every valid job spec (with a valid policy) in ``folder``."""
     specs, _errors = _checked_specs(folder)
     return {spec.dag_id: build_dag(spec, path) for path, spec in specs.items()}
-
-
-class InvalidJobSpecError(Exception):
-    """One or more job specs (or their policies) could not be turned into DAGs."""
 
 
 def raise_for_invalid_specs(folder: Path | None = None) -> None:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from relay.core.faults import RESCUABLE, FaultKind
 from relay.policy.decide import ordinal, rule_mode
-from relay.policy.model import Detection, LoadedPolicy
+from relay.policy.model import (
+    MIN_SLOW_STEPS,
+    UNATTENDED_MARGIN_SECONDS,
+    Detection,
+    LoadedPolicy,
+)
 from relay.policy.notify import redact
 from relay.policy.rules import JOB_WIDE, Action, Escalation, Mode, Rule
-from relay.recover.warden import BOUND_MARGIN_SECONDS
 from relay.spec.job import JobSpec
-from relay.watch.slowness import MIN_SLOW_STEPS
 
 _UNITS = ((86400, "day"), (3600, "hour"), (60, "minute"), (1, "second"))
 
@@ -134,7 +137,7 @@ def _unattended_sentence(d: Detection) -> str:
     if d.stop_unattended_after is None:
         return ("When Airflow cannot act on a detected fault (its scheduler is down), the faulty "
                 "workload keeps its nodes until it can (stop_unattended_after is off).")
-    bound = d.stop_unattended_after + d.checkpoint_timeout + BOUND_MARGIN_SECONDS
+    bound = d.stop_unattended_after + d.checkpoint_timeout + UNATTENDED_MARGIN_SECONDS
     return (
         "When Airflow cannot act on a detected fault (its scheduler is down), Relay still stops "
         f"the faulty workload {humanize(d.stop_unattended_after)} after detecting it, once a "

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
+from relay.core.errors import ConfigError
 from relay.policy.rules import Escalation, Mode, NodeRules, Rules
 from relay.spec.yamlsource import (
     FROZEN,
-    ConfigError,
     Duration,
     FieldValueError,
     load_yaml_with_lines,
@@ -27,6 +27,15 @@ _DURATIONS = (
     "poll_interval", "startup_timeout", "heartbeat_timeout", "hang_timeout", "checkpoint_timeout",
     "evidence_timeout", "stop_unattended_after",
 )
+
+
+# What the mechanisms add to the thresholds a policy sets; `relay policy explain` states them.
+MIN_SLOW_STEPS = 3  # distinct steps seen over the straggler ratio before lost_seconds may fire
+CLAIM_SECONDS = 2.0  # how long an actor waits for the agents' answers to its claim
+STOP_GRACE_SECONDS = 5.0  # a stop waits this long after SIGTERM, and again after SIGKILL
+# The warden stops an unattended workload at most stop_unattended_after + checkpoint_timeout
+# + this after the fault was detected: the claim, then the two waits of the stop.
+UNATTENDED_MARGIN_SECONDS = CLAIM_SECONDS + 2 * STOP_GRACE_SECONDS
 
 
 class StragglerDetection(BaseModel):

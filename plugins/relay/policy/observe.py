@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from relay.core.faults import Fault, FaultKind
+from relay.lineage.tags import TAG_OBSERVED
 from relay.policy.decide import Decision
 from relay.policy.model import LoadedPolicy
 from relay.policy.notify import escalate
@@ -28,7 +29,6 @@ from relay_train.protocol.heartbeat import write_atomically
 log = logging.getLogger(__name__)
 
 OBSERVED_GLOB = "observed-*.json"
-TAG_OBSERVED = "relay.observed"
 # Faults whose processes are already gone: observing them cannot keep the job running.
 ENDS_ATTEMPT = frozenset({FaultKind.CRASH, FaultKind.LAUNCH_FAILURE})
 

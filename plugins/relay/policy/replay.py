@@ -20,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from relay.core.errors import ReplayError
 from relay.core.faults import Fault, FaultKind
 from relay.lineage.store import TAG_DAG_RUN, TAG_PARENT, TAG_SEGMENT, TAG_TRY, Lineage
 from relay.policy.decide import Decision, decide
@@ -27,10 +28,6 @@ from relay.policy.model import LoadedPolicy
 
 RECORD_FILES = ("decision.json",)
 RECORD_PREFIXES = ("corrupt-step-", "observed/")
-
-
-class ReplayError(Exception):
-    """Nothing to replay, or a bad argument."""
 
 
 @dataclass(frozen=True)

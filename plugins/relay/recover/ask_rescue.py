@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from relay.core.attempt import Attempt
+from relay.core.errors import StaleAgentError
 from relay.core.faults import RESCUABLE, Fault, FaultKind
 from relay.launchers import Launcher, launcher_from
-from relay.launchers.agent_client import StaleAgentError
 from relay_train.protocol.heartbeat import Heartbeat, write_atomically
 from relay_train.protocol.launch import LaunchConfig
 from relay_train.protocol.manifest import (
@@ -79,19 +80,20 @@ def _wait_for(channel: AgentChannel, node: str, key: str, timeout: float) -> dic
 
 
 def request_rescue(
-    attempt_dir: Path, cfg: LaunchConfig, fault: Fault, timeout_seconds: float,
+    attempt: Attempt, cfg: LaunchConfig, fault: Fault, timeout_seconds: float,
     launcher: Launcher | None = None,
 ) -> RescueResult | None:
     """Ask one healthy rank for its state over the channel; return the verified result, or None.
 
     The state is fetched from the rank's node into ``<attempt>/rescued/`` on Relay's side.
     """
+    attempt_dir = attempt.runs_in
     kept = kept_rescue(attempt_dir)
     if kept is not None:  # a retry finishing a record its killed task began: no one to ask now
         log.info("Using the state rank %d handed over before (step %d)", kept.rank, kept.step)
         return kept
     launcher = launcher or launcher_from(None)
-    channel = launcher.channel(attempt_dir)
+    channel = launcher.channel(attempt)
     frozen = silent(fault, cfg)[0]
     channel.poll([n for n in cfg.nodes if n not in frozen])  # a frozen agent: no wait on it
     rank = donor(fault, cfg, dict(channel.beats))

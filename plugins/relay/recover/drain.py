@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
-from relay.launchers import Launcher, LaunchState, launcher_from
+from relay.core.attempt import Attempt, AttemptState
+from relay.launchers import Launcher, launcher_from
 from relay_train.protocol.heartbeat import Heartbeat, Phase
 from relay_train.protocol.routes import STOP_AT, Route
 
@@ -29,7 +29,7 @@ def done(before: dict[int, Heartbeat], now: dict[int, Heartbeat]) -> bool:
 
 
 def drain(
-    attempt_dir: Path, timeout_seconds: float, launcher: Launcher | None = None
+    attempt: Attempt, timeout_seconds: float, launcher: Launcher | None = None
 ) -> int | None:
     """Ask the ranks to checkpoint and stop a few steps ahead; return the step, if they did.
 
@@ -37,22 +37,22 @@ def drain(
     it (unreachable, or serving another attempt) leaves the drain to time out.
     """
     launcher = launcher or launcher_from(None)
-    beats = launcher.status(attempt_dir).heartbeats
+    beats = launcher.status(attempt).heartbeats
     if not beats:
         return None
     stop_at = max(b.step for b in beats.values()) + DRAIN_LEAD_STEPS
-    channel = launcher.channel(attempt_dir)
+    channel = launcher.channel(attempt)
     taken = [n for n in channel.addresses if channel.ask(n, Route.DRAIN, **{STOP_AT: stop_at})]
     if len(taken) < len(channel.addresses):
         log.warning("Drain to step %d reached only %s of %s", stop_at, taken,
                     sorted(channel.addresses))
     deadline = time.monotonic() + timeout_seconds
     while time.monotonic() < deadline:
-        status = launcher.status(attempt_dir)
-        if status.state is LaunchState.SUCCEEDED or done(beats, status.heartbeats):
+        status = launcher.status(attempt)
+        if status.state is AttemptState.COMPLETED or done(beats, status.heartbeats):
             log.info("Ranks checkpointed at step %d and stopped", stop_at)
             return stop_at
-        if status.state is LaunchState.FAILED:
+        if status.state is AttemptState.FAILED:
             break
         time.sleep(POLL_SECONDS)
     log.warning("Drain to step %d did not finish in %.0fs; the retry resumes from the last "

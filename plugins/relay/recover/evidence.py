@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from relay.core.attempt import Attempt
 from relay.core.faults import RESCUABLE, Fault
 from relay.launchers import Launcher, launcher_from
 from relay.launchers.agent_client import MAX_PARALLEL
@@ -94,7 +95,7 @@ class Evidence:
     seconds: float
 
 
-def ask_for_evidence(attempt_dir: Path, fault: Fault, cfg: LaunchConfig,
+def ask_for_evidence(attempt: Attempt, fault: Fault, cfg: LaunchConfig,
                      launcher: Launcher | None = None) -> EvidenceRequest | None:
     """Ask every node's agent for its ranks' stacks and traces, if ``fault`` needs them.
 
@@ -103,9 +104,9 @@ def ask_for_evidence(attempt_dir: Path, fault: Fault, cfg: LaunchConfig,
     if fault.kind not in EVIDENCE_KINDS:
         return None
     launcher = launcher or launcher_from(None)
-    channel = launcher.channel(attempt_dir)
+    channel = launcher.channel(attempt)
     frozen, unheard = silent(fault, cfg)
-    request = EvidenceRequest(attempt_dir / RECEIVED_DIR, uuid.uuid4().hex,
+    request = EvidenceRequest(attempt.runs_in / RECEIVED_DIR, uuid.uuid4().hex,
                               list(range(cfg.world_size)), channel,
                               [n for n in channel.addresses if n not in frozen], unheard)
     body = {REQUEST_ID: request.request_id, FAULT: fault.kind.value,

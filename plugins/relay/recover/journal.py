@@ -4,11 +4,15 @@ One entry per segment task of a DAG run, in Airflow's task state store
 (AIP-103: ``context["task_state_store"]``, shared by every try of a task
 instance in its DAG run and kept in Airflow's metadata database):
 
-- ``launched``: ``execute`` started the attempt (its try, attempt folder and
+- ``running``: ``execute`` started the attempt (its try, attempt folder and
   launch record: config and launcher handle, see :mod:`relay.launchers.launch_record`);
-- ``handling``: ``execute_complete`` decided about a fault and is stopping and
+- ``handling``: the recovery pipeline decided about a fault and is stopping and
   recording the attempt (the fault is in the entry);
 - ``recorded``: the decision is in ``decision.json`` and MLflow.
+
+These are the attempt's :class:`~relay.core.attempt.AttemptState` values; an entry
+that would take the attempt backwards (a ``recorded`` one ``handling`` again)
+raises.
 
 Beside it, ``relay_faults`` lists the fault each earlier attempt of the task
 ended in (one item per attempt folder, however often its record is finished),
@@ -16,9 +20,9 @@ appended when the decision is written: the history the policy's retry limits
 count, whichever machine the retry runs on (:func:`fault_history`).
 
 A retry that finds ``handling`` knows the task process died mid-record: it
-handles that fault again before anything else (the same pure decision, the
-rescue the healthy rank already wrote, the stop, the record), exactly once,
-and then launches its own attempt. When the task state store is missing from
+handles that fault again before anything else (:func:`interrupted`: the same
+pure decision, the rescue the healthy rank already wrote, the stop, the
+record), exactly once, and then launches its own attempt. When the task state store is missing from
 the context (it is there under ``airflow dags test`` too in Airflow 3.3.2),
 the entry goes to ``journal.json`` in the segment folder instead, and the
 history is counted from the attempt folders' ``decision.json`` files.
@@ -31,11 +35,12 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from relay.core.attempt import Attempt, AttemptState, attempt_dirs
+from relay.core.errors import IllegalTransitionError
 from relay.core.faults import Fault, FaultKind
 from relay.launchers import Launcher, launch_record
-from relay.recover.outcome import SegmentFaultError, faults_by_attempt
 from relay_train.protocol.heartbeat import write_atomically
 from relay_train.protocol.launch import LaunchConfig
 
@@ -43,9 +48,9 @@ KEY = "relay_attempt"
 FAULTS_KEY = "relay_faults"
 OBSERVED_KEY = "relay_observed"
 FILE = "journal.json"
-LAUNCHED, HANDLING, RECORDED = "launched", "handling", "recorded"
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _store(context: Mapping[str, Any]) -> Any:  # noqa: ANN401 - TaskStateStoreAccessor
@@ -55,9 +60,20 @@ def _store(context: Mapping[str, Any]) -> Any:  # noqa: ANN401 - TaskStateStoreA
         return None
 
 
-def write(context: Mapping[str, Any], segment_dir: Path, stage: str, **fields: Any) -> str:  # noqa: ANN401
-    """Record ``stage`` of the segment's current attempt; return where it went."""
-    entry = {"stage": stage, "at": time.time(), **fields}
+def write(context: Mapping[str, Any], segment_dir: Path, state: AttemptState,
+          **fields: Any) -> str:  # noqa: ANN401
+    """Record ``state`` of the segment's current attempt (``attempt_dir``, and
+    ``record_dir`` when it differs); return where it went. Raise
+    :class:`~relay.core.errors.IllegalTransitionError` if the attempt's entry is at a
+    state that cannot lead to ``state``."""
+    own = fields.get("record_dir") or fields.get("attempt_dir")
+    current = read(context, segment_dir) or {}
+    if own is not None and (current.get("record_dir") or current.get("attempt_dir")) == own:
+        was = AttemptState(current["state"])
+        if not was.reaches(state):
+            raise IllegalTransitionError(
+                f"{own}: the journal says {was.value}, which cannot become {state.value}")
+    entry = {"state": state.value, "at": time.time(), **fields}
     store = _store(context)
     if store is not None:
         store.set(KEY, entry)
@@ -145,39 +161,70 @@ def stop_launched(context: Mapping[str, Any], segment_dir: Path, launcher: Launc
     (its folder may be on another machine); return what survived."""
     entry = read(context, segment_dir) or {}
     record = entry.get(launch_record.KEY)
-    if entry.get("stage") not in (LAUNCHED, HANDLING) or not record:
+    live = (AttemptState.RUNNING.value, AttemptState.HANDLING.value)
+    if entry.get("state") not in live or not record:
         return []
     cfg = launch_record.restore(record, launcher, tracking_uri)
-    return launcher.stop(cfg.root)
+    return launcher.stop(Attempt(cfg.root))
+
+
+def interrupted(context: Mapping[str, Any], segment_dir: Path, launcher: Launcher,
+                tracking_uri: str) -> tuple[Attempt, Fault, LaunchConfig] | None:
+    """Return the attempt, fault and launch record a killed try was handling, if any.
+
+    The attempt's folder is the killed try's own; its workload may run elsewhere (that
+    try had adopted one). The launch record is restored into ``launcher``.
+    """
+    entry = read(context, segment_dir)
+    if entry is None or entry.get("state") != AttemptState.HANDLING.value:
+        return None
+    workload = Path(entry["attempt_dir"])
+    attempt = Attempt(Path(entry.get("record_dir") or workload), workload)
+    fault = Fault.from_event(entry["fault"])
+    log.warning("The previous try died while stopping and recording %s (%s); finishing that "
+                "first", attempt, fault.describe())
+    return attempt, fault, launch_record.find(workload, launcher, tracking_uri,
+                                              entry.get(launch_record.KEY))
 
 
 def finish_interrupted(context: Mapping[str, Any], segment_dir: Path,
-                       handle: Callable[[Fault, Path, Path, LaunchConfig], Any],
-                       launcher: Launcher, tracking_uri: str) -> Path | None:
-    """Handle the fault a killed try was recording, if there is one; return its attempt folder.
+                       handle: Callable[[Attempt, Fault, LaunchConfig], T],
+                       launcher: Launcher, tracking_uri: str) -> T | None:
+    """Handle the fault a killed try was recording, if there is one (:func:`interrupted`);
+    return what ``handle`` (the recovery pipeline) returned.
 
-    ``handle`` gets the fault, where its workload ran, the killed try's own folder (they
-    differ when that try had adopted a workload) and the workload's launch record.
-
-    ``handle`` is the fault path of ``execute_complete``; its retry verdict is this very
-    try, so :class:`SegmentFaultError` is taken as done. A verdict to stop for good
-    (``AirflowFailException``) propagates: this try fails as the policy says.
+    A handling that raises is logged and marked recorded (with ``error``), so that every
+    later try does not fail the same way; None then, as when nothing was interrupted.
     """
-    entry = read(context, segment_dir)
-    if entry is None or entry.get("stage") != HANDLING:
+    found = interrupted(context, segment_dir, launcher, tracking_uri)
+    if found is None:
         return None
-    attempt_dir = Path(entry["attempt_dir"])
-    record_dir = Path(entry.get("record_dir") or attempt_dir)
-    fault = Fault.from_event(entry["fault"])
-    log.warning("The previous try died while stopping and recording %s (%s); finishing that "
-                "first", attempt_dir, fault.describe())
+    attempt, fault, cfg = found
     try:
-        handle(fault, attempt_dir, record_dir, launch_record.find(
-            attempt_dir, launcher, tracking_uri, entry.get(launch_record.KEY)))
-    except SegmentFaultError:
-        pass  # recorded; this try is the retry the decision asked for
+        return handle(attempt, fault, cfg)
     except Exception:  # noqa: BLE001 - else every later try would fail here the same way
         log.exception("Could not finish the record of %s; its workload is stopped next and "
-                      "this try goes on (the fault stays in the task logs only)", attempt_dir)
-        write(context, segment_dir, RECORDED, attempt_dir=str(attempt_dir), error=True)
-    return attempt_dir
+                      "this try goes on (the fault stays in the task logs only)", attempt)
+        if (read(context, segment_dir) or {}).get("state") != AttemptState.RECORDED.value:
+            write(context, segment_dir, AttemptState.RECORDED, attempt_dir=str(attempt.runs_in),
+                  record_dir=str(attempt.folder), error=True)
+        return None
+
+
+def faults_by_attempt(segment_dir: Path, exclude: Path | None = None) -> dict[str, FaultKind]:
+    """Return, per attempt folder (oldest first), the fault kind its ``decision.json`` names.
+
+    What this machine's folders say (written, fsynced, before anything else records the
+    decision); :func:`fault_history` adds what the task state store lists. A folder set
+    aside as ``try-N.stale-T`` (the same try launched again) is never counted.
+    """
+    kinds = {}
+    for folder in attempt_dirs(segment_dir):
+        record = folder / "decision.json"
+        if folder == exclude or not record.exists():
+            continue
+        try:
+            kinds[str(folder)] = FaultKind(json.loads(record.read_text())["fault"]["kind"])
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("Unreadable earlier decision %s; not counted", record)
+    return kinds

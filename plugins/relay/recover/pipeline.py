@@ -1,318 +1,296 @@
-"""The fault path of a segment task: decide, save what can be saved, stop, fence, record.
+"""The recovery pipeline: one fault of one attempt, from the decision to its record.
 
-:class:`FaultHandling` is mixed into :class:`relay.operators.segment.TrainSegmentOperator`;
-``execute_complete`` hands it a fault from the watcher. It decides per policy
-before touching MLflow (a frozen rank may hold the tracking store's lock),
-asks for stacks and a drain or a rescue while the ranks still answer, stops
-and fences the attempt, finds the resume point, records the decision next to
-the attempt and in MLflow, and raises: :class:`SegmentFaultError` for
-Airflow's retry or ``AirflowFailException`` when the policy gives up.
+    decide -> claim -> save state -> stop -> fence -> quarantine -> record
+
+:func:`handle` runs it. The segment task's ``execute_complete`` runs it all the
+way, with the policy's decision; the attempt's warden (:mod:`relay.recover.warden`),
+when no one took the fault within ``stop_unattended_after``, runs it up to the
+stop, with the step the policy named when the watch began, and leaves the rest to
+the task, which finds what the warden saved at its claim. Nothing here imports
+Airflow: the caller turns the :class:`Outcome` into Airflow's retry or failure.
+
+The order matters. The pipeline decides, saves and stops before touching MLflow:
+a frozen rank may hold the tracking store's lock until its process is gone. It
+fences after the stop: whatever the attempt's nodes publish from then on (one the
+stop could not reach, coming back) is refused by the resume chooser.
+
+How the next try's nodes are chosen: the decision may quarantine the culprit's
+machine (:class:`relay.nodes.pool.NodePool`, enforced by the launcher). The retry
+asks the node pool for healthy nodes: not quarantined, not leased to another DAG
+run, this run's lease first (:meth:`NodePool.select`). Meanwhile, while this
+attempt is stopped, a launcher with :class:`~relay.launchers.base.Continuity`
+warms agents on the nodes that lease will pick (quarantined ones left out).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import tempfile
+import os
 import time
-from pathlib import Path
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from airflow.sdk.exceptions import AirflowFailException
-
 from relay.core import testhooks
-from relay.core.faults import RESCUABLE, Fault, FaultKind
-from relay.launchers import Launcher, LaunchState, launch_record, launcher_for
-from relay.launchers.local import adopt
-from relay.launchers.local.launcher import STANDBY_DIR
+from relay.core.attempt import Attempt, AttemptState
+from relay.core.faults import Fault
+from relay.launchers import Launcher, launch_record
 from relay.lineage import resume_time
 from relay.nodes.pool import NodePool
-from relay.operators.base import lineage_store
 from relay.policy.decide import Decision, decide
-from relay.policy.model import Detection, LoadedPolicy
+from relay.policy.model import STOP_GRACE_SECONDS, Detection, LoadedPolicy
 from relay.policy.notify import escalate
-from relay.policy.observe import ENDS_ATTEMPT, record_observation, watched_kinds
-from relay.recover import journal, warden_results
-from relay.recover import warden as unattended
-from relay.recover.ask_rescue import publish_rescue, request_rescue, silent
-from relay.recover.drain import drain
-from relay.recover.evidence import Evidence, ask_for_evidence, attach_evidence, collect_evidence
-from relay.recover.outcome import SegmentFaultError, quarantine
-from relay.recover.record import best_effort, record_fault
-from relay.spec.job import JobSpec
-from relay_train.protocol.heartbeat import write_atomically
+from relay.recover import claim, journal, observing, record
+from relay.recover.ask_rescue import silent
+from relay.recover.resume import next_resume
+from relay.recover.save_state import (
+    STOP,
+    Saved,
+    as_record,
+    from_warden,
+    save_state,
+    save_step,
+)
+from relay.recover.warden_record import Stopped, fetch
 from relay_train.protocol.launch import LaunchConfig
 from relay_train.protocol.routes import STANDBY_TTL_SECONDS
 
-log = logging.getLogger("relay.operators.segment")
+log = logging.getLogger(__name__)
 
 
-def _lease_holder(dag_id: str, dag_run_id: str) -> str:
-    """Return who holds a DAG run's node leases."""
-    return f"{dag_id}/{dag_run_id}"
+@dataclass
+class TaskSide:
+    """What only the segment task brings to a recovery: its policy, journal and MLflow."""
 
-
-def _fault_message(segment: int, fault: Fault, decision: Decision, lost: int | None) -> str:
-    lost_text = "unknown" if lost is None else str(lost)
-    return (
-        f"Segment {segment} fault: {fault.describe()} "
-        f"(evidence: {json.dumps(fault.evidence, default=str)}). "
-        f"Decision by {decision.rule} (policy sha256 {decision.policy_sha256[:12]}): "
-        f"{decision.action} - {decision.reason}. Lost steps: {lost_text}."
-    )
-
-
-class FaultHandling:
-    """What :class:`~relay.operators.segment.TrainSegmentOperator` does with a fault (a mixin)."""
-
+    context: Mapping[str, Any]  # Airflow's task context (the task state store)
+    policy: LoadedPolicy
+    lineage: Any  # relay.lineage.store.Lineage; touched only after the stop
+    parent_run: Callable[[], str]  # the DAG run's MLflow run (looked up after the stop)
     segment: int
-    _task_context: Any = None  # set by execute / execute_complete
+    holder: str  # who holds the DAG run's node lease
+    nodes_needed: int
+    woke: float  # when the deferred task ran again (time to resume: wake)
+    refused: list[dict[str, Any]] = field(default_factory=list)
 
-    def _history(self, segment_dir: Path, exclude: Path | None = None) -> list[FaultKind]:
-        """Return the faults earlier attempts of this task ended in (see relay.recover.journal)."""
-        return journal.fault_history(self._task_context or {}, segment_dir, exclude)
 
-    def _corrupt(self, lineage: Any, run_id: str, corrupt: list[Any],  # noqa: ANN401
-                 policy: LoadedPolicy, history: list[FaultKind]) -> None:
-        """Record corrupt checkpoints met on the way to the resume point; obey their rule."""
-        for bad in corrupt:
-            fault = Fault(FaultKind.CORRUPT_CHECKPOINT, None, None, {
-                "summary": f"checkpoint at step {bad.manifest.step} has sha256 "
-                f"{bad.actual_sha256[:12]}, its manifest says {bad.manifest.sha256[:12]}"
-                + (f" ({bad.detail})" if bad.detail else ""),
-                "checkpoint": str(bad.manifest.ref)})
-            decision = decide(fault, history, policy.policy, policy.sha256)
-            lineage.reject_checkpoint(bad.manifest, f"corrupt: {fault.evidence['summary']}")
-            lineage.log_json(run_id, f"corrupt-step-{bad.manifest.step:08d}.json",
-                             {"fault": fault.to_event()["fault"], "decision": decision.to_dict()})
-            log.error("%s; decision %s: %s", fault.describe(), decision.action, decision.reason)
-            if not decision.retry:
-                message = f"Segment {self.segment}: {fault.describe()}; {decision.reason}"
-                if decision.notify:
-                    escalate(decision.notify, message, policy.policy.escalation,
-                             {"decision": decision.to_dict()})
-                lineage.finish_run(run_id, "fault", {"relay.fault_kind": fault.kind.value})
-                raise AirflowFailException(message)
+@dataclass
+class Recovery:
+    """One fault of one attempt, and what its recovery works with."""
 
-    def _prestart(self, spec: JobSpec, decision: Decision, seg_dir: Path, holder: str,
-                  launcher: Launcher, attempt_dir: Path) -> None:
-        """Have the retry's node agents preload while this attempt is wound down (the
-        agents of ``attempt_dir`` that still answer hand on copies of themselves)."""
-        out = {decision.quarantine_node} if decision.quarantine_node else set()
-        nodes = NodePool().next_lease(holder, spec.nodes, out)
-        if nodes:  # else the retry waits for nodes: nothing to warm up
-            # They wait out the backoff too, and leave by themselves if the retry never comes.
-            ttl = decision.backoff_seconds + STANDBY_TTL_SECONDS
-            launcher.prestart(seg_dir / STANDBY_DIR, launcher.slots(nodes), ttl,
-                              source=attempt_dir)
+    attempt: Attempt
+    fault: Fault
+    cfg: LaunchConfig  # the workload's launch record, as this attempt sees it
+    launcher: Launcher
+    detection: Detection
+    task: TaskSide | None = None  # None: the warden, which saves and stops only
+    step: str | None = None  # the warden's: what to save, named when the watch began
 
-    def _on_fault(self, context: Any, fault: Fault, attempt_dir: Path,  # noqa: ANN401
-                  cfg: LaunchConfig, lineage: Any,  # noqa: ANN401
-                  launcher: Launcher | None = None, woke: float | None = None,
-                  refused: list[dict[str, Any]] | None = None,
-                  record_dir: Path | None = None) -> dict[str, Any]:
-        """Decide and apply the policy; ``woke``: when the task ran again (default: now).
+    @property
+    def role(self) -> str:
+        """Return who runs this recovery: the task or the warden."""
+        return claim.WARDEN if self.task is None else claim.TASK
 
-        ``attempt_dir`` is where the workload runs; ``record_dir`` this try's own folder
-        (they differ when the try adopted a workload an earlier segment launched).
-        ``refused``: messages the watcher refused from agents of another attempt (fencing).
-        """
-        record_dir = record_dir or attempt_dir
-        if record_dir != attempt_dir:
-            adopt.copy_strikes(attempt_dir, record_dir)
-        clock = resume_time.ResumeClock(resume_time.fault_onset(record_dir), fault.detected_at,
-                                        time.time() if woke is None else woke)
-        spec = self.spec()
-        policy = self.policy(spec)
-        launcher = launcher or launcher_for(spec)
-        # Decide, drain and stop before touching MLflow: a frozen rank may hold the
-        # tracking store's lock (SQLite) until its process is gone.
-        history = journal.fault_history(context, record_dir.parent, exclude=record_dir)
-        decision = decide(fault, history, policy.policy, policy.sha256)
-        if decision.quarantine_node:  # a quarantine names the machine, not the node's slot
-            host = launcher.host_of(attempt_dir, decision.quarantine_node)
-            decision = dataclasses.replace(decision, quarantine_node=host)
-        if decision.observe:
-            return self._observe(context, fault, decision, attempt_dir, cfg, lineage, policy,
-                                 launcher, record_dir)
-        journal.write(context, record_dir.parent, journal.HANDLING,
-                      attempt_dir=str(attempt_dir), record_dir=str(record_dir),
-                      fault=fault.to_event()["fault"],
-                      **{launch_record.KEY: launch_record.build(
-                          launch_record.config_of(attempt_dir, cfg), launcher)})
-        launcher.channel(attempt_dir).mark_silent(silent(fault, cfg)[0])
-        if decision.retry:
-            self._prestart(spec, decision, record_dir.parent,
-                           _lease_holder(spec.dag_id, context["dag_run"].run_id), launcher,
-                           attempt_dir)
-        clock.mark("decide", time.time())
-        beats = launcher.status(attempt_dir).heartbeats  # over the channel, not from files
-        progress = max((b.step for b in beats.values()), default=cfg.start_step)
-        evidence, drained, rescued = self._save_state(attempt_dir, cfg, fault, decision,
-                                                      policy.policy.detection, launcher)
+
+@dataclass
+class Outcome:
+    """What a recovery ended in, for its caller to act on.
+
+    ``state``: RECORDED (the fault is handled and recorded), RUNNING (observe mode: the
+    attempt trains on, watch ``watch_kinds``), COMPLETED (observe mode: it ended well),
+    HANDLING (the warden stopped it; the task records it) or FAULTED (the warden left
+    it to another actor).
+    """
+
+    state: AttemptState
+    decision: Decision | None = None
+    message: str = ""
+    retry: bool = False  # Airflow runs the segment again after decision.backoff_seconds
+    watch_kinds: list[str] | None = None
+
+
+def handle(r: Recovery) -> Outcome:
+    """Run the pipeline for ``r``: all of it for the task, up to the stop for the warden."""
+    t = r.task
+    clock = resume_time.ResumeClock(resume_time.fault_onset(r.attempt.folder),
+                                    r.fault.detected_at, time.time() if t is None else t.woke)
+    decision = None if t is None else _decide(r, t)                       # decide
+    if t is not None and decision is not None and decision.observe:
+        return observing.observe(r, t, decision)
+    r.launcher.channel(r.attempt).mark_silent(silent(r.fault, r.cfg)[0])
+    if t is not None and decision is not None:
+        _begin(r, t, decision)
+    clock.mark("decide", time.time())
+    progress = _progress(r)
+    step = save_step(decision, r.fault.kind) if decision is not None else r.step or STOP
+    with claim.take(r.attempt, r.role, r.launcher,                          # claim
+                    wait_seconds=r.detection.checkpoint_timeout + 30,
+                    fetch=_fetch(r), warden_due=_warden_due(r)) as taken:
+        if not taken.ours:
+            return Outcome(AttemptState.FAULTED, message="claimed by another actor")
+        if t is None:
+            log.warning("No one handled the %s fault of %s within %.0fs of its detection (is "
+                        "Airflow's scheduler down?); stopping the workload (%s first)",
+                        r.fault.kind.value, r.attempt, r.detection.stop_unattended_after, step)
+        saved = _save(r, taken, decision, step)                             # save state
         clock.mark("rescue", time.time())
-        testhooks.pause("stop", attempt_dir=str(attempt_dir))
-        survivors = launcher.stop(attempt_dir)
-        adopt.let_go(attempt_dir)
+        survivors = _stop(r)                                                # stop
         clock.mark("stop", time.time())
-        # Fencing: whatever this attempt's nodes publish from now on (one the stop could
-        # not reach, coming back) is refused by the resume chooser.
-        fence = f"replaced after {fault.kind.value} (try {cfg.attempt})"
-        best_effort("fence the attempt", lambda: lineage.fence_attempt(cfg.run_id, fence))
-        testhooks.pause("record", attempt_dir=str(attempt_dir))
-        quarantine(decision, fault, f"{spec.dag_id}/{context['dag_run'].run_id}", launcher)
-        next_resume, rescue_record = self._next_resume(context, spec, decision, fault, cfg,
-                                                       lineage, drained, rescued, fence)
-        lost = None if next_resume is None else max(progress - next_resume, 0)
-        message = _fault_message(self.segment, fault, decision, lost)
-        delivery = None
-        if decision.notify:
-            delivery = escalate(decision.notify, message, policy.policy.escalation,
-                                {"decision": decision.to_dict()}).to_dict()
-        record = {"fault": fault.to_event()["fault"], "decision": decision.to_dict(),
-                  "progress_step": progress, "next_resume_step": next_resume,
-                  "lost_steps": lost, "drained_at_step": drained, "rescued": rescue_record,
-                  "survivors": survivors, "notification": delivery,
-                  "refused": (refused or []) + launcher.channel(attempt_dir).refused,
-                  "time_to_resume": clock.to_dict(),
-                  "policy_file": str(policy.path)}
-        journal.note_fault(context, record_dir, fault.kind)  # before MLflow, which may hang
-        self._record(record, record_dir, cfg, lineage, fault, decision, evidence, clock)
-        journal.write(context, record_dir.parent, journal.RECORDED, attempt_dir=str(attempt_dir))
-        self._complete_resume_time(record_dir, lineage)  # off this recovery's critical path
-        log.error("%s Logs: %s", message, attempt_dir / "logs")
-        if decision.retry:
-            raise SegmentFaultError(message, decision)
-        raise AirflowFailException(message)
+        if t is None:
+            _keep_warden_record(r, step, saved, survivors)
+    if t is None or decision is None:
+        _publish_warden_record(r)
+        return Outcome(AttemptState.HANDLING, message="stopped")
+    fence = f"replaced after {r.fault.kind.value} (try {r.cfg.attempt})"
+    record.best_effort("fence the attempt",                                # fence
+                       lambda: t.lineage.fence_attempt(r.cfg.run_id, fence))
+    testhooks.pause("record", attempt_dir=str(r.attempt.runs_in))
+    quarantine(decision, r.fault, t.holder, r.launcher)                     # quarantine
+    return _record(r, t, decision, saved, survivors, progress, fence, clock)  # record
 
-    def _record(self, record: dict[str, Any], record_dir: Path, cfg: LaunchConfig,
-                lineage: Any, fault: Fault, decision: Decision,  # noqa: ANN401
-                evidence: Evidence | None, clock: resume_time.ResumeClock) -> None:
-        """Write the decision next to the attempt's logs (for whoever is on call) and in
-        MLflow (for the record), then again with the record step's time in its breakdown."""
-        if evidence is not None:  # into fault.json only: the task log's message stays one line
-            attach_evidence(record["fault"], evidence, lineage, cfg.run_id)
-        write_atomically(record_dir / "decision.json", json.dumps(record, indent=2, default=str),
-                         durable=True)
-        record_fault(lineage, cfg.run_id, record_dir, record, {
-            "relay.fault_kind": fault.kind.value, "relay.decision": decision.action,
-            "relay.rule": decision.rule, "relay.policy_sha256": decision.policy_sha256,
-            "relay.culprit_node": str(fault.culprit_node),
-            "relay.lost_steps": str(record["lost_steps"]),
-            "relay.culprit_rank": str(fault.culprit_rank),
-        }, journal.observations(self._task_context, record_dir))
-        clock.mark("record", time.time())  # the retry's task completes the breakdown
-        record["time_to_resume"] = clock.to_dict()
-        write_atomically(record_dir / "decision.json", json.dumps(record, indent=2, default=str),
-                         durable=True)
 
-    @staticmethod
-    def _save_state(
-        attempt_dir: Path, cfg: LaunchConfig, fault: Fault, decision: Decision,
-        detection: Detection, launcher: Launcher,
-    ) -> tuple[Evidence | None, int | None, Any]:
-        """Ask for stacks, and drain or rescue as decided, before the stop; return
-        (evidence, drained step, rescued state). A warden that already stopped the
-        attempt (no one resumed the task in time) did this: take its results."""
-        warden = unattended.take_over(  # on this machine, or held by a warden elsewhere
-            attempt_dir, detection.checkpoint_timeout + 30, launcher,
-            lambda: warden_results.fetch(lineage_store(), cfg.run_id, attempt_dir),
-            None if detection.stop_unattended_after is None
-            else fault.detected_at + detection.stop_unattended_after)
-        if warden is not None:
-            return unattended.results(warden, decision, fault, attempt_dir)
-        # Where is it stuck? Ask every rank now (after the stop nobody answers); the
-        # answers arrive while the rescue runs and are gathered, bounded, before the stop.
-        asked = ask_for_evidence(attempt_dir, fault, cfg, launcher)
-        drained = rescued = None
-        if decision.checkpoint_first:
-            drained = drain(attempt_dir, detection.checkpoint_timeout, launcher)
-        elif decision.retry and not decision.rollback and fault.kind in RESCUABLE:
-            rescued = request_rescue(attempt_dir, cfg, fault, detection.checkpoint_timeout,
-                                     launcher)
-        evidence = collect_evidence(asked, detection.evidence_timeout) if asked else None
-        return evidence, drained, rescued
+def _decide(r: Recovery, t: TaskSide) -> Decision:
+    """Return the policy's decision; a quarantine names the machine, not the node's slot."""
+    history = journal.fault_history(t.context, r.attempt.segment_dir, exclude=r.attempt.folder)
+    decision = decide(r.fault, history, t.policy.policy, t.policy.sha256)
+    if decision.quarantine_node:
+        host = r.launcher.host_of(r.attempt, decision.quarantine_node)
+        decision = dataclasses.replace(decision, quarantine_node=host)
+    return decision
 
-    def _next_resume(self, context: Any, spec: JobSpec, decision: Decision,  # noqa: ANN401
-                     fault: Fault, cfg: LaunchConfig, lineage: Any,  # noqa: ANN401
-                     drained: int | None, rescued: Any,  # noqa: ANN401
-                     fence: str) -> tuple[int | None, dict[str, Any] | None]:
-        """Return the step the retry resumes from, publishing a rescued state newer than the
-        latest checkpoint (and its record), or None where MLflow could not say."""
-        found = best_effort("find the resume point", lambda: self._resume_point(
-            context, spec, decision, fault, lineage))
-        latest = found[0] if found else None
-        next_resume = drained if drained is not None else (
-            None if found is None else latest.manifest.step if latest else 0)
-        rescue_record = None
-        if rescued is not None and rescued.step is not None and found is not None and (
-                next_resume is None or rescued.step > next_resume):
-            manifest = best_effort("publish the rescued weights", lambda: publish_rescue(
-                rescued, cfg, fault, latest.manifest.ref if latest else None))
-            if manifest is not None:
-                best_effort("accept the rescued state", lambda: lineage.fence_attempt(
-                    cfg.run_id, fence, accept=(manifest.ref.artifact_dir.rsplit("/", 1)[-1],)))
-                next_resume = manifest.step
-                rescue_record = {"rank": rescued.rank, "step": manifest.step,
-                                 "sha256": manifest.sha256, "seconds": round(rescued.seconds, 3),
-                                 "checkpoint": str(manifest.ref)}
-        return next_resume, rescue_record
 
-    def _resume_point(self, context: Any, spec: JobSpec, decision: Decision,  # noqa: ANN401
-                      fault: Fault, lineage: Any) -> tuple[Any, list[Any]]:  # noqa: ANN401
-        """Return where the next attempt resumes, rolling back first if the decision says so."""
-        parent = lineage.parent_run(spec.job, spec.dag_id, context["dag_run"].run_id)
-        with tempfile.TemporaryDirectory() as tmp:
-            latest, corrupt = lineage.resume_point(parent, Path(tmp))
-            if decision.rollback and latest is not None:
-                lineage.reject_checkpoint(latest.manifest, f"rollback after {fault.describe()}")
-                latest, corrupt = lineage.resume_point(parent, Path(tmp))
-        return latest, corrupt
+def _begin(r: Recovery, t: TaskSide, decision: Decision) -> None:
+    """Journal the handling (a killed task's retry finishes it), and have the retry's
+    agents preload while this attempt winds down."""
+    journal.write(t.context, r.attempt.segment_dir, AttemptState.HANDLING,
+                  attempt_dir=str(r.attempt.runs_in), record_dir=str(r.attempt.folder),
+                  fault=r.fault.to_event()["fault"],
+                  **{launch_record.KEY: launch_record.build(
+                      launch_record.config_of(r.attempt.runs_in, r.cfg), r.launcher)})
+    continuity = r.launcher.continuity
+    if decision.retry and continuity is not None:
+        out = {decision.quarantine_node} if decision.quarantine_node else set()
+        nodes = NodePool().next_lease(t.holder, t.nodes_needed, out)
+        if nodes:  # else the retry waits for nodes: nothing to warm up
+            # They wait out the backoff too, and leave by themselves if no retry comes.
+            continuity.warm_for_retry(r.attempt, r.launcher.slots(nodes),
+                                      decision.backoff_seconds + STANDBY_TTL_SECONDS)
 
-    def _observe(self, context: Any, fault: Fault, decision: Decision,  # noqa: ANN401
-                 attempt_dir: Path, cfg: LaunchConfig, lineage: Any,  # noqa: ANN401
-                 policy: LoadedPolicy, launcher: Launcher,
-                 record_dir: Path | None = None) -> dict[str, Any]:
-        """Record and notify what Relay would do; keep watching unless the job has ended."""
-        record_dir = record_dir or attempt_dir
-        message = "OBSERVE MODE (not applied): " + _fault_message(self.segment, fault, decision,
-                                                                  None)
-        record = record_observation(record_dir, fault, decision, policy, message)
-        journal.note_observation(context, record_dir, record)
-        observed = journal.observations(context, record_dir)
-        state = launcher.status(attempt_dir).state
-        if state is LaunchState.RUNNING and fault.kind not in ENDS_ATTEMPT:
-            workload = launch_record.config_of(attempt_dir)
-            self._watch(attempt_dir, workload, policy, launcher,
-                        kinds=watched_kinds(record_dir, observed),
-                        boundary=adopt.watch_boundary(cfg, workload))
-        if state is LaunchState.SUCCEEDED:
-            return self._complete(context, {"status": "completed",
-                                            "attempt_dir": str(attempt_dir)})
-        # The processes are gone (a crash ends the job, observed or not): record and fail.
-        survivors = launcher.stop(attempt_dir)
-        adopt.let_go(attempt_dir)
-        write_atomically(record_dir / "decision.json", json.dumps(
-            {**record, "survivors": survivors}, indent=2, default=str), durable=True)
-        journal.note_fault(context, record_dir, fault.kind)  # counted, as decision.json is
-        record_fault(lineage, cfg.run_id, record_dir, record, {
-            "relay.fault_kind": fault.kind.value, "relay.decision": decision.action,
-            "relay.rule": decision.rule, "relay.policy_sha256": decision.policy_sha256,
-            "relay.mode": "observe", "relay.culprit_node": str(fault.culprit_node),
-            "relay.culprit_rank": str(fault.culprit_rank),
-        }, observed)
-        raise AirflowFailException(message)
 
-    @staticmethod
-    def _complete_resume_time(attempt_dir: Path, lineage: Any) -> None:  # noqa: ANN401
-        """Finish the time-to-resume breakdown of the recovery that started this attempt."""
-        try:
-            done = resume_time.complete_previous(attempt_dir)
-            if done is not None:
-                previous, result = done
-                run_id = adopt.run_id_of(previous)
-                resume_time.log_to_mlflow(lineage, run_id, result)
-                log.info("Time to resume after %s: %.1fs", previous, result["total"])
-        except Exception:  # noqa: BLE001 - a report must never fail the segment
-            log.exception("Could not record the time to resume of the previous attempt")
+def _progress(r: Recovery) -> int:
+    """Return the furthest step a rank reported (over the channel, not from files)."""
+    if r.task is None:
+        return r.cfg.start_step
+    beats = r.launcher.status(r.attempt).heartbeats
+    return max((b.step for b in beats.values()), default=r.cfg.start_step)
+
+
+def _fetch(r: Recovery) -> Callable[[], Stopped | None] | None:
+    """Return how the task brings what a warden on another machine saved (from MLflow)."""
+    if r.task is None:
+        return None
+    lineage, run_id, where = r.task.lineage, r.cfg.run_id, r.attempt.runs_in
+    return lambda: fetch(lineage, run_id, where)
+
+
+def _warden_due(r: Recovery) -> float | None:
+    """Return when the attempt's warden would claim it (None: there is none)."""
+    after = r.detection.stop_unattended_after
+    return None if r.task is None or after is None else r.fault.detected_at + after
+
+
+def _save(r: Recovery, taken: claim.Taken, decision: Decision | None, step: str) -> Saved:
+    """Save state as ``step`` says, or take what a warden already saved."""
+    if taken.by_warden is not None and decision is not None:
+        return from_warden(taken.by_warden, decision, r.fault, r.attempt.runs_in)
+    if not taken.can_save:
+        log.warning("No agent of %s answers: nothing to save from; stopping it", r.attempt)
+        return Saved()
+    timeouts = {"checkpoint_timeout": r.detection.checkpoint_timeout,
+                "evidence_timeout": r.detection.evidence_timeout}
+    return save_state(r.attempt, r.cfg, r.fault, step, timeouts, r.launcher)
+
+
+def _stop(r: Recovery) -> list[str]:
+    """Stop every process of the attempt; never adopt its workload again."""
+    testhooks.pause("stop", attempt_dir=str(r.attempt.runs_in))
+    survivors = r.launcher.stop(r.attempt, STOP_GRACE_SECONDS)
+    if r.launcher.continuity is not None:
+        r.launcher.continuity.let_go(r.attempt)
+    return survivors
+
+
+def _keep_warden_record(r: Recovery, step: str, saved: Saved, survivors: list[str]) -> None:
+    """Write what the warden did into the attempt folder (under the lease)."""
+    stopped = Stopped(by=f"warden pid {os.getpid()}", detected_at=float(r.fault.detected_at),
+                      stopped_at=time.time(), step=step, survivors=survivors,
+                      **as_record(saved))
+    stopped.write(r.attempt.runs_in)
+    log.warning("Stopped %s %.1fs after the fault was detected (rescued: %s, drained at: %s, "
+                "survivors: %s); execute_complete decides and records when it runs",
+                r.attempt, stopped.stopped_at - stopped.detected_at,
+                stopped.rescued and stopped.rescued.get("step"), stopped.drained_at,
+                stopped.survivors or "none")
+
+
+def _publish_warden_record(r: Recovery) -> None:
+    """Put the warden's record where a task on another machine reads it (MLflow, now that
+    the workload is stopped: no frozen rank holds the tracking store's lock)."""
+    from relay.lineage.store import Lineage
+    from relay.recover.warden_record import publish
+
+    stopped = Stopped.read(r.attempt.runs_in)
+    if stopped is None:
+        return
+    try:
+        publish(Lineage.from_settings(), r.cfg.run_id, r.attempt.runs_in, stopped)
+    except Exception:  # noqa: BLE001 - the record stays here; execute_complete may be too
+        log.exception("Could not log what the warden saved to MLflow run %s", r.cfg.run_id)
+
+
+def quarantine(decision: Decision, fault: Fault, where: str,
+               launcher: Launcher | None = None) -> None:
+    """Keep the culprit's machine out, if the decision says so, and have the launcher
+    enforce it."""
+    if not (decision.quarantine_node and decision.quarantine_seconds):
+        return
+    pool = NodePool()
+    try:
+        pool.quarantine(
+            decision.quarantine_node, decision.quarantine_seconds,
+            reason=f"{fault.kind.value}: {fault.evidence.get('summary', '')}",
+            by=f"{decision.rule} (policy {decision.policy_sha256[:12]}) in {where}",
+        )
+    except ValueError as exc:  # a host the pool does not list: record it, keep deciding
+        log.error("Quarantine of %s not recorded: %s. Add it to RELAY_NODES.",
+                  decision.quarantine_node, exc)
+        return
+    if launcher is not None:
+        launcher.enforce_quarantines(pool.quarantines())
+
+
+def _record(r: Recovery, t: TaskSide, decision: Decision, saved: Saved, survivors: list[str],
+            progress: int, fence: str, clock: resume_time.ResumeClock) -> Outcome:
+    """Find where the retry resumes, notify, and record the decision (on disk, then MLflow)."""
+    resumed, rescue_record = next_resume(t.lineage, t.parent_run, decision, r.fault, r.cfg,
+                                         saved, fence)
+    lost = None if resumed is None else max(progress - resumed, 0)
+    message = record.fault_message(t.segment, r.fault, decision, lost)
+    delivery = None
+    if decision.notify:
+        delivery = escalate(decision.notify, message, t.policy.policy.escalation,
+                            {"decision": decision.to_dict()}).to_dict()
+    entry = {"fault": r.fault.to_event()["fault"], "decision": decision.to_dict(),
+             "progress_step": progress, "next_resume_step": resumed, "lost_steps": lost,
+             "drained_at_step": saved.drained_at, "rescued": rescue_record,
+             "survivors": survivors, "notification": delivery,
+             "refused": t.refused + r.launcher.channel(r.attempt).refused,
+             "time_to_resume": clock.to_dict(), "policy_file": str(t.policy.path)}
+    journal.note_fault(t.context, r.attempt.folder, r.fault.kind)  # before MLflow: may hang
+    record.record_decision(entry, r.attempt.folder, r.cfg, t.lineage, r.fault, decision,
+                           saved.evidence, clock, journal.observations(t.context,
+                                                                       r.attempt.folder))
+    journal.write(t.context, r.attempt.segment_dir, AttemptState.RECORDED,
+                  attempt_dir=str(r.attempt.runs_in), record_dir=str(r.attempt.folder))
+    log.error("%s Logs: %s", message, r.attempt.runs_in / "logs")
+    return Outcome(AttemptState.RECORDED, decision, message, retry=decision.retry)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from relay.core.errors import ChaosConfError
 from relay.spec.job import JobSpec
 from relay_train.protocol.injection import KINDS, InjectedFault
 
@@ -26,10 +27,6 @@ CHAOS_ITEMS: dict[str, Any] = {
     "properties": {"kind": {"type": "string", "enum": list(KINDS)}},
     "required": ["kind"],
 }
-
-
-class ChaosConfError(ValueError):
-    """The DAG run conf's ``chaos`` is not allowed for this job, or not valid."""
 
 
 def _as_object(entry: object, index: int) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
+from relay.core.errors import ConfigError
 from relay.spec.checkpoint_spec import AutoInterval, CheckpointEvery, auto_bounds, auto_shorthand
 from relay.spec.policy_files import (
     DEFAULT_POLICY,
@@ -29,7 +30,6 @@ from relay.spec.sections import (
 )
 from relay.spec.yamlsource import (
     FROZEN,
-    ConfigError,
     FieldValueError,
     KeyPath,
     Problem,

@@ -20,6 +20,8 @@ from typing import Annotated, Any, TypeVar, get_args
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, WithJsonSchema
 
+from relay.core.errors import ConfigError
+
 M = TypeVar("M", bound=BaseModel)
 KeyPath = tuple[str | int, ...]
 LineMap = dict[KeyPath, int]
@@ -75,22 +77,6 @@ class Problem:
         return (
             f"{where}: {self.field}: expected {self.expected}, found {self.found}. Fix: {self.fix}"
         )
-
-
-class ConfigError(Exception):
-    """Carry every problem found in one config file."""
-
-    def __init__(self, problems: Iterable[Problem], file: str | Path | None = None) -> None:
-        self.problems: list[Problem] = list(problems)
-        if file is None:
-            file = self.problems[0].file if self.problems else "<config>"
-        self.file = str(file)
-        super().__init__(self.problems, self.file)
-
-    def __str__(self) -> str:
-        n = len(self.problems)
-        head = f"{self.file}: {n} problem{'' if n == 1 else 's'}"
-        return "\n".join([head, *(str(p) for p in self.problems)])
 
 
 def parse_duration(value: object) -> float:

@@ -6,11 +6,9 @@ from typing import Any
 
 import requests
 
+from relay.core.errors import ServiceError
+
 RELAY_DAG_TAG = "relay"
-
-
-class ServiceError(RuntimeError):
-    """A service of `make up` did not start, answer or behave as expected."""
 
 
 class AirflowApi:

@@ -18,8 +18,10 @@ import time
 from pathlib import Path
 
 from relay.core import settings
+from relay.core.attempt import Attempt
+from relay.core.errors import ChaosTargetError, NotOursError
 from relay.launchers import launcher_from
-from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher, NotOursError
+from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher
 from relay_train.protocol.injection import CHAOS_LOG
 
 log = logging.getLogger(__name__)
@@ -27,10 +29,6 @@ log = logging.getLogger(__name__)
 # CPU a rank lost in short freezes (of a 100 ms period) was mostly given back when it woke,
 # so `--factor 3` slowed its compute only ~1.4x.
 SLOW_PERIOD_SECONDS = 0.5
-
-
-class ChaosTargetError(Exception):
-    """The thing to break could not be found."""
 
 
 def _processes() -> LocalLauncher:
@@ -46,7 +44,7 @@ def running_attempt(dag_id: str | None = None) -> Path:
     base = settings.runs_dir() / dag_id if dag_id else settings.runs_dir()
     running = _processes().running_attempts(base)
     if running:
-        return running[0]
+        return running[0].folder
     raise ChaosTargetError(
         f"no running segment attempt under {base}: expected a folder with {HANDLE_FILE} whose "
         "agents are running. Start a DAG run first, or pass --attempt-dir."
@@ -67,7 +65,7 @@ def _not_ours(exc: NotOursError, attempt: Path) -> ChaosTargetError:
 
 def _signal_node(attempt: Path, node: str, sig: signal.Signals) -> int:
     try:
-        return _processes().signal_node(attempt, node, sig)
+        return _processes().signal_node(Attempt(attempt), node, sig)
     except NotOursError as exc:
         raise _not_ours(exc, attempt) from exc
     except KeyError as exc:
@@ -91,7 +89,7 @@ def continue_node(attempt: Path, node: str) -> int:
 def _rank_pid(attempt: Path, rank: int) -> int:
     """Return the rank's PID, from its heartbeat, if it is still that rank's process."""
     try:
-        pid = _processes().rank_pid(attempt, rank)
+        pid = _processes().rank_pid(Attempt(attempt), rank)
     except NotOursError as exc:
         raise _not_ours(exc, attempt) from exc
     if pid is None:
@@ -107,7 +105,7 @@ def kill_rank(attempt: Path, rank: int) -> int:
     pid = _rank_pid(attempt, rank)
     at = time.time()
     try:
-        _processes().signal_rank(attempt, rank, signal.SIGKILL)
+        _processes().signal_rank(Attempt(attempt), rank, signal.SIGKILL)
     except NotOursError as exc:
         raise _not_ours(exc, attempt) from exc
     _record(attempt, "crash", rank=rank, pid=pid, at=at)
@@ -120,6 +118,7 @@ def slow_rank(attempt: Path, rank: int, factor: float, seconds: float) -> int:
         raise ChaosTargetError(f"--factor: expected a slowdown > 1, found {factor}")
     pid = _rank_pid(attempt, rank)
     _record(attempt, "straggler", rank=rank, pid=pid, factor=factor)
-    if not _processes().throttle_rank(attempt, rank, 1 / factor, SLOW_PERIOD_SECONDS, seconds):
+    if not _processes().throttle_rank(Attempt(attempt), rank, 1 / factor, SLOW_PERIOD_SECONDS,
+                                      seconds):
         log.warning("Rank %d (pid %d) ended while being slowed", rank, pid)
     return pid

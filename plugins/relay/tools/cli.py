@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from relay.core import settings
-from relay.nodes.store import PoolStoreError
-from relay.spec.yamlsource import ConfigError
+from relay.core.errors import ConfigError, PoolStoreError
 from relay.tools import cli_bench, cli_services
 
 DEMO_SPEC = settings.jobs_dir() / "demo.yaml"

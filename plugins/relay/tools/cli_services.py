@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from relay.tools.airflow_api import ServiceError
+from relay.core.errors import ServiceError
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

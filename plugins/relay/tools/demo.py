@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from relay.core import settings
+from relay.core.attempt import Attempt
 from relay.launchers.local.adopt import read_adopted, workload_of
 from relay.launchers.local.prestart import CONF_KEY, prestart_resident
 from relay.launchers.local.warm_agents import release
@@ -123,7 +124,7 @@ class ProgressPrinter:
             from relay.launchers.local.launcher import LocalLauncher
 
             self._launcher = LocalLauncher()
-        return self._launcher.status(attempt)
+        return self._launcher.status(Attempt(attempt))
 
     def _tries(self) -> list[Path]:
         if not self.dag_dir.is_dir():

@@ -16,8 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from relay.core.errors import ServiceError
 from relay.core.proctree import alive
-from relay.tools.airflow_api import ServiceError
 
 PG_USER = "postgres"
 DATABASE = "airflow"

@@ -33,12 +33,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from relay.core import settings
+from relay.core.attempt import Attempt
+from relay.core.errors import ServiceError
 from relay.core.proctree import alive, descendants, group_members, stop_pids
 from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher, free_port
 from relay.launchers.local.prestart import residents_dir
 from relay.launchers.local.warm_agents import release, release_run
 from relay.tools import pgcluster
-from relay.tools.airflow_api import AirflowApi, ServiceError
+from relay.tools.airflow_api import AirflowApi
 from relay.tools.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
 
 log = logging.getLogger(__name__)
@@ -349,9 +351,9 @@ def stop_workloads(runs: Path, residents: Path | None = None) -> list[str]:
     launcher = LocalLauncher()
     survivors: list[str] = []
     for handle in runs.rglob(HANDLE_FILE):
-        if launcher.has_processes(handle.parent):
+        if launcher.has_processes(Attempt(handle.parent)):
             log.info("make down: stopping %s, left by an interrupted DAG run", handle.parent)
-            survivors += launcher.stop(handle.parent)
+            survivors += launcher.stop(Attempt(handle.parent))
             let_go(handle.parent)
     for run_dir in runs.glob("*/*"):  # <dag>/<run>: its residents and unclaimed standbys
         release_run(run_dir)

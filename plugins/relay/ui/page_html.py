@@ -8,6 +8,8 @@ from html import escape
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
+from relay.core.attempt import AttemptState
+
 if TYPE_CHECKING:  # run_view imports MLflow: the plugin loads this module in every component
     from relay.lineage.run_view import AttemptView, RunView
 
@@ -54,7 +56,7 @@ def index_html(listing: dict[str, list[Any]]) -> str:
             dag_run = tags.get("relay.dag_run_id", "")
             rows.append(
                 f"<tr><td><a href='{escape(run_link('relay_' + job, dag_run))}'>"
-                f"{escape(dag_run)}</a></td><td>{escape(tags.get('relay.outcome', 'running'))}"
+                f"{escape(dag_run)}</a></td><td>{escape(AttemptState.from_outcome(tags.get('relay.outcome')))}"
                 f"</td><td>{_t(run.info.start_time / 1000)}</td></tr>")
         parts.append("<table><tr><th>DAG run</th><th>outcome</th><th>started</th></tr>"
                      + "".join(rows) + "</table>")
@@ -71,7 +73,7 @@ def _summary(view: RunView) -> str:
         f"<tr><td>{escape(q['node'])}</td><td>{_t(q['until'])}</td><td>{escape(q['reason'])}"
         f"</td><td>{escape(q['by'])}</td></tr>" for q in view.quarantines
     ) or "<tr><td colspan=4>none</td></tr>"
-    cls = {"completed": "ok", "running": "", "failed": "bad"}.get(view.outcome, "bad")
+    cls = {AttemptState.COMPLETED: "ok", AttemptState.RUNNING: ""}.get(view.outcome, "bad")
     return (
         f"<p>Outcome: <b class='{cls}'>{escape(view.outcome)}</b> &middot; MLflow run "
         f"<code>{escape(view.parent_run_id)}</code> &middot; started {_t(view.started_at)}"
@@ -127,7 +129,7 @@ def _attempts(view: RunView) -> str:
              "<th>first step after</th><th>reached step</th></tr>"]
     for a in view.attempts:
         ready = None if a.productive_at is None else a.productive_at - a.started_at
-        cls = {"completed": "ok", "fault": "bad"}.get(a.outcome, "")
+        cls = {AttemptState.COMPLETED: "ok", AttemptState.FAULTED: "bad"}.get(a.outcome, "")
         parts.append(
             f"<tr><td>{a.segment}</td><td>{a.try_number}</td><td>{escape(', '.join(a.nodes))}"
             f"</td><td>[{a.resume_step}, {a.end_step})</td><td class='{cls}'>"

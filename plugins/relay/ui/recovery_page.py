@@ -17,6 +17,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 
 from relay.core import settings
+from relay.core.attempt import AttemptState
 from relay.ui.page_html import index_html, run_html
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ def _ensure_pictures(lineage: Lineage, view: RunView) -> None:
 
     out = pictures_dir(view.parent_run_id)
     stamp = out / "timeline.png"
-    finished = view.outcome != "running"
+    finished = view.outcome != AttemptState.RUNNING
     fresh = stamp.exists() and (
         finished or time.time() - stamp.stat().st_mtime < REFRESH_RUNNING_SECONDS)
     if not fresh:

@@ -15,10 +15,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from relay.core.faults import Fault, FaultKind, classify_exit, only_secondary_exits
+from relay.core.attempt import AttemptState
+from relay.core.faults import Fault, FaultKind
 from relay.launchers.agent_client import FRESH_WAIT_SECONDS
-from relay.launchers.base import LaunchState, LaunchStatus
+from relay.launchers.base import LaunchStatus
 from relay.policy.model import Detection
+from relay.watch.exits import classify_exit, only_secondary_exits
 from relay.watch.slowness import StragglerRule, ThroughputRule
 from relay.watch.steptime import HangLimit, StepTimes
 from relay_train.protocol.heartbeat import Heartbeat, Phase
@@ -109,7 +111,7 @@ class Detector:
     # -- exits and start-up -------------------------------------------------
 
     def _exits(self, obs: Observation) -> Fault | None:
-        if obs.launch is None or obs.launch.state is not LaunchState.FAILED:
+        if obs.launch is None or obs.launch.state is not AttemptState.FAILED:
             return None
         unsettled = [n for n in obs.launch.nodes.values() if n.state not in SETTLED]
         if only_secondary_exits(obs.launch) and unsettled:

@@ -15,8 +15,10 @@ from typing import Any
 from airflow.sdk import BaseSensorOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from relay.core.attempt import AttemptState
+from relay.core.errors import PathEscapeError
 from relay.core.faults import Fault, FaultKind
-from relay.core.paths import ENV_WATCH_ROOTS, PathEscapeError, inside
+from relay.core.paths import ENV_WATCH_ROOTS, inside
 from relay.policy.model import Detection, load_policy
 from relay.spec.policy_files import policies_dir
 from relay.watch.detection import Detector
@@ -118,17 +120,16 @@ class _HeartbeatWatchSensor(BaseSensorOperator):
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> None:  # noqa: ANN401
         """Succeed on ``completed``; fail with the fault or watcher error otherwise."""
-        if event.get("status") == "completed":
+        status = event.get("status")
+        if status == AttemptState.COMPLETED:
             self.log.info("Every rank in %s reported done", self.heartbeat_dir)
             return
-        if event.get("status") == "fault":
+        if status == AttemptState.FAULTED:
             fault = Fault.from_event(event["fault"])
             raise AirflowException(
                 f"{self.task_id}: {fault.describe()} — evidence {fault.evidence}"
             )
-        if event.get("status") == "stopped":
-            raise AirflowException(f"{self.task_id}: {event.get('message')}")
-        raise AirflowException(f"{self.task_id}: watcher error {event.get('message')}")
+        raise AirflowException(f"{self.task_id}: {event.get('message')}")
 
 
 class HeartbeatSensor(_HeartbeatWatchSensor):

@@ -50,10 +50,8 @@ import statistics
 from dataclasses import dataclass, field
 
 from relay.core.faults import Fault, FaultKind
-from relay.policy.model import StragglerDetection, ThroughputDetection
+from relay.policy.model import MIN_SLOW_STEPS, StragglerDetection, ThroughputDetection
 from relay_train.protocol.heartbeat import Heartbeat
-
-MIN_SLOW_STEPS = 3  # distinct steps seen over the ratio before lost_seconds may fire
 
 
 def median_without(ordered: list[float], value: float) -> float:

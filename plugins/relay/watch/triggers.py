@@ -19,12 +19,13 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from relay.core.attempt import Attempt, AttemptState
 from relay.core.faults import FaultKind
-from relay.launchers import Launcher, LaunchState, launcher_from
-from relay.launchers.local import spare
+from relay.launchers import Launcher, launcher_from
 from relay.policy.model import Detection
 from relay.recover.warden import start_warden
 from relay.watch.detection import Detector, Observation
+from relay.watch.warmer import Warmer, silent_nodes
 from relay_train.protocol.heartbeat import Phase, read_heartbeats
 
 
@@ -38,9 +39,9 @@ def observe_attempt(
     of the attempt folder is read (the local launcher reads its own launch record).
     """
     launcher = launcher or launcher_from(None)
-    status = launcher.status(attempt_dir)
+    status = launcher.status(Attempt(attempt_dir))
     try:
-        launched_at = launcher.started_at(attempt_dir)
+        launched_at = launcher.started_at(Attempt(attempt_dir))
     except (OSError, ValueError, KeyError):
         launched_at = time.time()
     return Observation(
@@ -56,7 +57,7 @@ def observe_attempt(
 def _error_event(where: str, exc: BaseException) -> TriggerEvent:
     return TriggerEvent(
         {
-            "status": "error",
+            "status": AttemptState.FAILED.value,
             "attempt_dir": where,
             "message": f"{type(exc).__name__}: {exc}",
             "traceback": traceback.format_exc(),
@@ -183,31 +184,32 @@ class SegmentWatchTrigger(BaseTrigger):
             detector = Detector(Detection.model_validate(self.detection), enabled, self.settled)
             launcher = launcher_from(self.launcher)  # one per run: it remembers lease renewals
             if self.launch_record:
-                launcher.attach(root, dict(self.launch_record.get("handle") or {}))
-            warmer = spare.Warmer(self.spare, launcher)
+                launcher.attach(Attempt(root), dict(self.launch_record.get("handle") or {}))
+            warmer = Warmer(self.spare, launcher)
             finishing_since: float | None = None  # when every rank's loop was seen ended
             while True:
                 obs = await asyncio.to_thread(
                     observe_attempt, root, self.node_ranks, self.heartbeat_interval_seconds,
                     launcher,
                 )
-                quiet = spare.silent_nodes(obs.launch, detector.cfg.poll_interval)
+                quiet = silent_nodes(obs.launch, detector.cfg.poll_interval)
                 await warmer.sign(f"the agent(s) of {', '.join(quiet)} stopped answering"
                                   if quiet else None)
                 # Messages refused from agents of another attempt go with the event.
                 refused = {"refused": obs.launch.refused} if obs.launch and obs.launch.refused \
                     else {}
-                if obs.launch is not None and obs.launch.state is LaunchState.SUCCEEDED:
+                if obs.launch is not None and obs.launch.state is AttemptState.COMPLETED:
                     late = detector.at_completion(obs)
                     yield TriggerEvent(
                         {**late.to_event(), "attempt_dir": self.attempt_dir, **refused,
                          **carried} if late
-                        else {"status": "completed", "attempt_dir": self.attempt_dir, **refused,
-                              **carried}
+                        else {"status": AttemptState.COMPLETED.value,
+                              "attempt_dir": self.attempt_dir, **refused, **carried}
                     )
                     return
                 if self.passed_boundary(obs):  # this segment's steps are done; later ones
-                    yield TriggerEvent({"status": "completed", "attempt_dir": self.attempt_dir,
+                    yield TriggerEvent({"status": AttemptState.COMPLETED.value,
+                                        "attempt_dir": self.attempt_dir,
                                         "boundary_step": self.boundary_step, "at": obs.now,
                                         **carried})
                     return  # are the next segment's to watch
@@ -310,7 +312,8 @@ class HeartbeatWatchTrigger(BaseTrigger):
                     late = detector.at_completion(obs)
                     yield TriggerEvent(
                         {**late.to_event(), "attempt_dir": self.heartbeat_dir} if late
-                        else {"status": "completed", "attempt_dir": self.heartbeat_dir}
+                        else {"status": AttemptState.COMPLETED.value,
+                              "attempt_dir": self.heartbeat_dir}
                     )
                     return
                 fault = detector.check(obs)
@@ -319,7 +322,8 @@ class HeartbeatWatchTrigger(BaseTrigger):
                     return
                 silent = self.silent_ranks(obs, detector.cfg.heartbeat_timeout)
                 if silent is not None:
-                    yield TriggerEvent({"status": "stopped", "attempt_dir": self.heartbeat_dir,
+                    yield TriggerEvent({"status": AttemptState.FAILED.value,
+                                        "attempt_dir": self.heartbeat_dir,
                                         "message": f"the job ended, but ranks {silent} never "
                                         "reported done (their heartbeats stopped)"})
                     return

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
-from relay.core.paths import PathEscapeError, inside, safe_name
+from relay.core.errors import ConfigError, PathEscapeError
+from relay.core.paths import inside, safe_name
 from relay.core.settings import runs_dir
 from relay.operators.base import segment_dir
 from relay.spec.job import JobSpec, load_job_spec
-from relay.spec.yamlsource import ConfigError
 from relay.watch.sensors import HeartbeatSensor
 from relay_train.examples.data import load_corpus
 

@@ -17,10 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from relay.launchers import LaunchState, LaunchStatus
+from relay.core.attempt import Attempt, AttemptState
+from relay.launchers import LaunchStatus
 from relay.launchers.local import adopt
+from relay.launchers.local.continuity import LocalContinuity
 from relay.lineage.interval import INTERVAL_FILE
 from relay.nodes.pool import NodePool
+from relay.operators.base import end_run
 from relay.tools.bench.boundary_time import RESTART_PARTS, boundaries
 from relay.watch.detection import Observation
 from relay.watch.triggers import SegmentWatchTrigger
@@ -164,15 +167,15 @@ class FakeLauncher:
 
     name = "local"
 
-    def __init__(self, states: dict[Path, LaunchState]) -> None:
+    def __init__(self, states: dict[Path, AttemptState]) -> None:
         self.states = states
         self.stopped: list[Path] = []
 
-    def status(self, root: Path) -> LaunchStatus:
-        return LaunchStatus(self.states.get(root, LaunchState.SUCCEEDED), {})
+    def status(self, attempt: Attempt) -> LaunchStatus:
+        return LaunchStatus(self.states.get(attempt.runs_in, AttemptState.COMPLETED), {})
 
-    def stop(self, root: Path, grace_seconds: float = 5.0) -> list[str]:
-        self.stopped.append(root)
+    def stop(self, attempt: Attempt, grace_seconds: float = 5.0) -> list[str]:
+        self.stopped.append(attempt.runs_in)
         return []
 
 
@@ -193,7 +196,7 @@ def test_the_next_segment_finds_the_running_workload_and_may_adopt_it(tmp_path: 
     old = _workload(run, 0, 1, [30, 30])
     time.sleep(0.01)
     live = _workload(run, 0, 2, [41, 42])
-    launcher = FakeLauncher({old: LaunchState.SUCCEEDED, live: LaunchState.RUNNING})
+    launcher = FakeLauncher({old: AttemptState.COMPLETED, live: AttemptState.RUNNING})
 
     assert adopt.live_workload(run, 1, launcher) == live
     assert adopt.live_workload(run, 0, launcher) is None  # only earlier segments' workloads
@@ -255,7 +258,7 @@ def test_a_retry_stops_what_an_earlier_try_adopted(tmp_path: Path) -> None:
     workload = _workload(run, 0, 1, [41, 42])
     adopt.adopt(run / "segment-001" / "try-1", workload, run_id="r1", segment=1, attempt=1,
                 resume_step=40, end=60, next_end=90)
-    launcher = FakeLauncher({workload: LaunchState.RUNNING})
+    launcher = FakeLauncher({workload: AttemptState.RUNNING})
 
     adopt.stop_adopted(run / "segment-001", launcher)
 
@@ -311,7 +314,7 @@ def test_rank_0s_record_of_crossing_the_boundary_counts_where_heartbeats_lag(
     (tmp_path / BOUNDARIES_FILE).write_text(json.dumps({"step": 60}) + "\n")  # not read
 
     def observe(crossed: set[int] | None) -> Observation:
-        launch = None if crossed is None else LaunchStatus(LaunchState.RUNNING, {},
+        launch = None if crossed is None else LaunchStatus(AttemptState.RUNNING, {},
                                                             crossed=crossed)
         return Observation(now=time.time(), launched_at=0.0,
                            heartbeats={0: _beat(0, 58), 1: _beat(1, 60)},
@@ -348,7 +351,7 @@ def test_a_failed_dag_run_stops_the_workload_it_handed_over(tmp_path: Path) -> N
     run = tmp_path / "run"
     running = _workload(run, 1, 1, [70, 70])
     done = _workload(run, 0, 1, [30, 30])
-    launcher = FakeLauncher({running: LaunchState.RUNNING, done: LaunchState.SUCCEEDED})
+    launcher = FakeLauncher({running: AttemptState.RUNNING, done: AttemptState.COMPLETED})
 
     assert adopt.stop_run_workloads(run, launcher) == [running]
     assert launcher.stopped == [running]
@@ -363,13 +366,16 @@ def test_the_end_of_a_dag_run_stops_its_workloads_and_frees_its_nodes(
     assert pool.select(2, holder="relay_j/run-1") == ["node-a", "node-b"]
     run = tmp_path / "run"
     running = _workload(run, 1, 1, [70, 70])
-    launcher = FakeLauncher({running: LaunchState.RUNNING})
+    launcher = FakeLauncher({running: AttemptState.RUNNING})
+    launcher.continuity = LocalContinuity(launcher)  # type: ignore[attr-defined]
 
-    assert adopt.end_run(run, "relay_j/run-1", launcher) == [running]
+    end_run(launcher, run, "relay_j/run-1", stop_workloads=True)  # type: ignore[arg-type]
+    assert launcher.stopped == [running]
     assert pool.leases() == {}
     # The next DAG run is placed where an uninterrupted run would be.
     assert pool.select(2, holder="relay_j/run-2") == ["node-a", "node-b"]
-    assert adopt.end_run(run, "relay_j/run-2", None) == []  # a job that never hands over
+    end_run(launcher, run, "relay_j/run-2", stop_workloads=False)  # type: ignore[arg-type]
+    assert launcher.stopped == [running]  # a job that never hands over: only the lease ends
     assert pool.leases() == {}
 
 
@@ -414,7 +420,7 @@ def test_the_freeze_guard_leaves_a_workload_this_task_adopted_to_its_watcher(
         beat.write_text(json.dumps({**record, "wall_clock": time.time() - 60}))
     adopt.adopt(run / "segment-001" / "try-1", workload, run_id="r1", segment=1, attempt=1,
                 resume_step=30, end=60, next_end=90)
-    launcher = FakeLauncher({workload: LaunchState.RUNNING})
+    launcher = FakeLauncher({workload: AttemptState.RUNNING})
 
     with adopt.freeze_guard(run, 1, launcher, silent_seconds=2.0, grace_seconds=0.0):
         time.sleep(1.5)
@@ -432,7 +438,7 @@ def test_a_workload_the_freeze_guard_stopped_is_never_adopted(tmp_path: Path) ->
     for beat in (workload / "heartbeats").iterdir():
         record = json.loads(beat.read_text())
         beat.write_text(json.dumps({**record, "wall_clock": time.time() - 60}))
-    launcher = FakeLauncher({workload: LaunchState.RUNNING})
+    launcher = FakeLauncher({workload: AttemptState.RUNNING})
     with adopt.freeze_guard(run, 1, launcher, silent_seconds=2.0, grace_seconds=0.0):
         _wait_until_stopped(launcher)
     assert launcher.stopped == [workload]

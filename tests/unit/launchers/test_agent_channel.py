@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from agents import ServedAttempt
 
+from relay.core.attempt import Attempt
 from relay.core.faults import FaultKind
 from relay.launchers.agent_client import AgentChannel
 from relay.policy.model import Detection
@@ -62,7 +63,7 @@ def _beat_all(root: Path, step: int = 7, phase: Phase = Phase.COMPUTE) -> None:
 
 
 def _observe(beats: dict, agents: ServedAttempt | None = None) -> Observation:  # type: ignore[type-arg]
-    status = agents.status(agents.root) if agents is not None else None
+    status = agents.status(Attempt(agents.root)) if agents is not None else None
     return Observation(now=time.time(), launched_at=time.time() - 60, heartbeats=beats,
                        node_ranks=NODES, heartbeat_interval=0.5, launch=status)
 
@@ -82,7 +83,7 @@ def test_heartbeats_are_placed_on_relays_clock_whatever_the_nodes_clock(
     _beat_all(root)
     on_disk = read_heartbeats(root / "heartbeats")
     assert all(abs(b.wall_clock - time.time() - skew) < 2 for b in on_disk.values())
-    status = agents.status(root)
+    status = agents.status(Attempt(root))
     assert sorted(status.heartbeats) == [0, 1, 2, 3]
     for beat in status.heartbeats.values():
         assert abs(beat.wall_clock - time.time()) < 2  # received_at - age: Relay's own clock
@@ -98,7 +99,8 @@ def test_the_old_absolute_reading_alarms_on_a_node_clock_30s_behind(
     old = Detector(Detection()).check(_observe(read_heartbeats(root / "heartbeats")))
     assert old is not None and old.kind in (FaultKind.NODE_UNRESPONSIVE,
                                             FaultKind.RANK_UNRESPONSIVE), old
-    assert Detector(Detection()).check(_observe(agents.status(root).heartbeats, agents)) is None
+    beats = agents.status(Attempt(root)).heartbeats
+    assert Detector(Detection()).check(_observe(beats, agents)) is None
 
 
 def test_the_old_absolute_reading_misses_a_silent_node_whose_clock_is_30s_ahead(
@@ -113,7 +115,7 @@ def test_the_old_absolute_reading_misses_a_silent_node_whose_clock_is_30s_ahead(
         path.write_text(json.dumps(record))
     old = _observe(read_heartbeats(root / "heartbeats"))
     assert all(old.now - b.wall_clock < 0 for b in old.heartbeats.values())  # "from the future"
-    ages = [time.time() - b.wall_clock for b in agents.status(root).heartbeats.values()]
+    ages = [time.time() - b.wall_clock for b in agents.status(Attempt(root)).heartbeats.values()]
     assert all(9 < age < 12 for age in ages), ages  # the channel sees the 10 s of silence
 
 
@@ -121,25 +123,25 @@ def test_a_reply_from_another_attempt_is_refused_and_recorded(root: Path) -> Non
     stale = ServedAttempt(root, NODES, attempt_id="relay_t/run-1/segment-000/try-1")
     try:
         _beat_all(root, step=41)
-        status = stale.status(root)  # Relay watches try-2; the agents still serve try-1
+        status = stale.status(Attempt(root))  # Relay watches try-2; the agents still serve try-1
         assert status.heartbeats == {}
         assert sorted(r["node"] for r in status.refused) == ["node-a", "node-b"]
         first = next(r for r in status.refused if r["node"] == "node-a")
         assert first["expected_attempt"] == "relay_t/run-1/segment-000/try-2"
         assert first["found_attempt"] == "relay_t/run-1/segment-000/try-1"
         assert (first["what"], first["heartbeats"], first["steps"]) == (Route.STATUS, 2, [41])
-        channel = stale.channel(root)
+        channel = stale.channel(Attempt(root))
         assert channel.ask("node-a", Route.DRAIN, stop_at=50) is None  # the agent says 409
         assert not (root / DRAIN_FILE).exists()
         assert any(r["what"] == Route.DRAIN for r in channel.refused)
-        stale.status(root)
+        stale.status(Attempt(root))
         assert [r["count"] for r in channel.refused if r["what"] == Route.STATUS] == [2, 2]
     finally:
         stale.close()
 
 
 def test_requests_reach_the_node_and_name_their_attempt(root: Path, agents: ServedAttempt) -> None:
-    channel = agents.channel(root)
+    channel = agents.channel(Attempt(root))
     # The wire format, spelled out: a change to it is a change to both sides.
     assert channel.ask("node-b", Route.DRAIN, stop_at=12) == {
         "attempt": channel.attempt_id, "node": "node-b", "stop_at": 12}
@@ -153,13 +155,13 @@ def test_a_silent_agent_costs_one_short_timeout_and_keeps_its_last_word(
     root: Path, agents: ServedAttempt
 ) -> None:
     _beat_all(root)
-    agents.status(root)
-    seen = agents.channel(root).last_seen("node-b")
+    agents.status(Attempt(root))
+    seen = agents.channel(Attempt(root)).last_seen("node-b")
     agents.servers["node-b"].close()  # gone: connection refused from now on
     started = time.monotonic()
-    status = agents.status(root)
+    status = agents.status(Attempt(root))
     assert time.monotonic() - started < 3
-    assert agents.channel(root).last_seen("node-b") == seen
+    assert agents.channel(Attempt(root)).last_seen("node-b") == seen
     assert sorted(status.heartbeats) == [0, 1, 2, 3]  # node-b's last beats, aging on our clock
 
 
@@ -170,21 +172,21 @@ def test_rank_0s_node_reports_the_boundaries_it_crossed_and_relay_keeps_them(
     # nodes, as on one machine): only the agent of its node reports it, the last few steps.
     lines = [json.dumps({"step": s, "loop_cost": 0.1}) for s in range(10, 210, 10)]
     (root / BOUNDARIES_FILE).write_text("\n".join(lines) + '\n{"step": 2')  # one half-written
-    channel = agents.channel(root)
+    channel = agents.channel(Attempt(root))
     replies = channel.poll()
     assert replies["node-a"] is not None and replies["node-b"] is not None
     assert replies["node-a"].record["crossed"] == list(range(50, 210, 10))  # the last 16
     assert replies["node-b"].record["crossed"] == []  # rank 0 is not on node-b
-    assert agents.status(root).crossed == set(range(50, 210, 10))
+    assert agents.status(Attempt(root)).crossed == set(range(50, 210, 10))
     agents.servers["node-a"].close()  # silent from now on: its last word still counts
     (root / BOUNDARIES_FILE).unlink()
-    assert agents.status(root).crossed == set(range(50, 210, 10))
+    assert agents.status(Attempt(root)).crossed == set(range(50, 210, 10))
 
 
 def test_a_node_without_a_boundary_record_reports_none(root: Path, agents: ServedAttempt) -> None:
-    status = agents.status(root)
+    status = agents.status(Attempt(root))
     assert status.crossed == set()
-    assert all(r.record["crossed"] == [] for r in agents.channel(root).reports.values())
+    assert all(r.record["crossed"] == [] for r in agents.channel(Attempt(root)).reports.values())
 
 
 def test_an_unreachable_address_is_not_an_answer() -> None:
@@ -246,7 +248,7 @@ def test_the_kubernetes_launcher_reads_pods_agents_over_the_channel(
             writer.beat(step=65)
             writer.flush_now()
         (cfg.root / BOUNDARIES_FILE).write_text(json.dumps({"step": 60}) + "\n")
-        running = launcher.status(cfg.root)
+        running = launcher.status(Attempt(cfg.root))
         assert running.crossed == {60}  # from pod-0's agent, which hosts rank 0
         assert sorted(running.heartbeats) == [0, 1, 2, 3]
         assert {b.step for b in running.heartbeats.values()} == {65}
@@ -255,7 +257,7 @@ def test_the_kubernetes_launcher_reads_pods_agents_over_the_channel(
         agent = pods.nodes["pod-1"]
         agent.state, agent.exit_codes = NodeState.FAILED, {2: 1, 3: -15}
         agent.errors = {2: "ZeroDivisionError: division by zero"}
-        failed = launcher.status(cfg.root)  # the pod is still Running: the agent lingers
+        failed = launcher.status(Attempt(cfg.root))  # the pod is still Running: the agent lingers
         assert failed.nodes["pod-1"].state == NodeState.FAILED
         assert failed.errors() == {2: "ZeroDivisionError: division by zero"}
         assert failed.failed_ranks() == {2: 1, 3: -15}
@@ -271,7 +273,7 @@ def test_a_slow_answer_counts_at_the_next_poll_with_the_time_it_arrived(
     slow = agents.nodes["node-b"]
     answer = slow.status_record
     monkeypatch.setattr(slow, "status_record", lambda: (time.sleep(4.0), answer())[1])
-    channel = agents.channel(root)
+    channel = agents.channel(Attempt(root))
     started = time.monotonic()
     first = channel.poll()
     assert time.monotonic() - started < 3.5  # the poll did not wait for the slow agent
@@ -309,7 +311,7 @@ def test_a_frozen_agent_costs_one_wait_not_one_per_poll(
     monkeypatch.setattr(channel_module, "FRESH_WAIT_SECONDS", 2.0)  # node-a's bound
     frozen = FrozenAgent()
     try:
-        channel = agents.channel(root)
+        channel = agents.channel(Attempt(root))
         channel.addresses["node-b"] = frozen.address
         first = channel.poll()
         second = channel.poll()
@@ -329,14 +331,14 @@ def test_a_node_marked_silent_is_not_asked_again_and_keeps_its_last_word(
     from agents import FrozenAgent
 
     _beat_all(root)
-    agents.status(root)
+    agents.status(Attempt(root))
     frozen = FrozenAgent()
     try:
-        channel = agents.channel(root)
+        channel = agents.channel(Attempt(root))
         channel.addresses["node-b"] = frozen.address  # node-b froze after its last answer
         channel.mark_silent({"node-b", "node-z"})  # a node the attempt lacks is ignored
         assert channel.silent == {"node-b"}
-        status = agents.status(root)
+        status = agents.status(Attempt(root))
         assert not frozen.was_asked()
         assert sorted(status.heartbeats) == [0, 1, 2, 3]
     finally:

@@ -18,14 +18,15 @@ import pytest
 from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 from k8s_fake import FakeApiServer
 
+from relay.core.attempt import Attempt, AttemptState
 from relay.core.faults import Fault, FaultKind
-from relay.launchers import LaunchState, launcher_from
+from relay.launchers import launcher_from
 from relay.launchers.k8s.launcher import KubernetesLauncher
 from relay.launchers.k8s.objects import QUARANTINE_TAINT_KEY, AttemptKey
 from relay.nodes.pool import NodePool
 from relay.policy.decide import decide
 from relay.policy.model import Detection, load_policy
-from relay.recover.outcome import quarantine
+from relay.recover.pipeline import quarantine
 from relay.spec.sections import KubernetesSpec
 from relay.watch.detection import Detector, Observation
 from relay_train.protocol.launch import LaunchConfig
@@ -84,9 +85,11 @@ def launched(fake: FakeApiServer, launcher: KubernetesLauncher, tmp_path: Path,
 def observe(launcher: KubernetesLauncher, cfg: LaunchConfig) -> Observation:
     node_ranks = {n: [cfg.global_rank(n, r) for r in range(cfg.ranks_per_node)]
                   for n in cfg.nodes}
-    return Observation(now=launcher.started_at(cfg.root) + 1, launched_at=launcher.started_at(
-        cfg.root), heartbeats={}, node_ranks=node_ranks, heartbeat_interval=0.5,
-        launch=launcher.status(cfg.root))
+    attempt = Attempt(cfg.root)
+    return Observation(now=launcher.started_at(attempt) + 1,
+                       launched_at=launcher.started_at(attempt), heartbeats={},
+                       node_ranks=node_ranks, heartbeat_interval=0.5,
+                       launch=launcher.status(attempt))
 
 
 def test_launch_creates_an_indexed_job_its_service_and_configmap(
@@ -166,20 +169,20 @@ def test_status_follows_pods_to_success(fake: FakeApiServer, tmp_path: Path) -> 
     launcher.launch(cfg)
     name = AttemptKey.from_dir(cfg.root).name
 
-    starting = launcher.status(cfg.root)
-    assert starting.state is LaunchState.RUNNING
+    starting = launcher.status(Attempt(cfg.root))
+    assert starting.state is AttemptState.RUNNING
     assert {n.state for n in starting.nodes.values()} == {NodeState.STARTING}
 
     fake.run_pods(name, ["gpu-2", "gpu-1"])
-    running = launcher.status(cfg.root)
-    assert running.state is LaunchState.RUNNING
+    running = launcher.status(Attempt(cfg.root))
+    assert running.state is AttemptState.RUNNING
     assert {n: (s.state, s.host) for n, s in running.nodes.items()} == {
         "pod-0": (NodeState.RUNNING, "gpu-2"), "pod-1": (NodeState.RUNNING, "gpu-1")}
-    assert launcher.host_of(cfg.root, "pod-0") == "gpu-2"
+    assert launcher.host_of(Attempt(cfg.root), "pod-0") == "gpu-2"
 
     fake.set_phase(name, 0, "Succeeded", 0)
     fake.set_phase(name, 1, "Succeeded", 0)
-    assert launcher.status(cfg.root).state is LaunchState.SUCCEEDED
+    assert launcher.status(Attempt(cfg.root)).state is AttemptState.COMPLETED
 
 
 def test_a_failed_pod_is_a_crash_of_its_node(fake: FakeApiServer, tmp_path: Path) -> None:
@@ -190,7 +193,7 @@ def test_a_failed_pod_is_a_crash_of_its_node(fake: FakeApiServer, tmp_path: Path
     obs = observe(launcher, cfg)
     fault = Detector(Detection()).check(obs)
 
-    assert obs.launch.state is LaunchState.FAILED
+    assert obs.launch.state is AttemptState.FAILED
     assert "agent exited with code 137" in obs.launch.nodes["pod-1"].detail
     assert fault is not None and fault.kind is FaultKind.CRASH
     assert fault.culprit_node == "pod-1"
@@ -201,9 +204,9 @@ def test_job_deadline_exceeded_fails_the_attempt(fake: FakeApiServer, tmp_path: 
     cfg, name = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-2"])
     fake.fail_job(name, "DeadlineExceeded", "Job was active longer than specified deadline")
 
-    status = launcher.status(cfg.root)
+    status = launcher.status(Attempt(cfg.root))
 
-    assert status.state is LaunchState.FAILED
+    assert status.state is AttemptState.FAILED
     assert "DeadlineExceeded" in status.nodes["pod-0"].detail
 
 
@@ -226,7 +229,7 @@ def test_not_ready_node_is_node_unresponsive_and_quarantined_by_taint_and_affini
     decision = decide(fault, [], policy.policy, policy.sha256)
     assert (decision.action, decision.quarantine_node) == ("restart_elsewhere", "pod-1")
     # What TrainSegmentOperator does before stopping the attempt: name the machine.
-    decision = replace(decision, quarantine_node=launcher.host_of(cfg.root, "pod-1"))
+    decision = replace(decision, quarantine_node=launcher.host_of(Attempt(cfg.root), "pod-1"))
     quarantine(decision, fault, "relay_k8sdemo/run", launcher)
 
     taints = fake.get("nodes", "gpu-2", None)["spec"]["taints"]
@@ -267,11 +270,12 @@ def test_kubelet_lease_that_stops_moving_is_node_unresponsive(
     launcher = make_launcher(fake, tmp_path)
     launcher.lease_stale_seconds = 0.3
     cfg, _ = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-2"])
-    assert launcher.status(cfg.root).state is LaunchState.RUNNING  # first sight of each lease
+    # first sight of each lease
+    assert launcher.status(Attempt(cfg.root)).state is AttemptState.RUNNING
 
     time.sleep(0.5)
     fake.renew_lease("gpu-1")  # gpu-2's kubelet has gone quiet (still "Ready" for now)
-    status = launcher.status(cfg.root)
+    status = launcher.status(Attempt(cfg.root))
 
     assert status.nodes["pod-0"].state == NodeState.RUNNING
     assert status.nodes["pod-1"].state == NodeState.UNRESPONSIVE
@@ -287,8 +291,8 @@ def test_node_health_is_read_every_few_seconds_not_every_poll(
 
     fake.requests.clear()
     for _ in range(5):  # what the trigger does each poll
-        launcher.status(cfg.root)
-        launcher.started_at(cfg.root)
+        launcher.status(Attempt(cfg.root))
+        launcher.started_at(Attempt(cfg.root))
 
     node_reads = [p for m, p in fake.requests if m == "GET" and p.startswith("/api/v1/nodes/")]
     assert sorted(node_reads) == ["/api/v1/nodes/gpu-1", "/api/v1/nodes/gpu-2"]
@@ -309,14 +313,15 @@ def test_pod_stuck_terminating_is_node_unresponsive_and_stop_clears_it(
     assert fault.culprit_node == "pod-1" and fault.evidence["host"] == "gpu-3"
     assert "stuck terminating" in fault.evidence["summary"]
 
-    survivors = launcher.stop(cfg.root, grace_seconds=0)
+    survivors = launcher.stop(Attempt(cfg.root), grace_seconds=0)
 
     assert survivors == []
     assert fake.items("pods") == [] and fake.items("jobs") == []
     assert fake.items("services") == [] and fake.items("configmaps") == []
     force = [p for m, p in fake.requests if m == "DELETE" and "/pods/" in p]
     assert len(force) == 1  # only the stuck pod needed a forced delete
-    assert launcher.status(cfg.root).state is LaunchState.FAILED  # 404: the attempt is gone
+    # 404: the attempt is gone
+    assert launcher.status(Attempt(cfg.root)).state is AttemptState.FAILED
 
 
 def test_stop_watches_pods_until_their_kubelets_finish(fake: FakeApiServer, tmp_path: Path) -> None:
@@ -324,7 +329,7 @@ def test_stop_watches_pods_until_their_kubelets_finish(fake: FakeApiServer, tmp_
     cfg, _ = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-2"])
     fake.slow_nodes["gpu-2"] = 1.0  # its agent takes a second to stop its ranks
 
-    survivors = launcher.stop(cfg.root, grace_seconds=0)
+    survivors = launcher.stop(Attempt(cfg.root), grace_seconds=0)
 
     assert survivors == []
     assert fake.watches == ["pods"]
@@ -338,11 +343,11 @@ def test_stop_and_status_of_a_missing_job_answer_404_calmly(
     launcher = make_launcher(fake, tmp_path)
     cfg = make_cfg(tmp_path, launcher)
 
-    assert launcher.stop(cfg.root) == []
-    status = launcher.status(cfg.root)
-    assert status.state is LaunchState.FAILED and status.nodes == {}
+    assert launcher.stop(Attempt(cfg.root)) == []
+    status = launcher.status(Attempt(cfg.root))
+    assert status.state is AttemptState.FAILED and status.nodes == {}
     with pytest.raises(KeyError):
-        launcher.started_at(cfg.root)
+        launcher.started_at(Attempt(cfg.root))
 
 
 def test_stop_all_deletes_every_attempt_of_the_segment_only(
@@ -423,11 +428,11 @@ def test_every_call_the_launcher_makes_is_granted_by_the_shipped_rbac(
     name = AttemptKey.from_dir(cfg.root).name
     fake.run_pods(name, ["gpu-1", "gpu-2"])
     fake.mark_terminating(name, 1, since_seconds=60)
-    launcher.status(cfg.root)
-    launcher.host_of(cfg.root, "pod-0")
-    launcher.started_at(cfg.root)
+    launcher.status(Attempt(cfg.root))
+    launcher.host_of(Attempt(cfg.root), "pod-0")
+    launcher.started_at(Attempt(cfg.root))
     fake.slow_nodes["gpu-1"] = 0.2
-    launcher.stop(cfg.root, grace_seconds=0)
+    launcher.stop(Attempt(cfg.root), grace_seconds=0)
     launcher.stop_all(cfg.root.parent)
 
     rbac = Path(__file__).resolve().parents[3] / "deploy" / "rbac.yaml"
@@ -476,7 +481,7 @@ def test_the_segment_trigger_watches_a_job_and_fires_node_unresponsive(
 
     event = asyncio.run(first_event())
 
-    assert event["status"] == "fault", event
+    assert event["status"] == "faulted", event
     assert event["fault"]["kind"] == "node_unresponsive"
     assert (event["fault"]["culprit_node"], event["fault"]["evidence"]["host"]) == (
         "pod-0", "gpu-3")

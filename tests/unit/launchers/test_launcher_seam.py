@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from relay.core.attempt import AttemptState
+from relay.core.errors import ConfigError
 from relay.core.faults import FaultKind
-from relay.launchers import Launcher, LaunchState, LaunchStatus, launcher_for, launcher_from
+from relay.launchers import Launcher, LaunchStatus, launcher_for, launcher_from
 from relay.launchers.base import NodeStatus, overall_state
 from relay.launchers.k8s.launcher import KubernetesLauncher
 from relay.launchers.local.launcher import LocalLauncher
 from relay.policy.model import Detection
 from relay.spec.job import load_job_spec
-from relay.spec.yamlsource import ConfigError
 from relay.watch.detection import Detector, Observation
 from relay_train.protocol.routes import NodeState
 
@@ -86,7 +87,7 @@ def test_an_unresponsive_node_from_the_platform_is_node_unresponsive() -> None:
 
     fault = Detector(Detection()).check(obs)
 
-    assert status.state is LaunchState.RUNNING
+    assert status.state is AttemptState.RUNNING
     assert fault is not None and fault.kind is FaultKind.NODE_UNRESPONSIVE
     assert (fault.culprit_node, fault.culprit_rank) == ("pod-1", None)
     assert fault.evidence == {"summary": "node gpu-2 is NotReady", "host": "gpu-2"}

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from agents import close_served_agents, serve  # noqa: F401 - the fixture closes them
 
+from relay.core.attempt import Attempt, AttemptState
 from relay.launchers.local.launcher import (
     HANDLE_FILE,
-    LaunchState,
     LaunchStatus,
     LocalLauncher,
     NodeStatus,
@@ -146,7 +146,7 @@ def test_stop_kills_every_member_of_every_group(
     root = workload.attempt(tmp_path / "try-1", nodes)
     assert len(workload.all_pids()) >= 4
 
-    assert launcher.stop(root, grace_seconds=5) == []
+    assert launcher.stop(Attempt(root), grace_seconds=5) == []
 
     assert_all_gone(workload)
     for proc in nodes.values():
@@ -162,7 +162,7 @@ def test_stop_kills_a_stopped_group(
     assert wait_for(lambda: all(proc_state(p) == "T" for p in workload.members[stopped.pid]))
     root = workload.attempt(tmp_path / "try-1", {"node-a": stopped, "node-b": running})
 
-    assert launcher.stop(root, grace_seconds=5) == []
+    assert launcher.stop(Attempt(root), grace_seconds=5) == []
 
     assert_all_gone(workload)
     # It died of the SIGTERM it saw once continued, not of a SIGKILL after the grace.
@@ -176,7 +176,7 @@ def test_stop_sigkills_a_group_that_ignores_sigterm(
     polite = workload.agent("sleep 60")
     root = workload.attempt(tmp_path / "try-1", {"node-a": stubborn, "node-b": polite})
 
-    assert launcher.stop(root, grace_seconds=0.5) == []
+    assert launcher.stop(Attempt(root), grace_seconds=0.5) == []
 
     assert_all_gone(workload)
     assert stubborn.wait(timeout=5) == -signal.SIGKILL
@@ -193,7 +193,7 @@ def test_stop_kills_ranks_that_outlived_their_agent(
     assert orphans and all(live(p) for p in orphans)
     root = workload.attempt(tmp_path / "try-1", {"node-a": agent})
 
-    assert launcher.stop(root, grace_seconds=5) == []
+    assert launcher.stop(Attempt(root), grace_seconds=5) == []
 
     assert_all_gone(workload)
 
@@ -206,8 +206,8 @@ def test_stop_with_nothing_left_is_a_no_op(
     done.wait(timeout=5)
     root = workload.attempt(tmp_path / "try-1", {"node-a": done})
 
-    assert launcher.stop(root) == []
-    assert launcher.stop(tmp_path / "never-launched") == []
+    assert launcher.stop(Attempt(root)) == []
+    assert launcher.stop(Attempt(tmp_path / "never-launched")) == []
 
 
 def test_stop_all_stops_every_attempt_of_the_segment(
@@ -283,9 +283,9 @@ def test_status_running(tmp_path: Path, launcher: LocalLauncher) -> None:
         },
     )
 
-    status = launcher.status(root)
+    status = launcher.status(Attempt(root))
 
-    assert status.state is LaunchState.RUNNING
+    assert status.state is AttemptState.RUNNING
     assert set(status.nodes) == {"n0", "n1"}
     assert status.nodes["n0"].state == NodeState.RUNNING
     assert status.nodes["n0"].exit_codes == {0: None, 1: None}
@@ -302,9 +302,9 @@ def test_status_running_while_one_node_is_still_starting(
         {"n0": record("n0", NodeState.SUCCEEDED, {0: 0}), "n1": None},
     )
 
-    status = launcher.status(root)
+    status = launcher.status(Attempt(root))
 
-    assert status.state is LaunchState.RUNNING
+    assert status.state is AttemptState.RUNNING
     assert status.nodes["n1"].state == NodeState.STARTING
 
 
@@ -319,9 +319,9 @@ def test_status_succeeded(tmp_path: Path, launcher: LocalLauncher) -> None:
         },
     )
 
-    status = launcher.status(root)
+    status = launcher.status(Attempt(root))
 
-    assert status.state is LaunchState.SUCCEEDED
+    assert status.state is AttemptState.COMPLETED
     assert status.failed_ranks() == {}
 
 
@@ -336,9 +336,9 @@ def test_status_failed_with_exit_codes(tmp_path: Path, launcher: LocalLauncher) 
         },
     )
 
-    status = launcher.status(root)
+    status = launcher.status(Attempt(root))
 
-    assert status.state is LaunchState.FAILED
+    assert status.state is AttemptState.FAILED
     assert status.nodes["n1"].state == NodeState.FAILED
     assert status.nodes["n1"].exit_codes == {2: -9, 3: -15}
     assert status.failed_ranks() == {2: -9, 3: -15}
@@ -357,9 +357,9 @@ def test_status_agent_died_without_a_final_status(
         },
     )
 
-    status = launcher.status(root)
+    status = launcher.status(Attempt(root))
 
-    assert status.state is LaunchState.FAILED
+    assert status.state is AttemptState.FAILED
     assert status.nodes["n0"].state == NodeState.RUNNING
     assert status.nodes["n1"].state == NodeState.FAILED
     assert "agent died without a final status" in status.nodes["n1"].detail
@@ -368,9 +368,9 @@ def test_status_agent_died_without_a_final_status(
 def test_status_agent_exited_before_reporting(tmp_path: Path, launcher: LocalLauncher) -> None:
     root = fabricate(tmp_path, {"n0": dead_pid()}, {"n0": None})
 
-    status = launcher.status(root)
+    status = launcher.status(Attempt(root))
 
-    assert status.state is LaunchState.FAILED
+    assert status.state is AttemptState.FAILED
     assert status.nodes["n0"].state == NodeState.FAILED
     assert "before reporting" in status.nodes["n0"].detail
 
@@ -384,20 +384,20 @@ def test_status_zombie_agent_counts_as_dead(
     root = fabricate(tmp_path, {"n0": agent.pid},
                      {"n0": record("n0", NodeState.RUNNING, {0: None})})
 
-    assert launcher.status(root).state is LaunchState.FAILED
+    assert launcher.status(Attempt(root)).state is AttemptState.FAILED
 
 
 def test_status_without_handle_is_failed_with_no_nodes(
     tmp_path: Path, launcher: LocalLauncher
 ) -> None:
-    status = launcher.status(tmp_path)
+    status = launcher.status(Attempt(tmp_path))
 
-    assert status == LaunchStatus(LaunchState.FAILED, {})
+    assert status == LaunchStatus(AttemptState.FAILED, {})
 
 
 def test_failed_ranks_ignores_running_and_clean_exits() -> None:
     status = LaunchStatus(
-        LaunchState.FAILED,
+        AttemptState.FAILED,
         {
             "n0": NodeStatus("n0", NodeState.FAILED, {0: 0, 1: None, 2: 1}),
             "n1": NodeStatus("n1", NodeState.FAILED, {3: -9}),

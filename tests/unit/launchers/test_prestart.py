@@ -101,7 +101,7 @@ def test_a_dead_prestarted_resident_is_not_claimed_and_the_launcher_starts_its_o
     proc.wait()
     folder = _folder(home, proc.pid)
     started: list[list[str]] = []
-    monkeypatch.setattr("relay.launchers.local.launcher.start_recorded",
+    monkeypatch.setattr("relay.launchers.local.warm_start.start_recorded",
                         lambda args, directory, node, env=None: started.append(args) or 1)
     run = home / "runs" / "dag" / "run-1"
     LocalLauncher().reside(run, ["node-a"], folder)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from relay.core.errors import ConfigError
 from relay.lineage.interval import (
     DEFAULT_CHECKPOINT_COST_SECONDS,
     DEFAULT_MTBF_SECONDS,
@@ -22,7 +23,6 @@ from relay.lineage.interval import (
 )
 from relay.lineage.store import Lineage
 from relay.spec.job import AutoInterval, JobSpec, load_job_spec
-from relay.spec.yamlsource import ConfigError
 
 
 def _spec(every: object = "auto", per_segment: int = 100) -> JobSpec:

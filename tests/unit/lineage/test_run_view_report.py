@@ -21,7 +21,7 @@ def _attempts() -> list[AttemptView]:
     # Segment 0: starts at 0 s, first step at 10 s, hangs at 36 s (detected 4 s later at 40 s),
     # stopped at 45 s; the retry on node-b/node-c trains from 50 s to 70 s.
     return [
-        AttemptView(0, 1, "r1", ["node-a", "node-b"], 0, 60, "fault", T0, T0 + 45, T0 + 10, 35,
+        AttemptView(0, 1, "r1", ["node-a", "node-b"], 0, 60, "faulted", T0, T0 + 45, T0 + 10, 35,
                     HANG, {"action": "restart_elsewhere", "rule": "rules.hang"}, 5, 30),
         AttemptView(0, 2, "r2", ["node-b", "node-c"], 30, 60, "completed", T0 + 46, T0 + 70,
                     T0 + 50, 60),

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from relay.core.errors import PoolStoreError
 from relay.core.faults import Fault, FaultKind
 from relay.core.settings import REPO_ROOT
 from relay.nodes.pool import NodePool
-from relay.nodes.store import FileStore, PoolStoreError, SqlStore, from_settings
+from relay.nodes.store import FileStore, SqlStore, from_settings
 from relay.policy.decide import decide
 from relay.policy.model import load_policy
-from relay.recover.outcome import quarantine
+from relay.recover.pipeline import quarantine
 from relay.tools import doctor
 from relay.tools.cli import main
 from relay.tools.doctor import Status

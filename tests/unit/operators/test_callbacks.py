@@ -11,9 +11,10 @@ from airflow.sdk.exceptions import AirflowFailException
 from mlflow.entities import RunStatus
 
 from relay.core.settings import REPO_ROOT
-from relay.lineage.store import Lineage
+from relay.lineage.store import TAG_FAILURE_REASON, Lineage
+from relay.lineage.tags import TAG_FAILED_TASK
 from relay.nodes.pool import NodePool
-from relay.operators.callbacks import TAG_FAILED_TASK, TAG_FAILURE_REASON, CloseParentRunOnFailure
+from relay.operators.callbacks import CloseParentRunOnFailure
 from relay.spec.job import load_job_spec
 
 

@@ -108,6 +108,6 @@ def test_running_out_of_nodes_escalates_through_the_same_notifier(
     spec = JobSpec(job="j", total_steps=2, steps_per_segment=1, checkpoint_every=1, nodes=1)
     op = TrainSegmentOperator(task_id="segment_000", segment=0, spec_file="unused.yaml")
     with pytest.raises(AirflowFailException, match="expected 1 healthy nodes"):
-        op._nodes(spec, LoadedPolicy(raw, policy_file, "ab" * 32))
+        op._nodes(spec, LoadedPolicy(raw, policy_file, "ab" * 32), holder="j/run")
     assert hook.received[0]["reason"] == "not_enough_nodes"
     assert hook.received[0]["target"] == "ml-platform-oncall"

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from test_rules_decide import BASE_RULES, SHA, culprit_fault, make_policy
 
+from relay.core.errors import ConfigError
 from relay.core.faults import FaultKind
 from relay.core.settings import REPO_ROOT
 from relay.policy.decide import Decision, decide
 from relay.policy.explain import explain
 from relay.policy.model import LoadedPolicy, load_policy
 from relay.policy.observe import watched_kinds
-from relay.spec.yamlsource import ConfigError
 from relay.watch.triggers import SegmentWatchTrigger
 
 

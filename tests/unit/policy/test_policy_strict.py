@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from relay.core.errors import ConfigError
 from relay.core.settings import REPO_ROOT
 from relay.policy.explain import explain
 from relay.policy.model import load_policy
 from relay.spec.job import load_job_spec
-from relay.spec.yamlsource import ConfigError
 
 DEFAULT = (REPO_ROOT / "policies" / "default.yaml").read_text()
 DEMO = (REPO_ROOT / "dags" / "jobs" / "demo.yaml").read_text()

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from relay.core.attempt import AttemptState
 from relay.core.faults import Fault, FaultKind
 from relay.core.settings import REPO_ROOT
 from relay.lineage.store import Lineage
@@ -54,7 +55,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lineage]:
                     "mode": "observe"})
             lineage.log_json(run, "decision.json", {"fault": fault.to_event()["fault"],
                                                     "decision": decision.to_dict()})
-            lineage.finish_run(run, "fault", {"relay.fault_kind": fault.kind.value})
+            lineage.finish_run(run, AttemptState.FAULTED, {"relay.fault_kind": fault.kind.value})
             past.append(fault.kind)
     yield lineage
     monkeypatch.undo()

@@ -14,11 +14,11 @@ from policy_files import line_of, load_error
 
 import relay.core.settings
 from relay.core.faults import Fault, FaultKind
+from relay.operators.retry import PolicyRetry, SegmentFaultError
 from relay.policy.decide import Decision, decide, ordinal
 from relay.policy.explain import explain, humanize
 from relay.policy.model import Policy, load_policy
 from relay.policy.rules import Action, Backoff
-from relay.recover.outcome import PolicyRetry, SegmentFaultError
 from relay.tools.cli import main, policy_schema_text
 
 REPO = Path(relay.core.settings.REPO_ROOT)

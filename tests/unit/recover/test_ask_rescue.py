@@ -14,6 +14,7 @@ import torch
 from agents import FrozenAgent, ServedAttempt
 from torch import nn
 
+from relay.core.attempt import Attempt
 from relay.core.faults import Fault, FaultKind
 from relay.lineage.store import Lineage
 from relay.recover.ask_rescue import donor, kept_rescue, publish_rescue
@@ -164,7 +165,7 @@ def test_request_rescue_returns_the_verified_state(tmp_path: Path, agents: Serve
     responder, _ = _responder(tmp_path, 0, state)
     responder.start()
     fault = Fault(FaultKind.NODE_UNRESPONSIVE, None, "node-b", {})
-    result = ask_agents(tmp_path, _cfg(tmp_path), fault, 20, agents)
+    result = ask_agents(Attempt(tmp_path), _cfg(tmp_path), fault, 20, agents)
     assert result is not None and (result.rank, result.step) == (0, 30)
 
 
@@ -179,7 +180,7 @@ def test_a_frozen_nodes_agent_is_not_asked(tmp_path: Path) -> None:
     responder.start()
     try:
         fault = Fault(FaultKind.NODE_UNRESPONSIVE, None, "node-b", {})
-        result = ask_agents(tmp_path, _cfg(tmp_path), fault, 20, served)
+        result = ask_agents(Attempt(tmp_path), _cfg(tmp_path), fault, 20, served)
         assert not frozen.was_asked()
     finally:
         responder.close()
@@ -196,14 +197,14 @@ def test_a_retry_finishing_the_record_reuses_the_state_fetched_before_the_stop(
     responder, _ = _responder(tmp_path, 0, TrainingState(completed=30))
     responder.start()
     fault = Fault(FaultKind.NODE_UNRESPONSIVE, None, "node-b", {})
-    first = ask_agents(tmp_path, _cfg(tmp_path), fault, 20, agents)
+    first = ask_agents(Attempt(tmp_path), _cfg(tmp_path), fault, 20, agents)
     assert first is not None
 
     class NoOneThere:
         def __getattr__(self, name: str) -> Any:
             raise AssertionError(f"asked the launcher for {name}: the workload is gone")
 
-    again = ask_agents(tmp_path, _cfg(tmp_path), fault, 20, NoOneThere())  # type: ignore[arg-type]
+    again = ask_agents(Attempt(tmp_path), _cfg(tmp_path), fault, 20, NoOneThere())  # type: ignore[arg-type]
     assert again == first
     Path(str(first.path)).write_bytes(b"damaged on Relay's disk")
     assert kept_rescue(tmp_path) is None  # never reused unless it still matches its sha256
@@ -213,7 +214,7 @@ def test_request_rescue_gives_up_when_nobody_answers(tmp_path: Path, agents: Ser
     _live_beats(tmp_path, [0, 1])
     fault = Fault(FaultKind.HANG, 1, "node-a", {})
     started = time.monotonic()
-    assert ask_agents(tmp_path, _cfg(tmp_path), fault, 20, agents) is None
+    assert ask_agents(Attempt(tmp_path), _cfg(tmp_path), fault, 20, agents) is None
     assert time.monotonic() - started < 15  # the ack timeout, not the save timeout
 
 
@@ -233,7 +234,7 @@ def test_request_rescue_rejects_a_file_that_does_not_match_its_sha256(
     responder.respond = tampered  # type: ignore[method-assign]
     responder.start()
     fault = Fault(FaultKind.HANG, 1, "node-a", {})
-    assert ask_agents(tmp_path, _cfg(tmp_path), fault, 20, agents) is None
+    assert ask_agents(Attempt(tmp_path), _cfg(tmp_path), fault, 20, agents) is None
 
 
 def test_published_rescue_is_the_next_resume_point(
@@ -247,7 +248,7 @@ def test_published_rescue_is_the_next_resume_point(
     responder.start()
     fault = Fault(FaultKind.HANG, 1, "node-a", {})
     cfg = _cfg(tmp_path, lineage.tracking_uri, run_id)
-    result = ask_agents(tmp_path, cfg, fault, 20, agents)
+    result = ask_agents(Attempt(tmp_path), cfg, fault, 20, agents)
     assert result is not None
     manifest = publish_rescue(result, cfg, fault, parent=None)
     assert manifest.origin == "rescued from rank 0 after hang"

@@ -14,23 +14,35 @@ import json
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from agents import close_served_agents, serve  # noqa: F401 - the fixture closes the agents
 from processes import wait_exit
 
+from relay.core.attempt import Attempt
 from relay.core.faults import Fault, FaultKind
 from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher, agent_handle, group_members
 from relay.lineage.store import Lineage
-from relay.recover import warden as unattended
-from relay.recover import warden_results
-from relay.recover.claim import claim_attempt
+from relay.recover import claim, warden, warden_record
 from relay.recover.evidence import RECEIVED_DIR
+from relay.recover.save_state import STOP, from_warden
+from relay.recover.warden_record import STOPPED_FILE, Stopped, folder
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 from relay_train.protocol.stacks_files import answer_path
 
 NODES = {"node-a": [0], "node-b": [1], "node-c": [2]}
 DETECTION = {"stop_unattended_after": 1.0, "checkpoint_timeout": 5.0, "evidence_timeout": 1.0}
+
+def _take(attempt: Path, wait: float, launcher: LocalLauncher | None = None,
+          fetch: Callable[[], Stopped | None] | None = None,
+          warden_due: float | None = None) -> Stopped | None:
+    """Take the attempt as execute_complete does; return what a warden saved, if any."""
+    with claim.take(Attempt(attempt), claim.TASK, launcher or LocalLauncher(),
+                    wait_seconds=wait, fetch=fetch, warden_due=warden_due) as taken:
+        assert taken.ours
+        return taken.by_warden
+
 
 
 def _attempt(tmp_path: Path, nodes: dict[str, list[int]] = NODES,
@@ -56,9 +68,9 @@ def _attempt(tmp_path: Path, nodes: dict[str, list[int]] = NODES,
 def test_the_first_claimer_wins_and_later_ones_are_told_who_holds_it(tmp_path: Path) -> None:
     attempt, proc = _attempt(tmp_path)
     try:
-        first = claim_attempt(LocalLauncher(), attempt, "warden A")
-        again = claim_attempt(LocalLauncher(), attempt, "warden A")
-        second = claim_attempt(LocalLauncher(), attempt, "execute_complete B")
+        first = claim.claim_attempt(LocalLauncher(), Attempt(attempt), "warden A")
+        again = claim.claim_attempt(LocalLauncher(), Attempt(attempt), "warden A")
+        second = claim.claim_attempt(LocalLauncher(), Attempt(attempt), "execute_complete B")
     finally:
         proc.kill()
     assert first.won and first.granted == sorted(NODES) and not first.held_by
@@ -70,8 +82,8 @@ def test_a_frozen_node_blocks_neither_a_majority_nor_a_lone_claimer(tmp_path: Pa
     attempt, proc = _attempt(tmp_path)
     try:
         serve(attempt, NODES).servers["node-c"].close()  # node-c answers nothing now
-        majority = claim_attempt(LocalLauncher(), attempt, "execute_complete B")
-        late = claim_attempt(LocalLauncher(), attempt, "warden A")
+        majority = claim.claim_attempt(LocalLauncher(), Attempt(attempt), "execute_complete B")
+        late = claim.claim_attempt(LocalLauncher(), Attempt(attempt), "warden A")
     finally:
         proc.kill()
     assert majority.won and majority.silent == ["node-c"]
@@ -82,8 +94,8 @@ def test_two_nodes_one_frozen_the_claimer_that_answers_first_takes_it(tmp_path: 
     attempt, proc = _attempt(tmp_path, {"node-a": [0], "node-b": [1]})
     try:
         serve(attempt, {}).servers["node-b"].close()
-        first = claim_attempt(LocalLauncher(), attempt, "warden A")
-        second = claim_attempt(LocalLauncher(), attempt, "execute_complete B")
+        first = claim.claim_attempt(LocalLauncher(), Attempt(attempt), "warden A")
+        second = claim.claim_attempt(LocalLauncher(), Attempt(attempt), "execute_complete B")
     finally:
         proc.kill()
     assert first.won and first.granted == ["node-a"] and first.silent == ["node-b"]
@@ -101,12 +113,13 @@ def test_a_warden_leaves_an_attempt_execute_complete_took_on_another_machine(
     try:
         # execute_complete on another machine: no claimed.json here, only the agents know.
         # It claims before the warden's deadline (made first, whatever CI's load).
-        assert claim_attempt(LocalLauncher(), attempt, "execute_complete elsewhere").won
-        pid = unattended.start_warden(attempt, _event(attempt), unattended.STOP, DETECTION, None)
+        assert claim.claim_attempt(LocalLauncher(), Attempt(attempt),
+                                   "execute_complete elsewhere").won
+        pid = warden.start_warden(attempt, _event(attempt), STOP, DETECTION, None)
         assert pid is not None
         wait_exit(pid)
         assert group_members(proc.pid) == [proc.pid], "the warden touched the workload"
-        assert unattended.Stopped.read(attempt) is None
+        assert Stopped.read(attempt) is None
         log = (attempt / "logs" / "unattended.log").read_text()
         assert "held by execute_complete elsewhere" in log and "done: claimed" in log, log
     finally:
@@ -126,25 +139,25 @@ def test_execute_complete_waits_for_a_warden_elsewhere_and_uses_what_it_saved(
     state.write_bytes(b"the healthy rank's state")
     answer_path(there / RECEIVED_DIR, 0).parent.mkdir(parents=True, exist_ok=True)
     answer_path(there / RECEIVED_DIR, 0).write_text(json.dumps({"rank": 0, "threads": []}))
-    stopped = unattended.Stopped(
+    stopped = Stopped(
         by="warden pid 1 on there", detected_at=1000.0, stopped_at=1031.0, step="rescue",
         survivors=[], evidence_request={"id": "x", "ranks": [0]},
         rescued={"rank": 1, "step": 30, "path": str(state), "seconds": 0.5,
                  "sha256": hashlib.sha256(state.read_bytes()).hexdigest()})
-    unattended.folder(there).mkdir(parents=True)
-    (unattended.folder(there) / unattended.STOPPED_FILE).write_text(json.dumps(stopped.__dict__))
+    folder(there).mkdir(parents=True)
+    (folder(there) / STOPPED_FILE).write_text(json.dumps(stopped.__dict__))
     try:
-        assert claim_attempt(LocalLauncher(), attempt, stopped.by).won
+        assert claim.claim_attempt(LocalLauncher(), Attempt(attempt), stopped.by).won
         looks: list[float] = []
 
-        def fetch() -> unattended.Stopped | None:
+        def fetch() -> Stopped | None:
             looks.append(time.monotonic())
             if len(looks) == 2:  # the warden logs its results once its stop is done
-                warden_results.publish(lineage, run_id, there, stopped)
-            return warden_results.fetch(lineage, run_id, attempt)
+                warden_record.publish(lineage, run_id, there, stopped)
+            return warden_record.fetch(lineage, run_id, attempt)
 
-        got = unattended.take_over(attempt, 30, LocalLauncher(), fetch,
-                                   warden_due=time.time() - 1)  # the warden's time came
+        got = _take(attempt, 30, LocalLauncher(), fetch,
+                    warden_due=time.time() - 1)  # the warden's time came
         assert got is not None and len(looks) == 2  # not there at first: it waited
         assert group_members(proc.pid) == [proc.pid], "execute_complete must not stop it first"
     finally:
@@ -153,7 +166,8 @@ def test_execute_complete_waits_for_a_warden_elsewhere_and_uses_what_it_saved(
     assert (got.by, got.step, got.stopped_at) == (stopped.by, "rescue", 1031.0)
     decision = type("D", (), {"checkpoint_first": False, "retry": True, "rollback": False})()
     hang = Fault(FaultKind.HANG, 2, "node-c", {})
-    evidence, drained, rescued = unattended.results(got, decision, hang, attempt)
+    saved = from_warden(got, decision, hang, attempt)
+    evidence, drained, rescued = saved.evidence, saved.drained_at, saved.rescued
     assert rescued is not None and Path(rescued.path).read_bytes() == state.read_bytes()
     assert Path(rescued.path).is_relative_to(attempt)  # downloaded here, sha256 checked again
     assert evidence is not None and list(evidence.answers) == [0] and drained is None
@@ -163,12 +177,12 @@ def test_execute_complete_before_the_wardens_time_claims_without_waiting(
         tmp_path: Path) -> None:
     attempt, proc = _attempt(tmp_path)
     try:
-        assert unattended.take_over(attempt, 30, LocalLauncher(), None,
+        assert _take(attempt, 30, LocalLauncher(), None,
                                     warden_due=time.time() + 60) is None
         for thread in threading.enumerate():  # the warden asks 10 s+ later, not at once
             if thread.name == "relay-claim":
                 thread.join(timeout=30)
-        late = claim_attempt(LocalLauncher(), attempt, "warden A")
+        late = claim.claim_attempt(LocalLauncher(), Attempt(attempt), "warden A")
     finally:
         proc.kill()
         proc.wait()
@@ -179,8 +193,8 @@ def test_execute_complete_before_the_wardens_time_claims_without_waiting(
 def test_without_a_warden_there_is_nothing_to_claim(tmp_path: Path) -> None:
     attempt, proc = _attempt(tmp_path)
     try:
-        assert unattended.take_over(attempt, 30, LocalLauncher(), None, warden_due=None) is None
-        assert claim_attempt(LocalLauncher(), attempt, "someone").won
+        assert _take(attempt, 30, LocalLauncher(), None, warden_due=None) is None
+        assert claim.claim_attempt(LocalLauncher(), Attempt(attempt), "someone").won
     finally:
         proc.kill()
         proc.wait()

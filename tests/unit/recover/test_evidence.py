@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from agents import FrozenAgent, close_served_agents, serve  # noqa: F401 - the fixture closes them
 
+from relay.core.attempt import Attempt
 from relay.core.faults import Fault, FaultKind
 from relay.lineage.store import Lineage
 from relay.recover.evidence import (
@@ -48,7 +49,7 @@ def layout(world_size: int) -> LaunchConfig:
 
 def ask_for_evidence(root: Path, fault: Fault, world_size: int) -> EvidenceRequest | None:
     """Ask through real agent channel servers for node-a (rank 0) and node-b (rank 1)."""
-    return ask_agents(root, fault, layout(world_size),
+    return ask_agents(Attempt(root), fault, layout(world_size),
                       serve(root, {"node-a": [0], "node-b": [1]}))
 # Generous: the machine is shared; a bound only matters for ranks that never answer.
 ANSWER_TIMEOUT = 20.0
@@ -175,7 +176,7 @@ def test_a_frozen_nodes_agent_is_not_asked_and_its_ranks_not_waited_for(tmp_path
     responder.start()
     try:
         fault = Fault(FaultKind.NODE_UNRESPONSIVE, None, "node-b", {"summary": "silent"})
-        request = ask_agents(tmp_path, fault, layout(2), served)
+        request = ask_agents(Attempt(tmp_path), fault, layout(2), served)
         assert request is not None and request.nodes == ["node-a"]
         evidence = collect_evidence(request, ANSWER_TIMEOUT)
         assert not frozen.was_asked()

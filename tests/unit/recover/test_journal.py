@@ -6,13 +6,17 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
+from relay.core.attempt import Attempt, AttemptState
+from relay.core.errors import IllegalTransitionError
 from relay.core.faults import Fault, FaultKind
 from relay.launchers import launch_record
 from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher, agent_handle
 from relay.recover import journal
-from relay.recover import warden as unattended
 from relay.recover.evidence import RECEIVED_DIR
-from relay.recover.outcome import SegmentFaultError
+from relay.recover.save_state import from_warden
+from relay.recover.warden_record import Stopped
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig
 from relay_train.protocol.stacks_files import answer_path, faulthandler_path
 
@@ -35,19 +39,33 @@ HERE = (LocalLauncher(), "sqlite:///unused.db")  # the launcher and tracking URI
 
 def test_a_retry_finishes_the_record_once(tmp_path: Path) -> None:
     attempt = _attempt(tmp_path)
-    journal.write({}, attempt.parent, journal.HANDLING, attempt_dir=str(attempt),
+    journal.write({}, attempt.parent, AttemptState.HANDLING, attempt_dir=str(attempt),
                   fault=HANG.to_event()["fault"])
     calls: list[Fault] = []
 
-    def handle(fault: Fault, where: Path, own: Path, cfg: LaunchConfig) -> None:
+    def handle(interrupted: Attempt, fault: Fault, cfg: LaunchConfig) -> str:
         calls.append(fault)
-        assert own == where  # the try launched its workload itself
-        journal.write({}, attempt.parent, journal.RECORDED, attempt_dir=str(where))
-        raise SegmentFaultError("recorded", None)  # type: ignore[arg-type]
+        assert not interrupted.adopted  # the try launched its workload itself
+        journal.write({}, attempt.parent, AttemptState.RECORDED,
+                      attempt_dir=str(interrupted.runs_in))
+        return "recorded"
 
-    assert journal.finish_interrupted({}, attempt.parent, handle, *HERE) == attempt
+    assert journal.finish_interrupted({}, attempt.parent, handle, *HERE) == "recorded"
     assert journal.finish_interrupted({}, attempt.parent, handle, *HERE) is None
     assert [f.kind for f in calls] == [FaultKind.HANG]
+
+
+def test_a_recorded_attempt_never_goes_back_to_handling(tmp_path: Path) -> None:
+    attempt = _attempt(tmp_path)
+    journal.write({}, attempt.parent, AttemptState.RUNNING, attempt_dir=str(attempt))
+    journal.write({}, attempt.parent, AttemptState.HANDLING, attempt_dir=str(attempt),
+                  fault=HANG.to_event()["fault"])
+    journal.write({}, attempt.parent, AttemptState.RECORDED, attempt_dir=str(attempt))
+    with pytest.raises(IllegalTransitionError, match="recorded, which cannot become handling"):
+        journal.write({}, attempt.parent, AttemptState.HANDLING, attempt_dir=str(attempt))
+    # The next try's attempt starts its own life.
+    retry = attempt.with_name("try-2")
+    journal.write({}, attempt.parent, AttemptState.RUNNING, attempt_dir=str(retry))
 
 
 def test_a_try_that_adopted_a_workload_is_finished_in_its_own_folder(tmp_path: Path) -> None:
@@ -56,29 +74,28 @@ def test_a_try_that_adopted_a_workload_is_finished_in_its_own_folder(tmp_path: P
     workload = _attempt(tmp_path)
     own = tmp_path / "segment-001" / "try-1"
     own.mkdir(parents=True)
-    journal.write({}, own.parent, journal.HANDLING, attempt_dir=str(workload),
+    journal.write({}, own.parent, AttemptState.HANDLING, attempt_dir=str(workload),
                   record_dir=str(own), fault=HANG.to_event()["fault"])
-    seen: list[tuple[Path, Path]] = []
+    seen: list[Attempt] = []
 
-    def handle(fault: Fault, where: Path, record: Path, cfg: LaunchConfig) -> None:
-        seen.append((where, record))
-        raise SegmentFaultError("recorded", None)  # type: ignore[arg-type]
+    def handle(interrupted: Attempt, fault: Fault, cfg: LaunchConfig) -> None:
+        seen.append(interrupted)
 
-    assert journal.finish_interrupted({}, own.parent, handle, *HERE) == workload
-    assert seen == [(workload, own)]
+    journal.finish_interrupted({}, own.parent, handle, *HERE)
+    assert seen == [Attempt(own, workload)]
 
 
 def test_a_record_that_cannot_be_finished_does_not_fail_every_later_try(tmp_path: Path) -> None:
     attempt = _attempt(tmp_path)
-    journal.write({}, attempt.parent, journal.HANDLING, attempt_dir=str(attempt),
+    journal.write({}, attempt.parent, AttemptState.HANDLING, attempt_dir=str(attempt),
                   fault=HANG.to_event()["fault"])
 
-    def broken(fault: Fault, where: Path, own: Path, cfg: LaunchConfig) -> None:
+    def broken(interrupted: Attempt, fault: Fault, cfg: LaunchConfig) -> None:
         raise TypeError("a bug in the fault path")
 
-    assert journal.finish_interrupted({}, attempt.parent, broken, *HERE) == attempt
+    assert journal.finish_interrupted({}, attempt.parent, broken, *HERE) is None
     entry = journal.read({}, attempt.parent)
-    assert entry is not None and entry["stage"] == journal.RECORDED and entry["error"]
+    assert entry is not None and entry["state"] == AttemptState.RECORDED and entry["error"]
     assert journal.finish_interrupted({}, attempt.parent, broken, *HERE) is None
 
 
@@ -88,11 +105,12 @@ def test_a_wardens_evidence_is_read_back_without_asking_any_agent(tmp_path: Path
     answer_path(folder, 0).parent.mkdir(parents=True, exist_ok=True)
     answer_path(folder, 0).write_text(json.dumps({"rank": 0, "threads": []}))
     faulthandler_path(folder, 1).write_text("Thread 0x1 (most recent call first):\n")
-    stopped = unattended.Stopped(by="warden", detected_at=1000.0, stopped_at=1031.0,
+    stopped = Stopped(by="warden", detected_at=1000.0, stopped_at=1031.0,
                                  step="rescue", survivors=[],
                                  evidence_request={"id": "x", "ranks": [0, 1]})
     decision = type("D", (), {"checkpoint_first": False, "retry": True, "rollback": False})()
-    evidence, drained, rescued = unattended.results(stopped, decision, HANG, attempt)
+    saved = from_warden(stopped, decision, HANG, attempt)
+    evidence, drained, rescued = saved.evidence, saved.drained_at, saved.rescued
     assert evidence is not None and list(evidence.answers) == [0]
     assert list(evidence.fallback_stacks) == [1] and evidence.missing == []
     assert drained is None and rescued is None
@@ -110,23 +128,23 @@ def test_a_retry_on_another_machine_finishes_the_record_from_the_journal_alone(
     record = launch_record.build(cfg, LocalLauncher())
     (attempt / LAUNCH_FILE).unlink()
     (attempt / HANDLE_FILE).unlink()
-    journal.write({}, attempt.parent, journal.HANDLING, attempt_dir=str(attempt),
+    journal.write({}, attempt.parent, AttemptState.HANDLING, attempt_dir=str(attempt),
                   fault=HANG.to_event()["fault"], **{launch_record.KEY: record})
     seen: list[LaunchConfig] = []
     launcher = LocalLauncher()
 
-    def handle_fault(fault: Fault, where: Path, own: Path, found: LaunchConfig) -> None:
+    def handle_fault(interrupted: Attempt, fault: Fault, found: LaunchConfig) -> Attempt:
         seen.append(found)
-        raise SegmentFaultError("recorded", None)  # type: ignore[arg-type]
+        return interrupted
 
     assert journal.finish_interrupted({}, attempt.parent, handle_fault, launcher,
-                                      "sqlite:///here.db") == attempt
+                                      "sqlite:///here.db") == Attempt(attempt, attempt)
     assert record["launch"]["tracking_uri"] == ""  # a URI may carry credentials: never stored
     assert seen[0].run_id == "r1" and seen[0].nodes == ["node-a", "node-b"]
     assert seen[0].tracking_uri == "sqlite:///here.db"  # this worker's settings fill it in
-    assert launcher.started_at(attempt) == 123.0  # the handle travelled too
-    assert launcher.channel(attempt).addresses == {"node-a": "http://127.0.0.1:4242"}
-    assert launcher.channel(attempt).attempt_id == "seg/try-1"
+    assert launcher.started_at(Attempt(attempt)) == 123.0  # the handle travelled too
+    assert launcher.channel(Attempt(attempt)).addresses == {"node-a": "http://127.0.0.1:4242"}
+    assert launcher.channel(Attempt(attempt)).attempt_id == "seg/try-1"
     assert not (attempt / LAUNCH_FILE).exists()
 
 
@@ -187,7 +205,7 @@ def test_a_retry_elsewhere_stops_what_a_killed_try_launched(tmp_path: Path) -> N
             {"nodes": {"node-a": agent_handle(proc.pid)}, "started_at": 1.0}))
         record = launch_record.build(cfg, LocalLauncher())
         (attempt / HANDLE_FILE).unlink()
-        journal.write({}, attempt.parent, journal.LAUNCHED, attempt_dir=str(attempt),
+        journal.write({}, attempt.parent, AttemptState.RUNNING, attempt_dir=str(attempt),
                       **{launch_record.KEY: record})
         assert journal.stop_launched({}, attempt.parent, LocalLauncher(),
                                      f"sqlite:///{tmp_path / 'x.db'}") == []

@@ -2,7 +2,7 @@
 
 The workload here is a real process group (``sleep``) behind a real local launcher handle;
 the wardens are real ``python -m relay.recover.warden`` processes. Training itself is covered
-by ``tests/services/test_services_unattended.py`` (scheduler killed, stalled rank).
+by ``tests/services/test_services_faults.py`` (scheduler killed, stalled rank).
 """
 
 from __future__ import annotations
@@ -11,35 +11,49 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from processes import wait_exit
 
+from relay.core.attempt import Attempt
 from relay.core.faults import Fault, FaultKind
 from relay.core.settings import REPO_ROOT
-from relay.launchers.local.launcher import HANDLE_FILE, agent_handle, group_members
+from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher, agent_handle, group_members
 from relay.policy.model import load_policy
-from relay.recover import warden as unattended
+from relay.recover import claim, warden
+from relay.recover.save_state import STOP
+from relay.recover.warden_record import Stopped, folder
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig
 
 DEFAULT = REPO_ROOT / "policies" / "default.yaml"
 
+def _take(attempt: Path, wait: float, launcher: LocalLauncher | None = None,
+          fetch: Callable[[], Stopped | None] | None = None,
+          warden_due: float | None = None) -> Stopped | None:
+    """Take the attempt as execute_complete does; return what a warden saved, if any."""
+    with claim.take(Attempt(attempt), claim.TASK, launcher or LocalLauncher(),
+                    wait_seconds=wait, fetch=fetch, warden_due=warden_due) as taken:
+        assert taken.ours
+        return taken.by_warden
+
+
 
 def test_plan_follows_the_policy(tmp_path: Path) -> None:
     loaded = load_policy(DEFAULT)
-    steps = unattended.plan(loaded.policy, [], loaded.sha256)
-    assert steps["hang"] == unattended.RESCUE  # restart_elsewhere after a hang: rescue first
-    assert steps["straggler"] == unattended.DRAIN  # checkpoint_and_migrate: drain first
-    assert steps["nan_loss"] == unattended.STOP  # rollback: the ranks' state is not wanted
-    assert steps["crash"] == unattended.STOP
+    steps = warden.plan(loaded.policy, [], loaded.sha256)
+    assert steps["hang"] == "rescue"  # restart_elsewhere after a hang: rescue first
+    assert steps["straggler"] == "drain"  # checkpoint_and_migrate: drain first
+    assert steps["nan_loss"] == STOP  # rollback: the ranks' state is not wanted
+    assert steps["crash"] == STOP
     # The 3rd hang of a segment escalates: no rescue, just the stop.
-    again = unattended.plan(loaded.policy, [FaultKind.HANG, FaultKind.HANG], loaded.sha256)
-    assert again["hang"] == unattended.STOP
+    again = warden.plan(loaded.policy, [FaultKind.HANG, FaultKind.HANG], loaded.sha256)
+    assert again["hang"] == STOP
     observing = tmp_path / "observe.yaml"
     observing.write_text(DEFAULT.read_text().replace("mode: enforce", "mode: observe", 1))
     watch_only = load_policy(observing)
-    assert unattended.plan(watch_only.policy, [], watch_only.sha256) == {}
+    assert warden.plan(watch_only.policy, [], watch_only.sha256) == {}
 
 
 def _workload(attempt: Path) -> subprocess.Popen[bytes]:
@@ -76,26 +90,26 @@ def test_an_unhandled_fault_is_stopped_by_one_warden(
     try:
         event = _event(attempt, time.time())
         # Two watchers of one attempt fire: one warden starts.
-        first = unattended.start_warden(attempt, event, unattended.STOP, DETECTION, None)
+        first = warden.start_warden(attempt, event, STOP, DETECTION, None)
         assert first is not None
-        assert unattended.start_warden(attempt, event, unattended.STOP, DETECTION, None) is None
+        assert warden.start_warden(attempt, event, STOP, DETECTION, None) is None
         # A second warden started by hand races the first for the lease.
-        args = unattended.folder(attempt) / "args.json"
+        args = folder(attempt) / "args.json"
         with (attempt / "logs" / "unattended.log").open("ab") as out:
             rival = subprocess.Popen([sys.executable, "-m", "relay.recover.warden", str(args)],
                                      stdout=out, stderr=subprocess.STDOUT)
         assert proc.wait(timeout=60) is not None  # the workload was stopped
         rival.wait(timeout=60)
         wait_exit(first)
-        stopped = unattended.Stopped.read(attempt)
+        stopped = Stopped.read(attempt)
         assert stopped is not None and stopped.survivors == []
         assert stopped.stopped_at - stopped.detected_at >= DETECTION["stop_unattended_after"]
-        assert unattended.claimed_by(attempt)["by"] == "warden"
+        assert claim.claimed_by(attempt)["by"] == "warden"
         log = (attempt / "logs" / "unattended.log").read_text()
         assert log.count("stopping the workload") == 1, log
         assert log.count("done: claimed") == 1 and log.count("done: stopped") == 1, log
         # execute_complete, when it runs, gets the warden's record.
-        assert unattended.take_over(attempt, 5) == stopped
+        assert _take(attempt, 5) == stopped
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -105,14 +119,14 @@ def test_a_handled_fault_is_left_to_execute_complete(tmp_path: Path) -> None:
     attempt = tmp_path / "try-1"
     proc = _workload(attempt)
     try:
-        pid = unattended.start_warden(attempt, _event(attempt, time.time()), unattended.STOP,
+        pid = warden.start_warden(attempt, _event(attempt, time.time()), STOP,
                                       {**DETECTION, "stop_unattended_after": 30.0}, None)
         assert pid is not None
-        assert unattended.take_over(attempt, 5) is None  # execute_complete takes the attempt
+        assert _take(attempt, 5) is None  # execute_complete takes the attempt
         wait_exit(pid, timeout=10)  # the warden leaves at its next look
         assert group_members(proc.pid) == [proc.pid]  # and never touched the workload
-        assert unattended.claimed_by(attempt)["by"] == "execute_complete"
-        assert unattended.Stopped.read(attempt) is None
+        assert claim.claimed_by(attempt)["by"] == "execute_complete"
+        assert Stopped.read(attempt) is None
     finally:
         proc.kill()
         proc.wait()
@@ -122,9 +136,9 @@ def test_off_means_no_warden(tmp_path: Path) -> None:
     attempt = tmp_path / "try-1"
     attempt.mkdir()
     event = _event(attempt, time.time())
-    assert unattended.start_warden(attempt, event, unattended.STOP,
+    assert warden.start_warden(attempt, event, STOP,
                                    {**DETECTION, "stop_unattended_after": None}, None) is None
-    assert not unattended.folder(attempt).exists()
+    assert not folder(attempt).exists()
 
 
 @pytest.mark.parametrize("value", ["0s", "-1s"])

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
+from relay.core.errors import ChaosConfError, ConfigError
 from relay.core.settings import REPO_ROOT
 from relay.operators import base as operators
-from relay.spec.chaos_conf import CHAOS_EXAMPLE, ChaosConfError, chaos_faults
+from relay.spec.chaos_conf import CHAOS_EXAMPLE, chaos_faults
 from relay.spec.job import JobSpec, load_job_spec
-from relay.spec.yamlsource import ConfigError
 
 DEMO = REPO_ROOT / "dags" / "jobs" / "demo.yaml"
 CRASH = {"kind": "crash", "segment": 1, "step": 75, "rank": 1, "attempt": 1}
@@ -59,13 +59,13 @@ def test_entries_typed_as_json_text_become_objects_and_bad_ones_are_refused() ->
         chaos_faults({"chaos": [{"kind": "meteor", "step": 1}]}, spec, DEMO)
 
 
-def test_the_chaos_param_takes_the_readme_example_as_objects_and_refuses_strings() -> None:
+def test_the_chaos_param_takes_the_documented_example_as_objects_and_refuses_strings() -> None:
     from relay.operators.dag_factory import build_dag
 
     param = build_dag(load_job_spec(DEMO), DEMO).params.get_param("chaos")
     assert param.schema["items"]["type"] == "object"  # the trigger form shows a JSON editor
-    readme = (REPO_ROOT / "README.md").read_text()
-    assert '"chaos": [{"kind": "hang", "segment": 1, "step": 75, "rank": 1}]' in readme
+    docs = (REPO_ROOT / "docs" / "watching.md").read_text()
+    assert '"chaos": [{"kind": "hang", "segment": 1, "step": 75, "rank": 1}]' in docs
     assert param.resolve([{"kind": "hang", "segment": 1, "step": 75, "rank": 1}])
     with pytest.raises(Exception, match="is not of type 'object'"):
         param.resolve(['{"kind": "hang"}'])

@@ -15,10 +15,10 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from relay.core.errors import ConfigError
 from relay.core.settings import REPO_ROOT
 from relay.policy.model import load_policy
 from relay.spec.job import load_job_spec
-from relay.spec.yamlsource import ConfigError
 
 SHIPPED = {
     "policy": [(REPO_ROOT / "policies" / n).read_text() for n in ("default.yaml", "strict.yaml")],

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from relay.core.errors import ConfigError
 from relay.spec.job import load_job_spec
-from relay.spec.yamlsource import ConfigError
 from relay_train.protocol.launch import LaunchConfig
 
 BASE = "job: demo\ntotal_steps: 240\nsteps_per_segment: 60\ncheckpoint_every: 20\n"

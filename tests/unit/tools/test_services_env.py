@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from relay.core.errors import ServiceError
 from relay.tools import services
-from relay.tools.airflow_api import ServiceError
 
 
 def test_every_component_gets_the_venv_on_path_and_its_own_ports(tmp_path: Path,

@@ -74,11 +74,13 @@ def test_an_mlflow_outage_never_turns_the_policys_decision_into_a_default_retry(
     import json
     from types import SimpleNamespace
 
+    from relay.core.attempt import Attempt
     from relay.core.faults import Fault, FaultKind
     from relay.core.settings import REPO_ROOT
+    from relay.launchers import launcher_for
     from relay.lineage.store import Lineage
+    from relay.operators.retry import SegmentFaultError
     from relay.operators.segment import TrainSegmentOperator
-    from relay.recover.outcome import SegmentFaultError
     from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig
 
     monkeypatch.setenv("RELAY_HOME", str(tmp_path / "home"))
@@ -102,7 +104,8 @@ def test_an_mlflow_outage_never_turns_the_policys_decision_into_a_default_retry(
     context = {"dag_run": SimpleNamespace(run_id="manual__1", conf={})}
     crash = Fault(FaultKind.CRASH, 1, "node-b", {"summary": "exit -9"}, 1000.0)
     with pytest.raises(SegmentFaultError) as raised:  # the policy's retry, not MLflow's error
-        op._on_fault(context, crash, attempt, cfg, down)
+        op._recover(context, crash, Attempt(attempt), cfg, down, launcher_for(op.spec()),
+                    act=True)
     assert raised.value.decision.action == "retry"
     assert "Lost steps: unknown" in str(raised.value)
     record = json.loads((attempt / "decision.json").read_text())

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from agents import ServedAttempt
 
-from relay.launchers.local.launcher import HANDLE_FILE, LaunchState, LocalLauncher
+from relay.core.attempt import Attempt, AttemptState
+from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher
 from relay.tools import chaos
 from relay_train.protocol import pids
 from relay_train.protocol.heartbeat import Heartbeat, heartbeat_path, write_atomically
@@ -81,11 +82,11 @@ def test_stop_leaves_a_reused_pid_alone_and_logs_it(
     root = reused_attempt(tmp_path / "try-1", stranger)
     launcher = LocalLauncher()
     with caplog.at_level(logging.WARNING):
-        assert launcher.stop(root, grace_seconds=0.5) == []
+        assert launcher.stop(Attempt(root), grace_seconds=0.5) == []
     assert still_running(stranger)
     assert f"Leaving process group {stranger.pid} alone" in caplog.text
     # Nor does the reused PID make the dead agent look alive.
-    assert launcher.status(root).state is LaunchState.FAILED
+    assert launcher.status(Attempt(root)).state is AttemptState.FAILED
 
 
 def test_chaos_refuses_targets_whose_pid_was_reused(

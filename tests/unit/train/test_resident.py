@@ -274,7 +274,7 @@ def test_the_end_of_a_run_stops_its_unclaimed_standbys(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from relay.launchers.local.adopt import end_run
+    from relay.launchers.local.launcher import LocalLauncher
 
     standby_dir = tmp_path / "run" / "segment-000" / "standby"
     standby_dir.mkdir(parents=True)
@@ -282,7 +282,7 @@ def test_the_end_of_a_run_stops_its_unclaimed_standbys(tmp_path: Path) -> None:
                             start_new_session=True)
     try:
         record(standby_dir, "node-c", proc.pid)
-        end_run(tmp_path / "run", "relay_test/no-such-run", None)
+        LocalLauncher().continuity.end_run(tmp_path / "run", stop_workloads=False)
         assert proc.wait(30) is not None
         assert not (standby_dir / "node-c.standby").exists()
     finally:

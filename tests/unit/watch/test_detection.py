@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from relay.core.attempt import AttemptState
 from relay.core.faults import Fault, FaultKind
-from relay.launchers.local.launcher import LaunchState, LaunchStatus, NodeStatus
-from relay.policy.model import Detection, StragglerDetection
+from relay.launchers.local.launcher import LaunchStatus, NodeStatus
+from relay.policy.model import MIN_SLOW_STEPS, Detection, StragglerDetection
 from relay.watch.detection import AGENT_STATUS_INTERVAL_SECONDS, Detector, Observation
-from relay.watch.slowness import MIN_SLOW_STEPS
 from relay_train.protocol.heartbeat import Heartbeat, HeartbeatWriter, Phase, read_heartbeats
 from relay_train.protocol.routes import NodeState
 
@@ -84,7 +84,7 @@ def running(now: float, *, agent_age: dict[str, float | None] | None = None) -> 
             node, NodeState.RUNNING, {r: None for r in ranks},
             last_seen=None if age is None else now - age,
         )
-    return LaunchStatus(LaunchState.RUNNING, nodes)
+    return LaunchStatus(AttemptState.RUNNING, nodes)
 
 
 def observe(
@@ -771,7 +771,7 @@ def test_startup(
 def failed(now: float) -> LaunchStatus:
     """Rank 1 was SIGKILLed; its peers went down with SIGTERM or "connection reset"."""
     return LaunchStatus(
-        LaunchState.FAILED,
+        AttemptState.FAILED,
         {
             "node-a": NodeStatus("node-a", NodeState.FAILED, {1: -9, 0: -15}, last_seen=now),
             "node-b": NodeStatus("node-b", NodeState.FAILED, {2: 1, 3: 1}, last_seen=now),
@@ -790,7 +790,7 @@ def test_crash_names_the_killed_rank() -> None:
 
 def peers_first() -> LaunchStatus:
     """node-b's ranks died of "connection reset"; node-a's agent has not reported rank 1 yet."""
-    return LaunchStatus(LaunchState.FAILED, {
+    return LaunchStatus(AttemptState.FAILED, {
         "node-a": NodeStatus("node-a", NodeState.RUNNING, {0: None, 1: None}, last_seen=T0),
         "node-b": NodeStatus("node-b", NodeState.FAILED, {2: 1, 3: 1}, last_seen=T0),
     })
@@ -937,7 +937,7 @@ def test_detector_enabled_for_node_only_ignores_a_single_stale_rank() -> None:
 )
 def test_fault_event_round_trip(fault: Fault) -> None:
     event = fault.to_event()
-    assert event["status"] == "fault"
+    assert event["status"] == "faulted"
     assert event["fault"]["kind"] == fault.kind.value
     assert type(event["fault"]["kind"]) is str
     again = Fault.from_event(event["fault"])

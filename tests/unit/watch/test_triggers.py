@@ -15,16 +15,12 @@ import pytest
 from agents import SERVED, close_served_agents, serve  # noqa: F401 - the fixture closes them
 from airflow.triggers.base import TriggerEvent
 
-from relay.core.faults import Fault, FaultKind, classify_exit
-from relay.launchers.local.launcher import (
-    HANDLE_FILE,
-    LaunchState,
-    LaunchStatus,
-    LocalLauncher,
-    NodeStatus,
-)
+from relay.core.attempt import Attempt, AttemptState
+from relay.core.faults import Fault, FaultKind
+from relay.launchers.local.launcher import HANDLE_FILE, LaunchStatus, LocalLauncher, NodeStatus
 from relay.watch import triggers
 from relay.watch.detection import Observation
+from relay.watch.exits import classify_exit
 from relay.watch.triggers import (
     DUE_MARGIN_SECONDS,
     DUE_MIN_PAUSE_SECONDS,
@@ -46,7 +42,7 @@ Record = tuple[NodeState, dict[int, int | None]]  # (state, exit codes by rank)
 def failed_status() -> LaunchStatus:
     # node-b's rank 3 was SIGKILLed; everyone else went down with it.
     return LaunchStatus(
-        LaunchState.FAILED,
+        AttemptState.FAILED,
         {
             "node-a": NodeStatus("node-a", NodeState.FAILED, {0: 1, 1: -15}),
             "node-b": NodeStatus("node-b", NodeState.FAILED, {2: 1, 3: -9}),
@@ -68,7 +64,7 @@ def test_classify_exit_names_the_sigkilled_rank_and_its_node() -> None:
 
 def test_classify_exit_with_only_secondary_exits_picks_the_lowest_rank() -> None:
     status = LaunchStatus(
-        LaunchState.FAILED,
+        AttemptState.FAILED,
         {
             "node-a": NodeStatus("node-a", NodeState.FAILED, {0: -15, 1: -15}),
             "node-b": NodeStatus("node-b", NodeState.FAILED, {2: 1, 3: -15}),
@@ -83,7 +79,7 @@ def test_classify_exit_with_only_secondary_exits_picks_the_lowest_rank() -> None
 
 def test_classify_exit_of_a_dead_agent_names_its_node() -> None:
     status = LaunchStatus(
-        LaunchState.FAILED,
+        AttemptState.FAILED,
         {
             "node-a": NodeStatus("node-a", NodeState.RUNNING, {0: None, 1: None}),
             "node-b": NodeStatus(
@@ -101,8 +97,8 @@ def test_classify_exit_of_a_dead_agent_names_its_node() -> None:
     assert "agent died" in fault.evidence["summary"]
 
 
-@pytest.mark.parametrize("state", [LaunchState.SUCCEEDED, LaunchState.RUNNING])
-def test_classify_exit_is_none_unless_failed(state: LaunchState) -> None:
+@pytest.mark.parametrize("state", [AttemptState.COMPLETED, AttemptState.RUNNING])
+def test_classify_exit_is_none_unless_failed(state: AttemptState) -> None:
     status = LaunchStatus(state, failed_status().nodes)  # even with bad codes on record
 
     assert classify_exit(status, NODE_RANKS) is None
@@ -114,7 +110,7 @@ def test_fault_event_round_trip() -> None:
 
     payload = fault.to_event()
 
-    assert payload["status"] == "fault"
+    assert payload["status"] == "faulted"
     assert payload["fault"]["kind"] == "crash"
     assert Fault.from_event(payload["fault"]) == fault
 
@@ -207,7 +203,7 @@ def test_a_nan_the_ranks_outran_is_still_reported(tmp_path: Path) -> None:
 
     event = asyncio.run(first_event(watch(root)))
 
-    assert event.payload["status"] == "fault"
+    assert event.payload["status"] == "faulted"
     fault = event.payload["fault"]
     assert (fault["kind"], fault["culprit_rank"], fault["evidence"]["step"]) == ("nan_loss", 1, 25)
 
@@ -259,7 +255,7 @@ def test_run_fires_a_crash_fault_naming_the_culprit(tmp_path: Path) -> None:
     event = asyncio.run(first_event(watch(root)))
 
     payload = event.payload
-    assert payload["status"] == "fault"
+    assert payload["status"] == "faulted"
     assert payload["attempt_dir"] == str(root)
     fault = payload["fault"]
     assert fault["kind"] == "crash"
@@ -288,7 +284,7 @@ def test_run_keeps_watching_while_running_then_reports(tmp_path: Path) -> None:
     fired_early, event = asyncio.run(scenario())
 
     assert not fired_early
-    assert event.payload["status"] == "fault"
+    assert event.payload["status"] == "faulted"
     assert event.payload["fault"]["kind"] == "crash"
     assert event.payload["fault"]["culprit_rank"] == 0
     assert event.payload["fault"]["culprit_node"] == "node-a"
@@ -308,7 +304,7 @@ def test_run_fires_an_error_event_when_status_raises(
     event = asyncio.run(first_event(watch(root)))
 
     payload = event.payload
-    assert payload["status"] == "error"
+    assert payload["status"] == "failed"
     assert payload["attempt_dir"] == str(root)
     assert payload["message"].startswith("TypeError:")
     assert "Traceback" in payload["traceback"]
@@ -320,8 +316,8 @@ def test_status_of_a_malformed_handle_is_failed_not_an_exception(tmp_path: Path)
     root.mkdir()
     (root / HANDLE_FILE).write_text(json.dumps({"nodes": 5, "started_at": time.time()}))
 
-    assert LocalLauncher().status(root).state is LaunchState.FAILED
-    assert LocalLauncher().stop(root) == []
+    assert LocalLauncher().status(Attempt(root)).state is AttemptState.FAILED
+    assert LocalLauncher().stop(Attempt(root)) == []
 
 
 def _observed(phases: dict[int, Phase]) -> Observation:

@@ -32,8 +32,9 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
+from relay.core.attempt import Attempt, AttemptState
 from relay.launchers.agent_client import AgentChannel
-from relay.launchers.base import LaunchState, LaunchStatus, overall_state
+from relay.launchers.base import LaunchStatus, overall_state
 from relay.launchers.k8s.cluster_nodes import (
     LEASE_STALE_SECONDS,
     NODE_CHECK_SECONDS,
@@ -86,6 +87,7 @@ class KubernetesLauncher(KubernetesNodes):
     """Start, watch and stop segment attempts as Indexed Jobs."""
 
     name = "kubernetes"
+    continuity = None  # pods do not outlive an attempt: every attempt launches afresh
 
     def __init__(self, settings: KubernetesSpec, hook: KubernetesHook | None = None,
                  conn_id: str | None = None, retry_wait_seconds: float = 0.5,
@@ -157,8 +159,9 @@ class KubernetesLauncher(KubernetesNodes):
         """Return one slot per node: Kubernetes picks the machines, Relay only counts them."""
         return [f"pod-{i}" for i in range(len(nodes))]
 
-    def launch(self, cfg: LaunchConfig, standby_dir: Path | None = None) -> Path:
-        """Create the attempt's Job, ConfigMap and Service (idempotently); return the folder."""
+    def launch(self, cfg: LaunchConfig) -> Attempt:
+        """Create the attempt's Job, ConfigMap and Service (idempotently); the ranks meet at
+        pod 0 under the attempt's headless Service. Return the attempt."""
         from relay.nodes.pool import NodePool
 
         key = AttemptKey.from_dir(cfg.root)
@@ -178,14 +181,14 @@ class KubernetesLauncher(KubernetesNodes):
                            service_manifest(key, self.namespace, owner))
         log.info("Job %s/%s: %d pods, quarantined nodes excluded: %s", self.namespace, key.name,
                  len(cfg.nodes), ", ".join(sorted(held)) or "none")
-        return cfg.root
+        return Attempt(cfg.root, nodes=tuple(cfg.nodes))
 
-    def handle(self, root: Path) -> dict[str, Any]:
+    def handle(self, attempt: Attempt) -> dict[str, Any]:
         """Return nothing: the Job's name comes from the attempt folder's name, and its
         annotations (nodes, launch time) are in the API server for any worker to read."""
         return {}
 
-    def attach(self, root: Path, handle: dict[str, Any]) -> None:
+    def attach(self, attempt: Attempt, handle: dict[str, Any]) -> None:
         """Do nothing: see :meth:`handle`."""
 
     def _create_job(self, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -238,23 +241,23 @@ class KubernetesLauncher(KubernetesNodes):
         return self._call(self.core.list_namespaced_pod, self.namespace,
                           label_selector=selector).items
 
-    def started_at(self, root: Path) -> float:
+    def started_at(self, attempt: Attempt) -> float:
         """Return when Relay launched the attempt (its Job's annotation; read once)."""
-        name = AttemptKey.from_dir(root).name
+        name = AttemptKey.of(attempt).name
         if name not in self._launched_at:
             job = self._job_named(name)
             if job is None:
-                raise KeyError(f"no Job for {root}")
+                raise KeyError(f"no Job for {attempt}")
             self._launched_at[name] = float(job.metadata.annotations[ANNOTATION_LAUNCHED_AT])
         return self._launched_at[name]
 
-    def status(self, root: Path) -> LaunchStatus:
+    def status(self, attempt: Attempt) -> LaunchStatus:
         """Read the Job, its pods and their nodes; say what each node slot is doing."""
-        key = AttemptKey.from_dir(root)
+        key = AttemptKey.of(attempt)
         job = self._job(key)
         if job is None:
             log.warning("Job %s/%s not found: the attempt is gone", self.namespace, key.name)
-            return LaunchStatus(LaunchState.FAILED, {})
+            return LaunchStatus(AttemptState.FAILED, {})
         slots = json.loads(job.metadata.annotations[ANNOTATION_NODES])
         pods = newest_by_index(self._pods(key.selector()))
         problems = {h: self._node_problem(h) for h in {p.spec.node_name for p in pods.values()
@@ -262,7 +265,7 @@ class KubernetesLauncher(KubernetesNodes):
         now = time.time()
         nodes = {slot: slot_status(slot, pods.get(i), problems, now)
                  for i, slot in enumerate(slots)}
-        channel = self.channel(root, slots)
+        channel = self.channel(attempt, slots)
         channel.poll([s for s, n in nodes.items() if n.state == NodeState.RUNNING])
         for slot, node in nodes.items():
             merge_agent_report(node, channel.reports.get(slot))
@@ -278,21 +281,22 @@ class KubernetesLauncher(KubernetesNodes):
         """Return where the agent of pod ``index`` answers (its headless-Service DNS name)."""
         return agent_url(key, self.namespace, index)
 
-    def channel(self, root: Path, slots: list[str] | None = None) -> AgentChannel:
+    def channel(self, attempt: Attempt, slots: list[str] | None = None) -> AgentChannel:
         """Return the channel to the attempt's pod agents (slots from its Job, read once)."""
-        key = AttemptKey.from_dir(root)
+        key = AttemptKey.of(attempt)
         if key.name not in self._channels:
             if slots is None:
                 job = self._job(key)
                 slots = [] if job is None else json.loads(
                     job.metadata.annotations[ANNOTATION_NODES])
             self._channels[key.name] = AgentChannel(
-                attempt_id_of(root), {s: self.agent_url(key, i) for i, s in enumerate(slots)})
+                attempt_id_of(attempt.runs_in),
+                {s: self.agent_url(key, i) for i, s in enumerate(slots)})
         return self._channels[key.name]
 
-    def host_of(self, root: Path, node: str) -> str:
+    def host_of(self, attempt: Attempt, node: str) -> str:
         """Return the Kubernetes node the slot's pod runs on (the slot itself if unknown)."""
-        key = AttemptKey.from_dir(root)
+        key = AttemptKey.of(attempt)
         job = self._job(key)
         if job is None:
             return node
@@ -301,9 +305,9 @@ class KubernetesLauncher(KubernetesNodes):
             slots.index(node) if node in slots else -1)
         return pod.spec.node_name if pod is not None and pod.spec.node_name else node
 
-    def stop(self, root: Path, grace_seconds: float = 5.0) -> list[str]:
+    def stop(self, attempt: Attempt, grace_seconds: float = 5.0) -> list[str]:
         """Delete the Job in the foreground; return the pods still there (should be none)."""
-        return self._stop_job(AttemptKey.from_dir(root).name, grace_seconds)
+        return self._stop_job(AttemptKey.of(attempt).name, grace_seconds)
 
     def stop_all(self, segment_dir: Path) -> list[str]:
         """Stop every Job of a segment, whichever attempt and worker created it."""
@@ -358,10 +362,3 @@ class KubernetesLauncher(KubernetesNodes):
                     if not left:
                         break
 
-    def prestart(self, directory: Path, nodes: list[str], ttl_seconds: float,
-                 source: Path | None = None) -> None:
-        """Do nothing: pods are not pre-created; kubelets keep the image (IfNotPresent)."""
-        log.info("No standby pods on Kubernetes; the next attempt's pods start cold")
-
-    def reside(self, run_dir: Path, nodes: list[str], prestarted: Path | None = None) -> None:
-        """Do nothing: a spare's pod is created at the retry (kubelets keep the image)."""

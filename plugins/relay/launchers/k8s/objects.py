@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from relay.core.attempt import Attempt
 from relay.spec.sections import KubernetesSpec
 from relay_train.protocol.env import ENV_HOST, ENV_NODE_INDEX
 from relay_train.protocol.launch import LAUNCH_FILE
@@ -60,6 +61,11 @@ class AttemptKey:
     dag_run: str
     segment: int
     attempt: int
+
+    @classmethod
+    def of(cls, attempt: Attempt) -> AttemptKey:
+        """Return the key of the attempt whose workload runs in ``attempt.runs_in``."""
+        return cls.from_dir(attempt.runs_in)
 
     @classmethod
     def from_dir(cls, root: Path) -> AttemptKey:

@@ -36,10 +36,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from relay.launchers import Launcher, LaunchState
-from relay.launchers.local.warm_agents import release_run
-from relay.lineage.interval import INTERVAL_FILE
-from relay.nodes.pool import NodePool
+from relay.core.attempt import INTERVAL_FILE, Attempt, AttemptState
+from relay.launchers import Launcher
 from relay.spec.job import JobSpec
 from relay_train.protocol.heartbeat import read_heartbeats, write_atomically
 from relay_train.protocol.injection import CHAOS_LOG
@@ -59,15 +57,6 @@ STOPPED_FILE = "let-go.json"  # in a workload's folder: Relay stopped it; never 
 # The freeze guard (a thread of the task) and the adoption (the task itself) decide the
 # same workload's fate: one of them, never both (a stopped workload adopted is a "crash").
 _HANDOVER = threading.Lock()
-
-
-def enabled(spec: JobSpec, launcher: Launcher) -> bool:
-    """Return whether segments of this job hand their workload over (local launcher only).
-
-    The ranks learn of an adoption from a file in their attempt folder, which the
-    Kubernetes launcher's pods do not share with Relay: there segments restart.
-    """
-    return spec.segment_boundary == "adopt" and launcher.name == "local"
 
 
 def lookahead(spec: JobSpec, index: int) -> tuple[list[int], int | None]:
@@ -120,7 +109,7 @@ def live_workload(run_dir: Path, index: int, launcher: Launcher) -> Path | None:
         root = handle.parent
         if (root / STOPPED_FILE).exists():
             continue
-        if launcher.status(root).state is not LaunchState.SUCCEEDED:
+        if launcher.status(Attempt(root)).state is not AttemptState.COMPLETED:
             return root
     return None
 
@@ -214,7 +203,7 @@ def stop_adopted(segment_dir: Path, launcher: Launcher) -> list[str]:
         for attempt in sorted(segment_dir.iterdir()):
             adopted = read_adopted(attempt)
             if adopted is not None:
-                survivors += launcher.stop(Path(adopted["workload"]))
+                survivors += launcher.stop(Attempt(Path(adopted["workload"])))
                 let_go(Path(adopted["workload"]))
     return survivors
 
@@ -279,9 +268,9 @@ def wait_for_end(run_dir: Path, index: int, launcher: Launcher,
         return
     deadline = time.monotonic() + timeout_seconds
     while (time.monotonic() < deadline
-           and launcher.status(workload).state is LaunchState.RUNNING):
+           and launcher.status(Attempt(workload)).state is AttemptState.RUNNING):
         time.sleep(0.2)
-    launcher.stop(workload)
+    launcher.stop(Attempt(workload))
     let_go(workload)
 
 
@@ -332,7 +321,7 @@ def freeze_guard(run_dir: Path, index: int, launcher: Launcher, silent_seconds: 
                         "heartbeat for %.0fs) while this task waits on MLflow: stopping it; "
                         "the next segment resumes from the latest checkpoint",
                         workload, silent, silent_seconds)
-            launcher.stop(workload)
+            launcher.stop(Attempt(workload))
             return
 
     thread = threading.Thread(target=watch, name="freeze-guard", daemon=True)
@@ -350,27 +339,8 @@ def stop_run_workloads(run_dir: Path, launcher: Launcher) -> list[Path]:
     for handle in run_dir.glob("segment-*/try-*/handle.json"):
         root = handle.parent
         if not (root / STOPPED_FILE).exists() and (
-                launcher.status(root).state is LaunchState.RUNNING):
-            launcher.stop(root)
+                launcher.status(Attempt(root)).state is AttemptState.RUNNING):
+            launcher.stop(Attempt(root))
             let_go(root)
             stopped.append(root)
-    return stopped
-
-
-def end_run(run_dir: Path, holder: str, launcher: Launcher | None) -> list[Path]:
-    """The DAG run is over (finalized, or failed): stop what still trains for it and end
-    its nodes' lease, so no workload outlives the run and the next run gets the nodes.
-    Its resident agents (spares, :mod:`relay_train.agent.resident`) and unclaimed standby
-    agents leave too.
-
-    A workload handed over at a boundary keeps the run's lease while no task watches
-    it; a segment task that ends without its own ``execute_complete`` (nothing left to
-    train) would otherwise leave that lease to expire hours later. ``launcher`` None:
-    the job never hands a workload over, only the lease ends.
-    """
-    stopped = [] if launcher is None else stop_run_workloads(run_dir, launcher)
-    release_run(run_dir)
-    freed = NodePool().release_lease(holder)
-    if freed:
-        log.info("DAG run %s is over: released node(s) %s", holder, ", ".join(freed))
     return stopped

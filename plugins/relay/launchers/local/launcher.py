@@ -32,34 +32,23 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from relay.core.attempt import Attempt, AttemptState
+from relay.core.errors import NotOursError
 from relay.core.proctree import group_members
 from relay.launchers.agent_client import MAX_PARALLEL, AgentChannel
-from relay.launchers.base import LaunchState, LaunchStatus, NodeStatus, overall_state
-from relay.launchers.local import prestart as local_prestart
-from relay.launchers.local.signals import LocalSignals, NotOursError
+from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
+from relay.launchers.local.signals import LocalSignals
 from relay.launchers.local.warm_agents import (
     LINGER_SECONDS,
     STANDBY_DIR,
-    claim,
-    from_resident,
-    live_resident,
-    record,
-    recorded_pid,
-    release,
-    start_recorded,
 )
-from relay_train.agent.resident import RESIDENT_DIR
+from relay.launchers.local.warm_start import LocalWarmStart
 from relay_train.protocol import pids
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 from relay_train.protocol.routes import (
-    DIRECTORY,
     ERRORS,
     EXIT_CODES,
-    LINGER,
-    PID,
-    STANDBY_TTL_SECONDS,
     STATE,
-    TTL,
     NodeState,
     Route,
 )
@@ -68,7 +57,7 @@ if TYPE_CHECKING:
     from relay.nodes.pool import Quarantine
 
 __all__ = [
-    "LINGER_SECONDS", "STANDBY_DIR", "LaunchState", "LaunchStatus", "LocalLauncher", "NodeStatus",
+    "LINGER_SECONDS", "STANDBY_DIR", "LaunchStatus", "LocalLauncher", "NodeStatus",
     "NotOursError", "free_port", "group_members",
 ]
 
@@ -94,14 +83,17 @@ def agent_handle(pid: int) -> dict[str, int | None]:
     return {"pid": pid, "pgid": pid, "started": pids.start_time(pid)}
 
 
-class LocalLauncher(LocalSignals):
+class LocalLauncher(LocalSignals, LocalWarmStart):
     """Start, watch and stop segment attempts as local process groups."""
 
     name = "local"
 
     def __init__(self) -> None:
+        from relay.launchers.local.continuity import LocalContinuity
+
         self._channels: dict[Path, AgentChannel] = {}
         self._attached: dict[Path, dict[str, Any]] = {}  # root -> a handle that travelled
+        self.continuity = LocalContinuity(self)
 
     def config(self) -> dict[str, Any]:
         """Return the factory's description of this launcher."""
@@ -111,32 +103,36 @@ class LocalLauncher(LocalSignals):
         """Return ``nodes``: a simulated node is its own slot."""
         return list(nodes)
 
-    def host_of(self, root: Path, node: str) -> str:
+    def host_of(self, attempt: Attempt, node: str) -> str:
         """Return ``node``: a simulated node is its own host."""
         return node
 
     def enforce_quarantines(self, held: dict[str, Quarantine]) -> None:
         """Do nothing: the node pool's selection already keeps quarantined nodes out."""
 
-    def launch(self, cfg: LaunchConfig, standby_dir: Path | None = None) -> Path:
-        """Write the launch file, start one agent per node; return the attempt folder.
+    def launch(self, cfg: LaunchConfig) -> Attempt:
+        """Write the launch file, start one agent per node; return the attempt.
 
-        A node with a standby agent in ``standby_dir`` gets it (already preloaded), else
-        one the run's resident agent forks now (preloaded too; waited for while it
-        preloads), else a new agent; the standbys nobody claimed are stopped afterwards.
+        The ranks meet on loopback at a free port. A node with a standby agent in the
+        segment's standby folder (:data:`STANDBY_DIR`, where this launcher's warm starts
+        put them) gets it (already preloaded), else one the run's resident agent forks
+        now (preloaded too; waited for while it preloads), else a new agent; the
+        standbys nobody claimed are stopped afterwards.
         """
         root = cfg.root
         cfg = replace(cfg, attempt_id=cfg.attempt_id or attempt_id_of(root),
-                      agent_ports={n: free_port() for n in cfg.nodes})
+                      agent_ports={n: free_port() for n in cfg.nodes},
+                      master_addr=cfg.master_addr or "127.0.0.1",
+                      master_port=cfg.master_port or free_port())
+        standby_dir = root.parent / STANDBY_DIR
         for sub in (root, cfg.log_dir, cfg.heartbeat_dir):
             sub.mkdir(parents=True, exist_ok=True)
         launch_file = root / LAUNCH_FILE
         cfg.write(launch_file)
         handle: dict[str, dict[str, int | None]] = {}
-        if standby_dir is not None:
-            self._from_resident(standby_dir, cfg.nodes)
+        self._from_resident(standby_dir, cfg.nodes)
         for node in cfg.nodes:
-            pid = self._claim(standby_dir, node, launch_file) if standby_dir else None
+            pid = self._claim(standby_dir, node, launch_file)
             if pid is not None:
                 handle[node] = {**agent_handle(pid), "standby": True,
                                 "port": cfg.agent_ports[node]}
@@ -157,96 +153,13 @@ class LocalLauncher(LocalSignals):
                      cfg.agent_ports[node])
         (root / HANDLE_FILE).write_text(json.dumps({"nodes": handle, "started_at": time.time(),
                                                     "attempt_id": cfg.attempt_id}))
-        if standby_dir is not None:
-            self.release_standbys(standby_dir)
-        return root
+        self.release_standbys(standby_dir)
+        return Attempt(root, nodes=tuple(cfg.nodes))
 
-    def prestart(
-        self, directory: Path, nodes: list[str], ttl_seconds: float = STANDBY_TTL_SECONDS,
-        source: Path | None = None,
-    ) -> None:
-        """Have a standby agent wait preloaded on each node, for a launch being prepared.
-
-        A node of the ``source`` attempt whose agent answers gets a copy of that agent
-        (forked, preloaded already), any other node one forked by the run's resident
-        agent, or else a new process that preloads.
-        """
-        directory.mkdir(parents=True, exist_ok=True)
-        for node in nodes:
-            if recorded_pid(directory, node) is not None:
-                continue
-            pid = self._fork_standby(source, node, directory, ttl_seconds) if source else None
-            if pid is not None:
-                record(directory, node, pid)
-                log.info("Standby agent for %s: pid %d, forked from the agent of the faulty "
-                         "attempt (preloaded)", node, pid)
-            elif self._resident_standby(directory, node, ttl_seconds) is None:
-                pid = start_recorded(
-                    ["relay_train.agent.node", "--standby", str(directory), "--node", node,
-                     "--ttl", str(ttl_seconds), "--linger", str(LINGER_SECONDS)],
-                    directory, node)
-                log.info("Standby agent for %s: pid %d, started", node, pid)
-
-    def reside(self, run_dir: Path, nodes: list[str], prestarted: Path | None = None) -> None:
-        """Start a resident agent (:mod:`relay_train.agent.resident`) for ``nodes``, so that a
-        launch or a retry onto one of them gets a standby forked, preloaded, instead of a
-        new interpreter.
-
-        One per DAG run, on the first of ``nodes``: this launcher's nodes share one host,
-        so that resident forks the standbys of any of them (preflight starts it for the
-        first segment's), and a second would import the same stack again on the CPUs the
-        ranks train on. A live ``prestarted`` one (:mod:`relay.launchers.local.prestart`)
-        becomes the run's instead."""
-        if prestarted is not None and local_prestart.claim(run_dir, prestarted):
-            log.info("Resident agent for this host's nodes: the one prestarted beside "
-                     "Airflow's start-up (%s)", prestarted)
-            return
-        directory = run_dir / RESIDENT_DIR
-        directory.mkdir(parents=True, exist_ok=True)
-        if nodes and live_resident(directory) is None:
-            pid = start_recorded(["relay_train.agent.resident", "--dir", str(directory),
-                                   "--node", nodes[0]], directory, nodes[0])
-            log.info("Resident agent for %s (and this host's other nodes): pid %d",
-                     nodes[0], pid)
-
-    def _from_resident(self, directory: Path, nodes: list[str]) -> None:
-        """Have the run's resident agent fork a standby into ``directory`` for each of
-        ``nodes`` that has none there (nothing without a resident)."""
-        for node in nodes:
-            if recorded_pid(directory, node) is None and \
-                    self._resident_standby(directory, node, STANDBY_TTL_SECONDS) is None:
-                return  # no resident, or it does not answer: new agents, the slow way
-
-    @staticmethod
-    def _resident_standby(directory: Path, node: str, ttl_seconds: float) -> int | None:
-        """Have the run's resident agent fork ``node``'s standby into ``directory`` and
-        record it; return its PID (None: no resident, or it did not answer)."""
-        pid = from_resident(directory, node, ttl_seconds)
-        if pid is not None:
-            directory.mkdir(parents=True, exist_ok=True)
-            record(directory, node, pid)
-            log.info("Standby agent for %s: pid %d, forked from the run's resident agent "
-                     "(preloaded)", node, pid)
-        return pid
-
-    def _fork_standby(self, source: Path, node: str, directory: Path,
-                      ttl_seconds: float) -> int | None:
-        """Ask ``source``'s agent on ``node`` to fork a standby; return its PID if it did."""
-        channel = self.channel(source)
-        if node not in channel.addresses or node in channel.silent:
-            return None
-        reply = channel.call_quietly(node, Route.STANDBY, STANDBY_ASK_TIMEOUT_SECONDS,
-                                     **{DIRECTORY: str(directory), TTL: ttl_seconds,
-                                        LINGER: LINGER_SECONDS})
-        pid = (reply or {}).get(PID)
-        return pid if isinstance(pid, int) and pid > 0 else None
-
-    _claim = staticmethod(claim)
-    release_standbys = staticmethod(release)
-
-    def handle(self, root: Path) -> dict[str, Any]:
+    def handle(self, attempt: Attempt) -> dict[str, Any]:
         """Return the attempt's handle: its id, the agents' PIDs, PGIDs, start times and
         channel ports, and when it was launched (an attached one, else ``handle.json``)."""
+        root = attempt.runs_in
         if root in self._attached:
             return dict(self._attached[root])
         try:
@@ -254,15 +167,16 @@ class LocalLauncher(LocalSignals):
         except (OSError, ValueError, TypeError):
             return {}
 
-    def attach(self, root: Path, handle: dict[str, Any]) -> None:
-        """Use ``handle`` for the attempt at ``root`` (its ``handle.json`` may not be here)."""
+    def attach(self, attempt: Attempt, handle: dict[str, Any]) -> None:
+        """Use ``handle`` for ``attempt`` (its ``handle.json`` may not be here)."""
+        root = attempt.runs_in
         if handle:
             self._attached[root] = dict(handle)
             self._channels.pop(root, None)
 
-    def _handle(self, root: Path) -> dict[str, dict[str, int | None]]:
+    def _handle(self, attempt: Attempt) -> dict[str, dict[str, int | None]]:
         try:
-            nodes = self.handle(root)["nodes"]
+            nodes = self.handle(attempt)["nodes"]
             return {
                 str(n): {"pid": int(ids["pid"]), "pgid": int(ids["pgid"]),
                          "started": None if ids.get("started") is None else int(ids["started"]),
@@ -272,28 +186,30 @@ class LocalLauncher(LocalSignals):
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return {}
 
-    def started_at(self, root: Path) -> float:
+    def started_at(self, attempt: Attempt) -> float:
         """Return when the attempt was launched (epoch seconds)."""
-        found = self.handle(root)
+        found = self.handle(attempt)
         if "started_at" not in found:
-            raise KeyError(f"no launch handle for {root} (neither attached nor {HANDLE_FILE})")
+            raise KeyError(f"no launch handle for {attempt.runs_in} (neither attached nor "
+                           f"{HANDLE_FILE})")
         return float(found["started_at"])
 
-    def channel(self, root: Path) -> AgentChannel:
+    def channel(self, attempt: Attempt) -> AgentChannel:
         """Return the channel to the attempt's agents (on loopback, at the recorded ports)."""
+        root = attempt.runs_in
         if root not in self._channels:
-            attempt_id = str(self.handle(root).get("attempt_id") or attempt_id_of(root))
+            attempt_id = str(self.handle(attempt).get("attempt_id") or attempt_id_of(root))
             addresses = {n: f"http://127.0.0.1:{ids['port']}"
-                         for n, ids in self._handle(root).items() if ids["port"] is not None}
+                         for n, ids in self._handle(attempt).items() if ids["port"] is not None}
             self._channels[root] = AgentChannel(attempt_id, addresses)
         return self._channels[root]
 
-    def status(self, root: Path) -> LaunchStatus:
+    def status(self, attempt: Attempt) -> LaunchStatus:
         """Ask the agents over the channel, and check their PIDs; never blocks for long."""
-        channel = self.channel(root)
+        channel = self.channel(attempt)
         channel.poll()
         nodes: dict[str, NodeStatus] = {}
-        for node, ids in self._handle(root).items():
+        for node, ids in self._handle(attempt).items():
             report = channel.reports.get(node)  # its latest answer, if it ever answered
             alive = pids.is_running(ids["pid"], ids["started"])
             if report is None:
@@ -313,19 +229,20 @@ class LocalLauncher(LocalSignals):
         return LaunchStatus(overall_state(nodes), nodes, dict(channel.beats),
                             list(channel.refused), set(channel.crossed))
 
-    def heartbeats(self, root: Path) -> dict[int, Any]:
+    def heartbeats(self, attempt: Attempt) -> dict[int, Any]:
         """Return the ranks' latest heartbeats (on Relay's clock), asking the agents now."""
-        return self.status(root).heartbeats
+        return self.status(attempt).heartbeats
 
-    def stop(self, root: Path, grace_seconds: float = STOP_GRACE_SECONDS) -> list[str]:
+    def stop(self, attempt: Attempt, grace_seconds: float = STOP_GRACE_SECONDS) -> list[str]:
         """Stop every process of the attempt; return the PIDs that survived (should be none)."""
+        root = attempt.runs_in
         cut_off = {n.strip() for n in os.environ.get(ENV_PARTITIONED, "").split(",") if n.strip()}
-        handle = self._handle(root)
+        handle = self._handle(attempt)
         if cut_off & set(handle):
             log.warning("Test hook %s: cannot reach %s to stop it (a simulated partition)",
                         ENV_PARTITIONED, sorted(cut_off & set(handle)))
         reachable = [n for n in handle if n not in cut_off]
-        self._ask_to_stop(root, reachable)
+        self._ask_to_stop(attempt, reachable)
         groups = {handle[n]["pgid"]: handle[n]["started"] for n in reachable}
         ours = {g: s for g, s in groups.items() if self._ours(g, s)}
         live = [g for g in ours if group_members(g)]
@@ -353,9 +270,9 @@ class LocalLauncher(LocalSignals):
             log.error("Processes %s survived SIGKILL in %s", survivors, root)
         return [f"pid {p}" for p in survivors]
 
-    def _ask_to_stop(self, root: Path, nodes: list[str]) -> None:
+    def _ask_to_stop(self, attempt: Attempt, nodes: list[str]) -> None:
         """Ask the agents over the channel first, as on a cluster (signals follow anyway)."""
-        channel = self.channel(root)
+        channel = self.channel(attempt)
         targets = [n for n in nodes if n in channel.addresses and n not in channel.silent]
         if not targets:
             return
@@ -373,9 +290,9 @@ class LocalLauncher(LocalSignals):
                     pids.start_time(pgid))
         return False
 
-    def has_processes(self, root: Path) -> bool:
+    def has_processes(self, attempt: Attempt) -> bool:
         """Return whether any recorded process group of the attempt still has a member."""
-        groups = [ids["pgid"] for ids in self._handle(root).values()]
+        groups = [ids["pgid"] for ids in self._handle(attempt).values()]
         return any(group_members(g) for g in groups if g is not None)
 
     def stop_all(self, segment_dir: Path) -> list[str]:
@@ -384,12 +301,13 @@ class LocalLauncher(LocalSignals):
         if segment_dir.is_dir():
             for attempt in sorted(segment_dir.iterdir()):
                 if (attempt / HANDLE_FILE).exists():
-                    survivors += self.stop(attempt)
+                    survivors += self.stop(Attempt(attempt))
         return survivors
 
     # -- chaos: only local process groups can be frozen and killed from here --------
 
-    def running_attempts(self, base: Path) -> list[Path]:
+    def running_attempts(self, base: Path) -> list[Attempt]:
         """Return the running attempts under ``base``, newest first."""
         handles = sorted(base.rglob(HANDLE_FILE), key=lambda p: p.stat().st_mtime, reverse=True)
-        return [h.parent for h in handles if self.status(h.parent).state is LaunchState.RUNNING]
+        found = [Attempt(h.parent) for h in handles]
+        return [a for a in found if self.status(a).state is AttemptState.RUNNING]

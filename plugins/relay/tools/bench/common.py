@@ -11,6 +11,7 @@ from typing import Any
 
 from mlflow.tracking import MlflowClient
 
+from relay.core.attempt import Attempt
 from relay.launchers.local.launcher import LocalLauncher, free_port
 from relay.policy.model import Detection
 from relay.watch.triggers import SegmentWatchTrigger
@@ -86,7 +87,7 @@ def watch(cfg: LaunchConfig, detection: Detection, timeout: float,
 
 
 @contextmanager
-def launched(cfg: LaunchConfig) -> Iterator[Path]:
+def launched(cfg: LaunchConfig) -> Iterator[Attempt]:
     """Launch a segment and always stop every process of it afterwards."""
     launcher = LocalLauncher()
     root = launcher.launch(cfg)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from relay.core.attempt import AttemptState
 from relay.launchers.local.launcher import LocalLauncher
 from relay.lineage.report import chaos_strikes
 from relay.policy.model import Detection, load_policy
@@ -76,9 +77,9 @@ def run_trial(store: Store, root: Path, scenario: Scenario, detection: Detection
     with launched(cfg) as attempt:
         event = watch(cfg, detection, timeout=detection.startup_timeout + 90)
         launched_at = LocalLauncher().started_at(attempt)
-        strikes = chaos_strikes(attempt)
+        strikes = chaos_strikes(attempt.folder)
     record: dict[str, Any] = {"scenario": scenario.name, "status": event.get("status")}
-    if event.get("status") != "fault":
+    if event.get("status") != AttemptState.FAULTED:
         return {**record, "ok": False, "latency": None}
     fault = event["fault"]
     onset = launched_at if scenario.expected_kind == "launch_failure" else (

@@ -1,14 +1,14 @@
-"""What a warden saved, where ``execute_complete`` on another machine can read it.
+"""What a warden did to an attempt, kept where ``execute_complete`` on any machine reads it.
 
 The warden (:mod:`relay.recover.warden`) runs on the triggerer's machine and keeps
-its record (``unattended/stopped.json``), the stacks it gathered
-(``evidence-received/``) and the rescued state (``rescued/``) in the attempt
-folder there. After its stop (never before: a frozen rank may hold the tracking
-store's lock until its process is gone) it logs them to the attempt's MLflow
-run under ``unattended/``; ``execute_complete`` that finds no record on its own
-disk downloads them into its attempt folder, where :func:`relay.recover.warden.results`
-reads them as if the warden had run there (and checks the rescued file's sha256
-again).
+its record (``unattended/stopped.json``: a :class:`Stopped`), the stacks it
+gathered (``evidence-received/``) and the rescued state (``rescued/``) in the
+attempt folder there. After its stop (never before: a frozen rank may hold the
+tracking store's lock until its process is gone) it logs them to the attempt's
+MLflow run under ``unattended/`` (:func:`publish`); ``execute_complete`` that
+finds no record on its own disk downloads them into its attempt folder
+(:func:`fetch`), where the pipeline reads them as if the warden had run there
+(and checks the rescued file's sha256 again).
 """
 
 from __future__ import annotations
@@ -16,12 +16,54 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from relay.recover.evidence import RECEIVED_DIR as EVIDENCE_DIR
-from relay.recover.warden import STOPPED_FILE, Stopped, folder
 from relay_train.protocol.heartbeat import write_atomically
+
+FOLDER = "unattended"  # in the attempt folder: the warden, the claim and the lease
+WARDEN_FILE = "warden.json"
+CLAIM_FILE = "claimed.json"
+STOPPED_FILE = "stopped.json"
+LOCK_FILE = "lease.lock"
+
+log = logging.getLogger(__name__)
+
+
+def folder(attempt_dir: Path) -> Path:
+    """Return where an attempt's warden, its claim and its lease live."""
+    return attempt_dir / FOLDER
+
+
+@dataclass
+class Stopped:
+    """What a warden did before ``execute_complete`` ran."""
+
+    by: str
+    detected_at: float
+    stopped_at: float
+    step: str
+    survivors: list[str]
+    rescued: dict[str, Any] | None = None  # RescueResult fields
+    drained_at: int | None = None
+    evidence_request: dict[str, Any] | None = None  # {id, ranks}
+
+    @classmethod
+    def read(cls, attempt_dir: Path) -> Stopped | None:
+        """Return the warden's record, if it finished its work."""
+        try:
+            raw = json.loads((folder(attempt_dir) / STOPPED_FILE).read_text())
+            return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def write(self, attempt_dir: Path) -> None:
+        """Keep the record in the attempt folder (fsynced: the task reads it next)."""
+        write_atomically(folder(attempt_dir) / STOPPED_FILE,
+                         json.dumps(asdict(self), default=str), durable=True)
+
 
 ARTIFACTS = "unattended"  # in the attempt's MLflow run
 RESCUED = f"{ARTIFACTS}/rescued"

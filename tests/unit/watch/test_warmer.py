@@ -1,34 +1,38 @@
-"""Which nodes count as gone quiet, and what the watcher is told to warm (launchers.local.spare)."""
+"""Which nodes count as gone quiet, and when the watcher warms its spare (watch.warmer)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from relay.launchers.base import LaunchState, LaunchStatus, NodeStatus
+from relay.core.attempt import AttemptState
+from relay.launchers.base import LaunchStatus, NodeStatus
 from relay.launchers.local import spare
+from relay.watch import warmer as warming
+from relay.watch.warmer import Warmer, silent_nodes
 from relay_train.protocol.routes import NodeState
 
 
 def _status(**last_seen: float | None) -> LaunchStatus:
     nodes = {n: NodeStatus(n, NodeState.RUNNING, last_seen=t) for n, t in last_seen.items()}
-    return LaunchStatus(LaunchState.RUNNING, nodes)
+    return LaunchStatus(AttemptState.RUNNING, nodes)
 
 
 def test_only_an_agent_heard_before_and_quiet_since_is_silent() -> None:
     status = _status(**{"node-a": 99.5, "node-b": 98.0, "node-c": None})
     # node-c never answered: an agent still starting up, not a node that stopped
-    assert spare.silent_nodes(status, after=1.0) == ["node-b"]
-    assert spare.silent_nodes(status, after=2.5) == []
-    assert spare.silent_nodes(None, after=1.0) == []
+    assert silent_nodes(status, after=1.0) == ["node-b"]
+    assert silent_nodes(status, after=2.5) == []
+    assert silent_nodes(None, after=1.0) == []
 
 
 def test_a_poll_that_waited_for_a_silent_agent_does_not_make_the_others_silent() -> None:
     # every node answered in the same poll, which then waited 1 s for a slow one: what
     # counts is the gap to the freshest answer, not the age at the end of the poll
-    assert spare.silent_nodes(_status(**{"node-a": 99.0, "node-b": 99.1}), after=1.0) == []
-    assert spare.silent_nodes(_status(**{"node-a": 98.0}), after=1.0) == []  # alone: no peer
+    assert silent_nodes(_status(**{"node-a": 99.0, "node-b": 99.1}), after=1.0) == []
+    assert silent_nodes(_status(**{"node-a": 98.0}), after=1.0) == []  # alone: no peer
 
 
 def test_the_plan_names_the_first_free_node_or_nothing(tmp_path: Path) -> None:
@@ -73,10 +77,11 @@ def test_the_warmer_keeps_one_live_spare_and_warms_again_after_its_ttl(
     import asyncio
 
     clock = [1000.0]
-    monkeypatch.setattr(spare.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(warming.time, "monotonic", lambda: clock[0])
     warmed: list[str] = []
-    monkeypatch.setattr(spare, "warm", lambda plan, launcher, why: warmed.append(why))
-    warmer = spare.Warmer(spare.plan(tmp_path, ["node-c"], 60.0), launcher=None)
+    launcher = SimpleNamespace(continuity=SimpleNamespace(
+        warm_spare=lambda plan, why: warmed.append(why)))
+    warmer = Warmer(spare.plan(tmp_path, ["node-c"], 60.0), launcher=launcher)
 
     async def signs(*whys: str | None) -> None:
         for why in whys:
@@ -91,4 +96,7 @@ def test_the_warmer_keeps_one_live_spare_and_warms_again_after_its_ttl(
     assert warmer.due(clock[0])
     asyncio.run(signs("the agent(s) of node-b stopped answering"))
     assert warmed[-1] == "the agent(s) of node-b stopped answering"
-    assert not spare.Warmer(None, launcher=None).due(clock[0])  # no free node: nothing to warm
+    assert not Warmer(None, launcher=launcher).due(clock[0])  # no free node: nothing to warm
+    # A launcher without warm starts (Kubernetes) has nothing to warm either.
+    assert not Warmer(spare.plan(tmp_path, ["node-c"], 60.0),
+                      launcher=SimpleNamespace(continuity=None)).due(clock[0])

@@ -1,0 +1,59 @@
+"""A failed launch as a crash fault: which rank died first, and of what.
+
+The culprit is the rank that died of something other than its peers' death.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relay.core.attempt import AttemptState
+from relay.core.faults import Fault, FaultKind
+from relay.launchers.base import LaunchStatus
+from relay_train.protocol.routes import NodeState
+
+# How the peers of a dead rank end: gloo's "connection reset" (exit 1) or their agent's
+# SIGTERM (-15). The culprit is the rank that died of something else.
+SECONDARY_EXIT_CODES = frozenset({1, -15})
+
+
+def only_secondary_exits(status: LaunchStatus) -> bool:
+    """Return whether every failed rank so far ended like a peer of the culprit, not like one."""
+    failed = status.failed_ranks()
+    return bool(failed) and all(c in SECONDARY_EXIT_CODES for c in failed.values())
+
+
+def classify_exit(status: LaunchStatus, node_ranks: dict[str, list[int]]) -> Fault | None:
+    """Turn a failed launch status into a crash fault naming the first culprit."""
+    if status.state is not AttemptState.FAILED:
+        return None
+    failed = status.failed_ranks()
+    # A SIGKILLed or crashed rank takes its peers down with "connection reset"
+    # (exit 1) or its agent's SIGTERM (-15); the culprit is the rank that died
+    # of something else.
+    primary = {r: c for r, c in failed.items() if c not in SECONDARY_EXIT_CODES}
+    culprit_rank = min(primary or failed) if failed else None
+    culprit_node = next(
+        (n for n, ranks in node_ranks.items() if culprit_rank in ranks), None
+    )
+    if culprit_node is None:
+        culprit_node = next(
+            (n.node for n in status.nodes.values() if n.state == NodeState.FAILED), None)
+    details = {n.node: n.detail for n in status.nodes.values() if n.detail}
+    summary = (
+        f"rank {culprit_rank} exited with code {failed[culprit_rank]}"
+        if culprit_rank is not None
+        else f"node agent failed: {details}"
+    )
+    evidence: dict[str, Any] = {"summary": summary, "exit_codes": failed, "agents": details}
+    error = status.errors().get(culprit_rank) if culprit_rank is not None else None
+    if error:
+        last = next((line for line in reversed(error.splitlines()) if line.strip()), "")
+        evidence["summary"] = f"{summary}: {last.strip()}"
+        evidence["log_tail"] = error
+    return Fault(
+        kind=FaultKind.CRASH,
+        culprit_rank=culprit_rank,
+        culprit_node=culprit_node,
+        evidence=evidence,
+    )

@@ -29,10 +29,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 # A real Airflow (API server + UI, scheduler, DAG processor, triggerer) and an
 # MLflow server on 127.0.0.1, free ports unless RELAY_API_PORT/RELAY_MLFLOW_PORT are set.

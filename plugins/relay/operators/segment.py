@@ -38,8 +38,9 @@ from relay.policy.notify import escalate
 from relay.policy.observe import log_observations
 from relay.recover import journal
 from relay.recover.corrupt import record_corrupt
-from relay.recover.pipeline import Outcome, Recovery, TaskSide, handle
+from relay.recover.pipeline import handle
 from relay.recover.record import best_effort
+from relay.recover.recovery import Outcome, Recovery, TaskSide
 from relay.recover.warden import plan
 from relay.spec.chaos_conf import chaos_faults
 from relay.spec.job import JobSpec

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from relay.core.faults import RESCUABLE, FaultKind
+from relay.core.urls import redact
 from relay.policy.decide import ordinal, rule_mode
 from relay.policy.model import (
     MIN_SLOW_STEPS,
@@ -10,7 +11,6 @@ from relay.policy.model import (
     Detection,
     LoadedPolicy,
 )
-from relay.policy.notify import redact
 from relay.policy.rules import JOB_WIDE, Action, Escalation, Mode, Rule
 from relay.spec.job import JobSpec
 

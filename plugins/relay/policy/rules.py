@@ -126,7 +126,7 @@ class Rule(BaseModel):
 
 def _shown_url(url: str) -> str:
     """Return a URL without its user, password and query (never echo a secret)."""
-    from relay.policy.notify import redact
+    from relay.core.urls import redact
 
     return repr(redact(url))
 

@@ -8,22 +8,16 @@ faulted, with the decision that was not applied.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from relay.core.attempt import AttemptState
 from relay.lineage.tags import TAG_MODE
 from relay.policy.decide import Decision
 from relay.policy.observe import ENDS_ATTEMPT, record_observation, watched_kinds
 from relay.recover import journal, record
-
-if TYPE_CHECKING:
-    from relay.recover.pipeline import Outcome, Recovery, TaskSide
+from relay.recover.recovery import Outcome, Recovery, TaskSide
 
 
 def observe(r: Recovery, t: TaskSide, decision: Decision) -> Outcome:
     """Record and notify ``decision`` without applying it; say whether to watch on."""
-    from relay.recover.pipeline import Outcome
-
     message = "OBSERVE MODE (not applied): " + record.fault_message(t.segment, r.fault,
                                                                      decision, None)
     folder = r.attempt.folder

@@ -41,7 +41,8 @@ from relay.launchers import launch_record, launcher_from
 from relay.policy.decide import decide
 from relay.policy.model import Detection
 from relay.recover.claim import claimed_by
-from relay.recover.pipeline import Recovery, handle
+from relay.recover.pipeline import handle
+from relay.recover.recovery import Recovery
 from relay.recover.save_state import save_step
 from relay.recover.warden_record import WARDEN_FILE, folder
 

@@ -12,10 +12,10 @@ from typing import Any
 
 from relay.core import settings
 from relay.core.attempt import Attempt
+from relay.core.urls import redact
 from relay.launchers.local.adopt import read_adopted, workload_of
 from relay.launchers.local.prestart import CONF_KEY, prestart_resident
 from relay.launchers.local.warm_agents import release
-from relay.policy.notify import redact
 from relay.spec.job import JobSpec, load_job_spec, load_job_specs
 from relay.tools.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
 from relay_train.protocol.routes import NodeState

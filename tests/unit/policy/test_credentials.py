@@ -5,7 +5,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-from relay.policy.notify import redact
+from relay.core.urls import redact
 from relay_train.protocol.launch import LaunchConfig
 
 URI = "postgresql://relay:s3cret@db.internal:5432/mlflow"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.core.errors import ConfigError
+from relay.core.exceptions import ConfigError
 from relay.policy.model import load_policy
 
 

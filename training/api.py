@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from relay_train.boundary import PUBLISH_WAIT_SECONDS, BoundaryKeeper
-from relay_train.checkpoint import Checkpointer
+from relay_train.checkpoints.checkpointer import Checkpointer
 from relay_train.device import RankDevice, setup_rank_device, wait_for_compute
 from relay_train.errors import NotUnderRelayError
 from relay_train.inject import ChaosMonkey
@@ -103,7 +103,7 @@ class Session(SessionState):
         resume = cfg.resume
         self._parent = CheckpointRef(resume.run_id, resume.step, resume.sha256) if resume else None
         self._checkpointer: Checkpointer | None = None
-        self._dcp: Any = None  # relay_train.dcp.DcpCheckpointer, made on the first sharded save
+        self._dcp: Any = None  # checkpoints.dcp.DcpCheckpointer, made at the first sharded save
         self._sink: Any = None
         self._metrics: list[tuple[int, dict[str, float], int]] = []
         self._clock: dict[str, float] = {}

@@ -21,8 +21,13 @@ from typing import Any
 import torch
 
 from relay_train.boundary import BoundaryKeeper
-from relay_train.checkpoint import Checkpointer, load_verified, restore_rng, snapshot_state
-from relay_train.fetch import fetch_resume
+from relay_train.checkpoints.checkpointer import (
+    Checkpointer,
+    load_verified,
+    restore_rng,
+    snapshot_state,
+)
+from relay_train.checkpoints.fetch import fetch_resume
 from relay_train.protocol.env import ENV_NODE
 from relay_train.protocol.heartbeat import HeartbeatWriter, Phase
 from relay_train.protocol.launch import LaunchConfig, ResumeFrom
@@ -49,7 +54,7 @@ class SessionState:
     _bounds: BoundaryKeeper
     _parent: CheckpointRef | None
     _checkpointer: Checkpointer | None
-    _dcp: Any  # relay_train.dcp.DcpCheckpointer, made on the first sharded save
+    _dcp: Any  # relay_train.checkpoints.dcp.DcpCheckpointer, made on the first sharded save
     _sink: Any
     _metrics: list[tuple[int, dict[str, float], int]]
     _stall: float
@@ -122,7 +127,7 @@ class SessionState:
         verified file by file before any resume (:meth:`resume_sharded`).
         """
         if self._dcp is None:
-            from relay_train.dcp import DcpCheckpointer
+            from relay_train.checkpoints.dcp import DcpCheckpointer
 
             self._dcp = DcpCheckpointer(self.cfg.root / "staging",
                                         self._publisher() if self.rank == 0 else None)
@@ -145,7 +150,7 @@ class SessionState:
                 f"relay_train: expected a torch.distributed.checkpoint folder to resume "
                 f"from; found a {resume.format!r} checkpoint at {resume.path}. Use "
                 "session.resume_state() for checkpoints made by session.save().")
-        from relay_train.dcp import load_dcp
+        from relay_train.checkpoints.dcp import load_dcp
 
         load_dcp(self._fetched_resume(), state)
         self.startup.mark("restore")
@@ -218,7 +223,7 @@ class SessionState:
 
     def _publisher(self) -> Checkpointer:
         if self._checkpointer is None:
-            from relay_train.publish import MlflowCheckpointSink  # rank 0 only
+            from relay_train.checkpoints.publish import MlflowCheckpointSink  # rank 0 only
 
             self._sink = MlflowCheckpointSink(self.cfg.tracking_uri, self.cfg.run_id)
             self._checkpointer = Checkpointer(

@@ -1,7 +1,7 @@
 """Rank programs for the DCP checkpoint tests: a tiny FSDP2 model over gloo on CPU.
 
 ``save_ranks`` trains, saves DCP checkpoints (async) to a real MLflow store and dumps
-each rank's local shards; ``resume_ranks`` loads checkpoints through ``relay_train.dcp``
+each rank's local shards; ``resume_ranks`` loads checkpoints through ``relay_train.checkpoints.dcp``
 and dumps what it loaded. Started with ``torch.multiprocessing.start_processes``.
 """
 
@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from relay_train.checkpoint import Checkpointer
-from relay_train.dcp import DcpCheckpointer, load_model
+from relay_train.checkpoints.checkpointer import Checkpointer
+from relay_train.checkpoints.dcp import DcpCheckpointer, load_model
 from relay_train.errors import CorruptCheckpointError
 from relay_train.protocol.launch import ResumeFrom
 
@@ -79,7 +79,9 @@ def save_ranks(rank: int, port: int, work: str, tracking_uri: str, run_id: str) 
     model, optimizer = _model(seed=0)
     publisher = None
     if rank == 0:
-        from relay_train.publish import MlflowCheckpointSink  # only rank 0 talks to MLflow
+        from relay_train.checkpoints.publish import (
+            MlflowCheckpointSink,  # only rank 0 talks to MLflow
+        )
 
         sink = MlflowCheckpointSink(tracking_uri, run_id)
         publisher = Checkpointer(sink, out / "staging", job=JOB, world_size=WORLD_SIZE,

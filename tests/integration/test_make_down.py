@@ -28,7 +28,7 @@ def _until(what: str, check: object, timeout: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def test_stop_workloads_stops_a_running_attempt_and_an_unclaimed_standby(tmp_path: Path) -> None:
+def test_stop_workloads_stops_a_running_attempt_and_an_untaken_standby(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     run_dir = runs / "relay_demo" / "manual__1"
     cfg = launch_config(Store(tmp_path / "mlflow"), run_dir / "segment-000" / "try-1",
@@ -41,7 +41,7 @@ def test_stop_workloads_stops_a_running_attempt_and_an_unclaimed_standby(tmp_pat
     launcher = LocalLauncher()
     with launched(cfg) as attempt:
         root = attempt.folder
-        launcher.prestart(standbys, ["node-c"])
+        launcher.warm_standbys(standbys, ["node-c"])
         _until("every rank stepping", lambda: len(read_heartbeats(root / "heartbeats")) == 4)
         _until("the standby preloaded", lambda: ready_file(standbys, "node-c").exists())
         assert launcher.has_processes(attempt)

@@ -1,4 +1,4 @@
-"""Standby agents on a real 4-rank workload: claimed ones train, unclaimed ones go away."""
+"""Standby agents on a real 4-rank workload: taken ones train, untaken ones go away."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_a_launch_takes_the_preloaded_standbys_and_stops_the_rest(tmp_path: Path
     store = Store(tmp_path / "mlflow")
     standby = tmp_path / "segment" / "standby"
     launcher = LocalLauncher()
-    launcher.prestart(standby, ["node-a", "node-b", "node-c"])
+    launcher.warm_standbys(standby, ["node-a", "node-b", "node-c"])
     pids = {n: json.loads(standby_file(standby, n).read_text())["pid"]
             for n in ("node-a", "node-b", "node-c")}
     deadline = time.monotonic() + 120
@@ -119,7 +119,7 @@ def test_the_agents_of_a_stopped_attempt_hand_on_preloaded_copies(tmp_path: Path
             assert time.monotonic() < deadline, "the first attempt never stepped"
             time.sleep(0.1)
         agents = {n: h["pid"] for n, h in launcher.handle(attempt)["nodes"].items()}
-        launcher.prestart(standby, ["node-a", "node-b", "node-c"], source=attempt)
+        launcher.warm_standbys(standby, ["node-a", "node-b", "node-c"], source=attempt)
         pids = {n: json.loads(standby_file(standby, n).read_text())["pid"]
                 for n in ("node-a", "node-b", "node-c")}
         for node in ("node-a", "node-b"):  # copies of the attempt's agents...

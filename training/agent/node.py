@@ -105,7 +105,7 @@ class NodeAgent:
         started = time.perf_counter()
         hosts_rank0 = self.cfg.global_rank(self.node, 0) == 0
         # MLflow: rank 0's node publishes checkpoints; every node of a resumed attempt
-        # fetches its resume checkpoint (relay_train.fetch).
+        # fetches its resume checkpoint (relay_train.checkpoints.fetch).
         preload_worker(self.cfg.entrypoint, publisher=hosts_rank0 or self.cfg.resume is not None,
                        tracking_uri=self.cfg.tracking_uri)
         return time.perf_counter() - started
@@ -187,7 +187,7 @@ class NodeAgent:
         """Import MLflow in a thread of lowered priority once the ranks run, if this agent
         left it out: a copy of this agent for a retry (a resumed attempt, which needs it)
         is then ready at once instead of importing it while the retry waits."""
-        if "relay_train.publish" not in sys.modules:
+        if "relay_train.checkpoints.publish" not in sys.modules:
             self._behind = yielding_thread(
                 lambda: preload_publisher(self.cfg.tracking_uri), "preload-behind")
 

@@ -34,6 +34,6 @@ def preload_worker(entrypoint: Entrypoint, *, publisher: bool,
 
 def preload_publisher(tracking_uri: str | None) -> None:
     """Import MLflow and the tracking store that ``tracking_uri`` opens."""
-    from relay_train.publish import preload_store
+    from relay_train.checkpoints.publish import preload_store
 
     preload_store(tracking_uri)

@@ -18,7 +18,7 @@ CPUs the ranks train on: about 4 CPU-seconds each on a 2-core machine).
 The handshake, in the DAG run's ``resident`` folder, ``<node>`` being the node:
 
 - ``<node>.standby``: written by the launcher when it starts the resident (pid),
-  so that :meth:`release_standbys` stops it like any unclaimed standby;
+  so that :meth:`release_standbys` stops it like any untaken standby;
 - ``<node>.ready``: written by the resident once preloaded;
 - ``<node>.asks/<id>.ask``: a request (standby folder, ttl, linger, and the node
   the standby is for: ``<node>`` itself unless the ask names another). The resident
@@ -34,11 +34,11 @@ down``), or by itself once no rank of its run has written a heartbeat for
 
 A resident can also be started before its DAG run exists (prestarted: Relay's own
 ``airflow dags test`` runner starts it beside Airflow's start-up, see
-:mod:`relay.launchers.local.prestart`), in a folder of its own. Preflight claims it
-by creating ``run`` there (:func:`take_claim`: the DAG run's folder, created
+:mod:`relay.launchers.local.prestart`), in a folder of its own. Preflight takes it
+by creating ``run`` there (:func:`take_resident`: the DAG run's folder, created
 exclusively: one run only) and links the run's ``resident`` folder to it. Until
-then it has no run whose heartbeats it could watch; unclaimed after
-``claim_within`` seconds, it takes the claim itself (so that no run claims it as
+then it has no run whose heartbeats it could watch; untaken after
+``take_within`` seconds, it takes the take itself (so that no run takes it as
 it leaves) and leaves.
 
 The asking side is stdlib only: the launcher imports it without torch.
@@ -67,17 +67,17 @@ IDLE_CHECK_SECONDS = 5.0  # how often the resident looks at its run's heartbeats
 ASK_WAIT_SECONDS = 1.0  # a ready resident forks within its poll; longer means it is stuck
 TAKEN_WAIT_SECONDS = 15.0  # a taken ask is answered once forked (fork_detached: 10 s at most)
 POLL_SECONDS = 0.05
-CLAIM_FILE = "run"  # in a prestarted resident's folder: the DAG run folder that claimed it
-UNCLAIMED = ""  # what ``run`` holds when no run claimed it in time (or it was released)
+TAKEN_BY_FILE = "run"  # in a prestarted resident's folder: the DAG run folder that taken it
+NOT_TAKEN = ""  # what ``run`` holds when no run taken it in time (or it was released)
 
 
-def take_claim(directory: Path, owner: str) -> bool:
+def take_resident(directory: Path, owner: str) -> bool:
     """Create a prestarted resident's ``run`` file naming ``owner``, whole, unless it
     exists; return whether this call created it (exactly one caller ever does)."""
-    staged = directory / f"{CLAIM_FILE}.{uuid.uuid4().hex}"
+    staged = directory / f"{TAKEN_BY_FILE}.{uuid.uuid4().hex}"
     try:
         staged.write_text(owner)
-        os.link(staged, directory / CLAIM_FILE)  # fails if it exists: exclusive
+        os.link(staged, directory / TAKEN_BY_FILE)  # fails if it exists: exclusive
     except FileExistsError:
         return False
     finally:
@@ -153,11 +153,11 @@ class Resident:
     """The node side: preload, then fork a standby for each request."""
 
     def __init__(self, directory: Path, node: str, idle_seconds: float = IDLE_SECONDS,
-                 claim_within: float | None = None) -> None:
+                 take_within: float | None = None) -> None:
         self.directory = directory
         self.node = node
         self.idle_seconds = idle_seconds
-        self.claim_within = claim_within  # prestarted: leave unless a run claims it by then
+        self.take_within = take_within  # prestarted: leave unless a run takes it by then
         self.stopping = False
 
     def preload(self) -> float:
@@ -191,18 +191,18 @@ class Resident:
         log.info("resident on %s: preloaded in %.2fs; waiting for requests", self.node,
                  preloaded)
         checked = last_active = time.monotonic()
-        claim_by = None if self.claim_within is None else checked + self.claim_within
+        take_by = None if self.take_within is None else checked + self.take_within
         while not self.stopping:
             if self._answer():
                 last_active = time.monotonic()
             _reap()
             now = time.monotonic()
-            if claim_by is not None and now > claim_by:
-                if take_claim(self.directory, UNCLAIMED):
-                    log.info("resident on %s: no DAG run claimed it within %.0fs; leaving",
-                             self.node, self.claim_within)
+            if take_by is not None and now > take_by:
+                if take_resident(self.directory, NOT_TAKEN):
+                    log.info("resident on %s: no DAG run taken it within %.0fs; leaving",
+                             self.node, self.take_within)
                     break
-                claim_by = None  # a run claimed it: its heartbeats decide now
+                take_by = None  # a run taken it: its heartbeats decide now
             if now - checked > IDLE_CHECK_SECONDS:
                 checked = now
                 last_active = max(last_active, now - self._heartbeat_age())
@@ -243,12 +243,12 @@ class Resident:
         return pid
 
     def _run_dir(self) -> Path | None:
-        """Return the DAG run's folder: the one that claimed a prestarted resident (None
+        """Return the DAG run's folder: the one that taken a prestarted resident (None
         while none did), else the folder this one was started in."""
-        if self.claim_within is None:
+        if self.take_within is None:
             return self.directory.parent
         try:
-            owner = (self.directory / CLAIM_FILE).read_text().strip()
+            owner = (self.directory / TAKEN_BY_FILE).read_text().strip()
         except OSError:
             return None
         return Path(owner) if owner else None
@@ -292,12 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", required=True)
     parser.add_argument("--idle", type=float, default=IDLE_SECONDS,
                         help="leave once no rank of the run wrote a heartbeat this long")
-    parser.add_argument("--claim-within", type=float, default=None,
-                        help="prestarted (no DAG run yet): leave unless one claims it this soon")
+    parser.add_argument("--take-within", type=float, default=None,
+                        help="prestarted (no DAG run yet): leave unless one takes it this soon")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s resident {args.node} %(levelname)s: %(message)s")
-    return Resident(args.dir, args.node, args.idle, args.claim_within).run()
+    return Resident(args.dir, args.node, args.idle, args.take_within).run()
 
 
 if __name__ == "__main__":

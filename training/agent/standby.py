@@ -7,14 +7,14 @@ it only forks its ranks. A node the faulty attempt ran on, whose agent still
 answers, gets a copy of that agent, forked on Relay's request over the channel
 (``POST /v1/standby``): it is preloaded already, so it is ready at once. Any
 other node gets a new process, which imports the training stack meanwhile
-(seconds of CPU on a loaded host). A standby nobody claims within
+(seconds of CPU on a loaded host). A standby nobody takes within
 ``STANDBY_TTL_SECONDS`` leaves by itself.
 
 The handshake, all in one folder per segment, ``<node>`` being the node name:
 
 - ``<node>.standby``: written by the launcher when it starts the agent (pid);
 - ``<node>.ready``: written by the agent once preloaded;
-- the launcher claims it by renaming ``<node>.ready`` to ``<node>.claimed``
+- the launcher takes it by renaming ``<node>.ready`` to ``<node>.taken``
   (atomic, so a standby that is timing out and a launcher never both win),
   then writes ``<node>.launch`` naming the launch file, or ``null`` to release it.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from relay_train.protocol.heartbeat import write_atomically
 from relay_train.protocol.routes import STANDBY_TTL_SECONDS
 
-CLAIMED_GRACE_SECONDS = 10.0  # from a claim to its launch file: the launcher writes it at once
+TAKEN_GRACE_SECONDS = 10.0  # from being taken to its launch file: written at once
 DETACH_WAIT_SECONDS = 10.0  # a forked child calls setsid first thing: this is only a backstop
 
 
@@ -47,13 +47,13 @@ def ready_file(directory: Path, node: str) -> Path:
     return directory / f"{node}.ready"
 
 
-def claimed_file(directory: Path, node: str) -> Path:
-    """Return the name ``ready_file`` is renamed to by the launcher that claims the standby."""
-    return directory / f"{node}.claimed"
+def taken_file(directory: Path, node: str) -> Path:
+    """Return the name ``ready_file`` is renamed to by the launcher that takes the standby."""
+    return directory / f"{node}.taken"
 
 
 def launch_file(directory: Path, node: str) -> Path:
-    """Return the file that hands a claimed standby its launch file (or releases it)."""
+    """Return the file that hands a taken standby its launch file (or releases it)."""
     return directory / f"{node}.launch"
 
 
@@ -64,7 +64,7 @@ def announce_ready(directory: Path, node: str, preload_seconds: float) -> None:
 
 
 def hand_over(directory: Path, node: str, launch: Path | None) -> None:
-    """Give a claimed standby its launch file, or ``None`` to let it go."""
+    """Give a taken standby its launch file, or ``None`` to let it go."""
     write_atomically(launch_file(directory, node),
                      json.dumps({"launch": str(launch) if launch else None}))
 
@@ -101,28 +101,28 @@ def fork_detached() -> int:
 def wait_for_launch(
     directory: Path, node: str, ttl_seconds: float = STANDBY_TTL_SECONDS, poll: float = 0.02
 ) -> Path | None:
-    """Wait until claimed; return the launch file, or None when released or unclaimed."""
+    """Wait until taken; return the launch file, or None when released or untaken."""
     deadline = time.monotonic() + ttl_seconds
     handoff = launch_file(directory, node)
-    claimed_late = False
+    taken_late = False
     while True:
         if handoff.exists():
             try:
                 launch = json.loads(handoff.read_text())["launch"]
             except (OSError, ValueError, KeyError, TypeError):
                 launch = None
-            for f in (handoff, claimed_file(directory, node)):
+            for f in (handoff, taken_file(directory, node)):
                 f.unlink(missing_ok=True)
             return Path(launch) if launch else None
         if time.monotonic() >= deadline:
-            if claimed_late:
-                return None  # claimed, but the launch file never came
+            if taken_late:
+                return None  # taken, but the launch file never came
             expired = directory / f".{node}.expired"
-            try:  # nobody claimed us: withdraw, unless a launcher claims us this instant
+            try:  # nobody taken us: withdraw, unless a launcher takes us this instant
                 os.rename(ready_file(directory, node), expired)
             except FileNotFoundError:
-                claimed_late = True
-                deadline = time.monotonic() + CLAIMED_GRACE_SECONDS
+                taken_late = True
+                deadline = time.monotonic() + TAKEN_GRACE_SECONDS
                 continue
             expired.unlink(missing_ok=True)
             return None

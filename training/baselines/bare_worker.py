@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from relay_train.examples.data import CharStream, load_corpus, mix_seed
-from relay_train.examples.model import ModelConfig, build_model
+from relay_train.examples.transformer import ModelConfig, build_model
 from relay_train.protocol.launch import LaunchConfig
 
 

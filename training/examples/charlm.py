@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import relay_train
 from relay_train.examples.data import CharStream, load_corpus
-from relay_train.examples.model import ModelConfig, build_model
+from relay_train.examples.transformer import ModelConfig, build_model
 
 
 def main() -> None:

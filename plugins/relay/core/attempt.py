@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from relay.core.errors import IllegalTransitionError
+from relay.core.exceptions import IllegalTransitionError
 
 SEGMENT_DIR = re.compile(r"segment-(\d+)")
 TRY_DIR = re.compile(r"try-(\d+)")  # an attempt folder; set-aside ones (try-N.stale-T) never match

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from relay.core import settings
-from relay.core.errors import PathEscapeError
+from relay.core.exceptions import PathEscapeError
 
 ENV_WATCH_ROOTS = "RELAY_WATCH_ROOTS"
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")

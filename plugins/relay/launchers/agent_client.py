@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from relay.core.errors import StaleAgentError
+from relay.core.exceptions import StaleAgentError
 from relay_train.protocol.heartbeat import Heartbeat
 from relay_train.protocol.routes import (
     AGE_SECONDS,

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from relay.core.errors import NotEnoughNodesError
+from relay.core.exceptions import NotEnoughNodesError
 from relay.nodes.store import FileStore, PoolStore, from_settings
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from relay.core import settings
-from relay.core.errors import PoolStoreError
+from relay.core.exceptions import PoolStoreError
 from relay_train.protocol.heartbeat import write_atomically
 
 TABLE_NAME = "relay_node_pool"

@@ -17,7 +17,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay.core import settings
 from relay.core.attempt import AttemptState
-from relay.core.errors import ChaosConfError
+from relay.core.exceptions import ChaosConfError
 from relay.core.paths import safe_name
 from relay.launchers import Launcher
 from relay.lineage.resume_time import PREFLIGHT_FILE

@@ -13,7 +13,7 @@ from pathlib import Path
 from airflow.sdk import DAG, Param, chain
 
 from relay.core import settings
-from relay.core.errors import ConfigError, InvalidJobSpecError
+from relay.core.exceptions import ConfigError, InvalidJobSpecError
 from relay.operators.base import FinalizeOperator, PreflightOperator
 from relay.operators.callbacks import CloseParentRunOnFailure
 from relay.operators.retry import PolicyRetry

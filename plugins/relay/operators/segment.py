@@ -23,7 +23,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskD
 
 from relay.core import testhooks
 from relay.core.attempt import Attempt, AttemptState
-from relay.core.errors import ChaosConfError, IllegalTransitionError, NotEnoughNodesError
+from relay.core.exceptions import ChaosConfError, IllegalTransitionError, NotEnoughNodesError
 from relay.core.faults import Fault
 from relay.launchers import Launcher, launch_record, launcher_for
 from relay.lineage import resume_time

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
-from relay.core.errors import ConfigError
+from relay.core.exceptions import ConfigError
 from relay.policy.rules import Escalation, Mode, NodeRules, Rules
 from relay.spec.yamlsource import (
     FROZEN,

@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from relay.core.errors import ReplayError
+from relay.core.exceptions import ReplayError
 from relay.core.faults import Fault, FaultKind
 from relay.lineage.store import TAG_DAG_RUN, TAG_PARENT, TAG_SEGMENT, TAG_TRY, Lineage
 from relay.policy.decide import Decision, decide

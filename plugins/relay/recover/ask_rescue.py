@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from relay.core.attempt import Attempt
-from relay.core.errors import StaleAgentError
+from relay.core.exceptions import StaleAgentError
 from relay.core.faults import RESCUABLE, Fault, FaultKind
 from relay.launchers import Launcher, launcher_from
 from relay_train.protocol.heartbeat import Heartbeat, write_atomically
@@ -170,7 +170,9 @@ def publish_rescue(
     result: RescueResult, cfg: LaunchConfig, fault: Fault, parent: CheckpointRef | None
 ) -> CheckpointManifest:
     """Log the rescued checkpoint to the attempt's MLflow run; return its manifest."""
-    from relay_train.publish import MlflowCheckpointSink  # MLflow: only once there is one
+    from relay_train.checkpoints.publish import (
+        MlflowCheckpointSink,  # MLflow: only once there is one
+    )
 
     assert result.path is not None and result.step is not None and result.sha256 is not None
     manifest = CheckpointManifest(

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from relay.core.attempt import Attempt, AttemptState, attempt_dirs
-from relay.core.errors import IllegalTransitionError
+from relay.core.exceptions import IllegalTransitionError
 from relay.core.faults import Fault, FaultKind
 from relay.launchers import Launcher, launch_record
 from relay_train.protocol.heartbeat import write_atomically
@@ -64,7 +64,7 @@ def write(context: Mapping[str, Any], segment_dir: Path, state: AttemptState,
           **fields: Any) -> str:  # noqa: ANN401
     """Record ``state`` of the segment's current attempt (``attempt_dir``, and
     ``record_dir`` when it differs); return where it went. Raise
-    :class:`~relay.core.errors.IllegalTransitionError` if the attempt's entry is at a
+    :class:`~relay.core.exceptions.IllegalTransitionError` if the attempt's entry is at a
     state that cannot lead to ``state``."""
     own = fields.get("record_dir") or fields.get("attempt_dir")
     current = read(context, segment_dir) or {}

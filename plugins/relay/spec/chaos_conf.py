@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from relay.core.errors import ChaosConfError
+from relay.core.exceptions import ChaosConfError
 from relay.spec.job import JobSpec
 from relay_train.protocol.injection import KINDS, InjectedFault
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from relay.core.errors import ConfigError
+from relay.core.exceptions import ConfigError
 from relay.spec.checkpoint_spec import AutoInterval, CheckpointEvery, auto_bounds, auto_shorthand
 from relay.spec.policy_files import (
     DEFAULT_POLICY,

@@ -20,7 +20,7 @@ from typing import Annotated, Any, TypeVar, get_args
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, WithJsonSchema
 
-from relay.core.errors import ConfigError
+from relay.core.exceptions import ConfigError
 
 M = TypeVar("M", bound=BaseModel)
 KeyPath = tuple[str | int, ...]

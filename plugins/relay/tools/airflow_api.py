@@ -6,7 +6,7 @@ from typing import Any
 
 import requests
 
-from relay.core.errors import ServiceError
+from relay.core.exceptions import ServiceError
 
 RELAY_DAG_TAG = "relay"
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from relay.core import settings
 from relay.core.attempt import Attempt
-from relay.core.errors import ChaosTargetError, NotOursError
+from relay.core.exceptions import ChaosTargetError, NotOursError
 from relay.launchers import launcher_from
 from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher
 from relay_train.protocol.injection import CHAOS_LOG

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from relay.core import settings
-from relay.core.errors import ConfigError, PoolStoreError
+from relay.core.exceptions import ConfigError, PoolStoreError
 from relay.tools import cli_bench, cli_services
 
 DEMO_SPEC = settings.jobs_dir() / "demo.yaml"

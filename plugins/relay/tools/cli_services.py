@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from relay.core.errors import ServiceError
+from relay.core.exceptions import ServiceError
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

@@ -284,7 +284,7 @@ def check_clocks(max_skew_seconds: float, tracking_uri: str | None = None,
 
 def check_node_pool() -> Check:
     """Read the node pool where the settings keep it (``RELAY_NODE_POOL_URL`` or nodes.json)."""
-    from relay.core.errors import PoolStoreError
+    from relay.core.exceptions import PoolStoreError
     from relay.nodes.store import FileStore, from_settings
 
     try:

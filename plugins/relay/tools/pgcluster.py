@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from relay.core.errors import ServiceError
+from relay.core.exceptions import ServiceError
 from relay.core.proctree import alive
 
 PG_USER = "postgres"

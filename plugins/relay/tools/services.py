@@ -34,7 +34,7 @@ from pathlib import Path
 
 from relay.core import settings
 from relay.core.attempt import Attempt
-from relay.core.errors import ServiceError
+from relay.core.exceptions import ServiceError
 from relay.core.proctree import alive, descendants, group_members, stop_pids
 from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher, free_port
 from relay.launchers.local.prestart import residents_dir

@@ -16,7 +16,7 @@ from airflow.sdk import BaseSensorOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay.core.attempt import AttemptState
-from relay.core.errors import PathEscapeError
+from relay.core.exceptions import PathEscapeError
 from relay.core.faults import Fault, FaultKind
 from relay.core.paths import ENV_WATCH_ROOTS, inside
 from relay.policy.model import Detection, load_policy

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
-from relay.core.errors import ConfigError, PathEscapeError
+from relay.core.exceptions import ConfigError, PathEscapeError
 from relay.core.paths import inside, safe_name
 from relay.core.settings import runs_dir
 from relay.operators.base import segment_dir

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from relay.core.attempt import AttemptState
-from relay.core.errors import ConfigError
+from relay.core.exceptions import ConfigError
 from relay.core.faults import FaultKind
 from relay.launchers import Launcher, LaunchStatus, launcher_for, launcher_from
 from relay.launchers.base import NodeStatus, overall_state

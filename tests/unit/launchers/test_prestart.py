@@ -1,5 +1,5 @@
-"""A resident agent prestarted before its DAG run: the conf that names it, the claim,
-the release, and the resident's own wait for a claim."""
+"""A resident agent prestarted before its DAG run: the conf that names it, the take,
+the release, and the resident's own wait for a take."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ from relay.launchers.local.prestart import (
     CONF_KEY,
     DAG_FILE,
     HOST,
-    claim,
     prestarted,
-    release_unclaimed,
+    release_untaken,
     residents_dir,
+    take,
 )
 from relay.launchers.local.warm_agents import live_resident, record, recorded_pid, release_run
 from relay_train.agent import resident
-from relay_train.agent.resident import CLAIM_FILE, RESIDENT_DIR, UNCLAIMED, Resident
+from relay_train.agent.resident import NOT_TAKEN, RESIDENT_DIR, TAKEN_BY_FILE, Resident
 
 
 @pytest.fixture
@@ -66,35 +66,35 @@ def test_the_conf_names_a_prestarted_resident_only_in_this_homes_residents_folde
     assert prestarted(None, "relay_demo") is None
 
 
-def test_a_run_claims_a_live_prestarted_resident_once(home: Path) -> None:
+def test_a_run_takes_a_live_prestarted_resident_once(home: Path) -> None:
     proc = _sleeper()
     try:
         folder = _folder(home, proc.pid)
         run, other = home / "runs" / "dag" / "run-1", home / "runs" / "dag" / "run-2"
-        assert claim(run, folder)
+        assert take(run, folder)
         assert (run / RESIDENT_DIR).resolve() == folder.resolve()
-        assert (folder / CLAIM_FILE).read_text() == str(run)
+        assert (folder / TAKEN_BY_FILE).read_text() == str(run)
         assert live_resident(run / RESIDENT_DIR) == HOST  # the launcher finds it there
-        assert not claim(other, folder), "a second run claimed the same resident"
+        assert not take(other, folder), "a second run taken the same resident"
         assert not (other / RESIDENT_DIR).exists()
-        assert sorted(p.name for p in folder.iterdir() if p.name.startswith(CLAIM_FILE)) == \
-            [CLAIM_FILE], "a staged claim file was left"
-        release_unclaimed(folder)
-        assert proc.poll() is None, "a claimed resident was stopped"
+        assert sorted(p.name for p in folder.iterdir() if p.name.startswith(TAKEN_BY_FILE)) == \
+            [TAKEN_BY_FILE], "a staged take file was left"
+        release_untaken(folder)
+        assert proc.poll() is None, "a taken resident was stopped"
         release_run(run)  # the run's end stops it, through the link
         assert proc.wait(timeout=10) == -signal.SIGTERM
         gone = home / "runs" / "dag" / "run-3"
         gone.mkdir()
         (gone / RESIDENT_DIR).symlink_to(home / "deleted")  # a dangling link is the run's too
-        unclaimed = _folder(home, proc.pid, "def456")
-        assert not claim(gone, unclaimed)
-        assert not (unclaimed / CLAIM_FILE).exists()
+        untaken = _folder(home, proc.pid, "def456")
+        assert not take(gone, untaken)
+        assert not (untaken / TAKEN_BY_FILE).exists()
     finally:
         proc.kill()
         proc.wait()
 
 
-def test_a_dead_prestarted_resident_is_not_claimed_and_the_launcher_starts_its_own(
+def test_a_dead_prestarted_resident_is_not_taken_and_the_launcher_starts_its_own(
         home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     proc = _sleeper()
     proc.kill()
@@ -107,19 +107,19 @@ def test_a_dead_prestarted_resident_is_not_claimed_and_the_launcher_starts_its_o
     LocalLauncher().reside(run, ["node-a"], folder)
     assert not (run / RESIDENT_DIR).is_symlink()
     assert started and started[0][0] == "relay_train.agent.resident"
-    assert not (folder / CLAIM_FILE).exists()
+    assert not (folder / TAKEN_BY_FILE).exists()
 
 
-def test_an_unclaimed_prestarted_resident_is_stopped_and_no_run_can_claim_it_then(
+def test_an_untaken_prestarted_resident_is_stopped_and_no_run_can_take_it_then(
         home: Path) -> None:
     proc = _sleeper()
     try:
         folder = _folder(home, proc.pid)
-        release_unclaimed(folder)
+        release_untaken(folder)
         assert proc.wait(timeout=10) == -signal.SIGTERM
         assert recorded_pid(folder, HOST) is None
         record(folder, HOST, os.getpid())  # even were it alive: released is taken
-        assert not claim(home / "runs" / "dag" / "run-1", folder)
+        assert not take(home / "runs" / "dag" / "run-1", folder)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -139,37 +139,37 @@ def _run_within(resident_: Resident, seconds: float) -> float:
     return time.monotonic() - started
 
 
-def test_a_prestarted_resident_leaves_unless_claimed_in_time_and_cannot_be_claimed_then(
+def test_a_prestarted_resident_leaves_unless_taken_in_time_and_cannot_be_taken_then(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(resident.signal, "signal", lambda *_: None)  # pytest's own SIGTERM
     monkeypatch.setattr(Resident, "preload", lambda self: 0.0)
-    took = _run_within(Resident(tmp_path, HOST, idle_seconds=600, claim_within=0.3), 30)
+    took = _run_within(Resident(tmp_path, HOST, idle_seconds=600, take_within=0.3), 30)
     assert took >= 0.3
-    assert (tmp_path / CLAIM_FILE).read_text() == "", "it left without taking the claim"
+    assert (tmp_path / TAKEN_BY_FILE).read_text() == "", "it left without taking the take"
 
 
-def test_a_claimed_resident_watches_the_heartbeats_of_the_run_that_claimed_it(
+def test_a_taken_resident_watches_the_heartbeats_of_the_run_that_taken_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(resident, "IDLE_CHECK_SECONDS", 0.05)
     monkeypatch.setattr(resident.signal, "signal", lambda *_: None)
     monkeypatch.setattr(Resident, "preload", lambda self: 0.0)
     folder, run = tmp_path / "residents" / "abc", tmp_path / "runs" / "run-1"
     folder.mkdir(parents=True)
-    (folder / CLAIM_FILE).write_text(str(run))
+    (folder / TAKEN_BY_FILE).write_text(str(run))
     beat = run / "segment-000" / "try-1" / "heartbeats" / "rank-0.json"
     beat.parent.mkdir(parents=True)
     write_heartbeat_for(beat, 1.2)
-    took = _run_within(Resident(folder, HOST, idle_seconds=0.3, claim_within=0.1), 30)
-    assert took >= 1.2, "left while the claiming run wrote heartbeats"
+    took = _run_within(Resident(folder, HOST, idle_seconds=0.3, take_within=0.1), 30)
+    assert took >= 1.2, "left while the taking run wrote heartbeats"
 
 
-def test_make_down_stops_prestarted_residents_claimed_or_not(home: Path) -> None:
+def test_make_down_stops_prestarted_residents_taken_or_not(home: Path) -> None:
     from relay.tools import services
 
     procs = [_sleeper(), _sleeper()]
     try:
-        _folder(home, procs[0].pid, "unclaimed")
-        claim(home / "runs" / "dag" / "run-1", _folder(home, procs[1].pid, "claimed"))
+        _folder(home, procs[0].pid, "untaken")
+        take(home / "runs" / "dag" / "run-1", _folder(home, procs[1].pid, "taken"))
         assert services.stop_workloads(home / "runs", residents_dir(home)) == []
         assert [p.wait(timeout=10) for p in procs] == [-signal.SIGTERM] * 2
     finally:
@@ -192,7 +192,7 @@ def test_prestart_starts_a_recorded_resident_in_a_folder_of_its_own(
     (args, directory, node, passed), = calls
     assert directory == folder and node == HOST and passed == env
     assert args[:3] == ["relay_train.agent.resident", "--dir", str(folder)]
-    assert "--claim-within" in args
+    assert "--take-within" in args
 
 
 def test_the_runner_prestarts_only_for_a_job_dag_on_the_local_launcher(tmp_path: Path) -> None:
@@ -220,27 +220,27 @@ def _age_by(folder: Path, seconds: float) -> None:
         os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds))
 
 
-def test_prestarting_removes_the_folders_of_unclaimed_residents_that_left(home: Path) -> None:
+def test_prestarting_removes_the_folders_of_untaken_residents_that_left(home: Path) -> None:
     proc = _sleeper()
     try:
         released = _folder(home, None, "released")  # released by its runner, gone since
-        assert resident.take_claim(released, UNCLAIMED)
-        orphan = _folder(home, None, "orphan")  # its runner died; it left unclaimed
+        assert resident.take_resident(released, NOT_TAKEN)
+        orphan = _folder(home, None, "orphan")  # its runner died; it left untaken
         just_released = _folder(home, None, "just-released")
-        assert resident.take_claim(just_released, UNCLAIMED)
+        assert resident.take_resident(just_released, NOT_TAKEN)
         _folder(home, None, "starting")  # not recorded yet: just made
-        alive = _folder(home, proc.pid, "alive")  # unclaimed in time, still leaving
-        assert resident.take_claim(alive, UNCLAIMED)
+        alive = _folder(home, proc.pid, "alive")  # untaken in time, still leaving
+        assert resident.take_resident(alive, NOT_TAKEN)
         run = home / "runs" / "dag" / "run-1"
-        claimed = _folder(home, None, "claimed")  # a run's: its link points here
-        assert resident.take_claim(claimed, str(run))
-        for folder in (released, alive, claimed):
+        taken = _folder(home, None, "taken")  # a run's: its link points here
+        assert resident.take_resident(taken, str(run))
+        for folder in (released, alive, taken):
             _age_by(folder, local_prestart.PRUNE_AFTER_SECONDS + 5)
-        _age_by(orphan, 2 * local_prestart.CLAIM_WITHIN_SECONDS + 5)
+        _age_by(orphan, 2 * local_prestart.TAKE_WITHIN_SECONDS + 5)
         (residents_dir(home) / "stray-file").write_text("not a folder")
-        assert local_prestart.prune_unclaimed(home) == [orphan, released]
+        assert local_prestart.prune_untaken(home) == [orphan, released]
         assert {p.name for p in residents_dir(home).iterdir()} == {
-            "just-released", "starting", "alive", "claimed", "stray-file"}
+            "just-released", "starting", "alive", "taken", "stray-file"}
     finally:
         proc.kill()
         proc.wait()

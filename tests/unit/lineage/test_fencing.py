@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from relay.lineage.store import TAG_FENCED_AT, TAG_FENCED_CHECKPOINTS, TAG_REJECTED, Lineage
+from relay_train.checkpoints.publish import MlflowCheckpointSink
 from relay_train.protocol.manifest import CHECKPOINT_FILE, CheckpointManifest, file_sha256
-from relay_train.publish import MlflowCheckpointSink
 
 
 def _publish(lineage: Lineage, run_id: str, step: int, folder: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from relay.core.errors import ConfigError
+from relay.core.exceptions import ConfigError
 from relay.lineage.interval import (
     DEFAULT_CHECKPOINT_COST_SECONDS,
     DEFAULT_MTBF_SECONDS,

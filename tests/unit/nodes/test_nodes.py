@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.core.errors import NotEnoughNodesError
+from relay.core.exceptions import NotEnoughNodesError
 from relay.nodes.pool import DEFAULT_NODES, NodePool, inventory
 from relay.nodes.store import POOL_NAME, TABLE_NAME, FileStore, PoolStore, SqlStore
 from relay.tools.cli import main

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.core.errors import PoolStoreError
+from relay.core.exceptions import PoolStoreError
 from relay.core.faults import Fault, FaultKind
 from relay.core.settings import REPO_ROOT
 from relay.nodes.pool import NodePool

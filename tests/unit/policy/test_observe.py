@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_rules_decide import BASE_RULES, SHA, culprit_fault, make_policy
 
-from relay.core.errors import ConfigError
+from relay.core.exceptions import ConfigError
 from relay.core.faults import FaultKind
 from relay.core.settings import REPO_ROOT
 from relay.policy.decide import Decision, decide

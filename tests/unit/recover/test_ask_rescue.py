@@ -19,7 +19,7 @@ from relay.core.faults import Fault, FaultKind
 from relay.lineage.store import Lineage
 from relay.recover.ask_rescue import donor, kept_rescue, publish_rescue
 from relay.recover.ask_rescue import request_rescue as ask_agents
-from relay_train.checkpoint import load_verified, snapshot
+from relay_train.checkpoints.checkpointer import load_verified, snapshot
 from relay_train.protocol.heartbeat import Heartbeat, HeartbeatWriter
 from relay_train.protocol.launch import LaunchConfig
 from relay_train.protocol.rescue_files import DONE_FILE, REQUEST_FILE, RESCUE_DIR

@@ -32,9 +32,9 @@ from relay.recover.evidence import (
 )
 from relay.recover.evidence import ask_for_evidence as ask_agents
 from relay_train.agent.server import signal_faulthandler
+from relay_train.checkpoints.publish import mlflow_retrying
 from relay_train.protocol.launch import LaunchConfig
 from relay_train.protocol.stacks_files import EVIDENCE_DIR, FR_DIR, answer_path, armed_path
-from relay_train.publish import mlflow_retrying
 from relay_train.stacks import EvidenceResponder, flight_recorder_environment
 
 REPO = Path(__file__).resolve().parents[3]

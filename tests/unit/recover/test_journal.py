@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from relay.core.attempt import Attempt, AttemptState
-from relay.core.errors import IllegalTransitionError
+from relay.core.exceptions import IllegalTransitionError
 from relay.core.faults import Fault, FaultKind
 from relay.launchers import launch_record
 from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher, agent_handle

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
-from relay.core.errors import ChaosConfError, ConfigError
+from relay.core.exceptions import ChaosConfError, ConfigError
 from relay.core.settings import REPO_ROOT
 from relay.operators import base as operators
 from relay.spec.chaos_conf import CHAOS_EXAMPLE, chaos_faults

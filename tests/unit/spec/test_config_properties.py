@@ -15,7 +15,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relay.core.errors import ConfigError
+from relay.core.exceptions import ConfigError
 from relay.core.settings import REPO_ROOT
 from relay.policy.model import load_policy
 from relay.spec.job import load_job_spec

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.core.errors import ConfigError
+from relay.core.exceptions import ConfigError
 from relay.spec.job import JobSpec, load_job_spec, load_job_specs
 from relay.spec.policy_files import policies_dir
 from relay.spec.yamlsource import Problem, load_yaml_with_lines, parse_duration

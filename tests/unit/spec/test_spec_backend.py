@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.core.errors import ConfigError
+from relay.core.exceptions import ConfigError
 from relay.spec.job import load_job_spec
 from relay_train.protocol.launch import LaunchConfig
 

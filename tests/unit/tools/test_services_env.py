@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.core.errors import ServiceError
+from relay.core.exceptions import ServiceError
 from relay.tools import services
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from relay_train.checkpoint import (
+from relay_train.checkpoints.checkpointer import (
     Checkpointer,
     load_verified,
     restore_rng,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from relay_train.examples.data import VOCAB_SIZE, CharStream, load_corpus, mix_seed
-from relay_train.examples.model import ModelConfig, build_model
+from relay_train.examples.transformer import ModelConfig, build_model
 
 CORPUS = "builtin:python_docs"
 SMALL = ModelConfig(context=16, d_model=16, n_layers=1, n_heads=2, dropout=0.0)

@@ -14,8 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from relay_train.checkpoint import Checkpointer, load_verified
-from relay_train.dcp import DcpCheckpointer, load_dcp, load_model, model_state, verify_dcp
+from relay_train.checkpoints.checkpointer import Checkpointer, load_verified
+from relay_train.checkpoints.dcp import (
+    DcpCheckpointer,
+    load_dcp,
+    load_model,
+    model_state,
+    verify_dcp,
+)
 from relay_train.errors import CorruptCheckpointError
 from relay_train.protocol.launch import LaunchConfig, ResumeFrom
 from relay_train.protocol.manifest import (
@@ -198,7 +204,7 @@ def test_a_resume_point_whose_file_table_was_altered_is_refused(published: tuple
 
 def test_single_file_loader_points_a_dcp_folder_to_load_dcp(published: tuple) -> None:
     _, _, folder, manifest = published
-    with pytest.raises(ValueError, match="relay_train.dcp.load_dcp"):
+    with pytest.raises(ValueError, match="relay_train.checkpoints.dcp.load_dcp"):
         load_verified(folder, manifest.sha256)
 
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from relay_train.checkpoint import load_verified
+from relay_train.checkpoints.checkpointer import load_verified
+from relay_train.checkpoints.fetch import fetch_resume
+from relay_train.checkpoints.publish import MlflowCheckpointSink
 from relay_train.errors import CorruptCheckpointError
-from relay_train.fetch import fetch_resume
 from relay_train.protocol.launch import ResumeFrom
 from relay_train.protocol.manifest import (
     FORMAT_DCP,
@@ -22,7 +23,6 @@ from relay_train.protocol.manifest import (
     files_digest,
     tree_sha256s,
 )
-from relay_train.publish import MlflowCheckpointSink
 
 
 def _store(tmp_path: Path) -> tuple[str, str]:

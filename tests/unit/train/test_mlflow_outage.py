@@ -11,8 +11,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from tenacity import Retrying, stop_after_attempt, wait_none
 
-from relay_train.checkpoint import Checkpointer
-from relay_train.publish import MlflowCheckpointSink
+from relay_train.checkpoints.checkpointer import Checkpointer
+from relay_train.checkpoints.publish import MlflowCheckpointSink
 
 
 def no_wait(attempts: int) -> Retrying:
@@ -44,7 +44,7 @@ def test_metrics_that_mlflow_refuses_are_dropped_and_checkpoints_still_publish(
                                 parent=None, asynchronous=True)
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with caplog.at_level(logging.WARNING, logger="relay_train.publish"):
+    with caplog.at_level(logging.WARNING, logger="relay_train.checkpoints.publish"):
         for step in (1, 2):  # two metric batches fail, each retried three times, then dropped
             checkpointer.submit(lambda step=step: sink.log_metrics(step, {"loss": 1.0}, 0))
         checkpointer.save(model, optimizer, 2, {})

@@ -21,7 +21,7 @@ def _imported_after(code: str) -> bool:
 
 
 def test_the_store_of_a_database_uri_is_imported_and_a_servers_is_not() -> None:
-    preload = "from relay_train.publish import preload_store; preload_store({!r})"
+    preload = "from relay_train.checkpoints.publish import preload_store; preload_store({!r})"
     assert _imported_after(preload.format("sqlite:////tmp/relay/mlflow.db"))
     assert _imported_after(preload.format("postgresql+psycopg2://relay@127.0.0.1/mlflow"))
     assert not _imported_after(preload.format("http://127.0.0.1:5000"))

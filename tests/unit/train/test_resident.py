@@ -234,7 +234,7 @@ def test_a_real_resident_forks_standbys_and_leaves_with_its_run(tmp_path: Path) 
         while not ready_file(directory, "node-c").exists():
             assert time.monotonic() < deadline, (directory / "node-c.log").read_text()
             time.sleep(0.1)
-        launcher.prestart(standby_dir, ["node-c"], 60.0)
+        launcher.warm_standbys(standby_dir, ["node-c"], 60.0)
         standby_pid = recorded_pid(standby_dir, "node-c")
         assert standby_pid is not None and _parent(standby_pid) == resident_pid
         while not ready_file(standby_dir, "node-c").exists():
@@ -246,14 +246,14 @@ def test_a_real_resident_forks_standbys_and_leaves_with_its_run(tmp_path: Path) 
             # preloaded: back to a new session's weight, to answer asks at once
             assert session_nice(Path(f"/proc/{resident_pid}/autogroup")) == 0
             assert session_nice(Path(f"/proc/{standby_pid}/autogroup")) == 0
-        launcher.prestart(run / "segment-001" / "standby", ["node-c"], 60.0)  # and again
+        launcher.warm_standbys(run / "segment-001" / "standby", ["node-c"], 60.0)  # and again
         assert _parent(recorded_pid(run / "segment-001" / "standby", "node-c")) == resident_pid
         # A retry moving onto another node: the run's one resident forks its standby too
         # (the nodes share this host), and no second resident imports the stack again.
         launcher.reside(run, ["node-d"])
         assert recorded_pid(directory, "node-d") is None, "a second resident for the run"
         other = run / "segment-002" / "standby"
-        launcher.prestart(other, ["node-d"], 60.0)
+        launcher.warm_standbys(other, ["node-d"], 60.0)
         assert _parent(recorded_pid(other, "node-d")) == resident_pid
         while not ready_file(other, "node-d").exists():
             assert time.monotonic() < deadline, (other / "node-d.log").read_text()
@@ -269,8 +269,8 @@ def test_a_real_resident_forks_standbys_and_leaves_with_its_run(tmp_path: Path) 
     assert not (directory / "node-c.standby").exists()
 
 
-def test_the_end_of_a_run_stops_its_unclaimed_standbys(tmp_path: Path) -> None:
-    """A spare warmed in a segment whose boundary came first is nobody's to claim."""
+def test_the_end_of_a_run_stops_its_untaken_standbys(tmp_path: Path) -> None:
+    """A spare warmed in a segment whose boundary came first is nobody's to take."""
     import subprocess
     import sys
 

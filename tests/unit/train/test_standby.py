@@ -1,4 +1,4 @@
-"""The standby handshake: claim, hand over, release, expire (no training here)."""
+"""The standby handshake: take, hand over, release, expire (no training here)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import pytest
 from relay.launchers.local.launcher import LocalLauncher, group_members
 from relay_train.agent.standby import (
     announce_ready,
-    claimed_file,
     hand_over,
     ready_file,
     standby_file,
+    taken_file,
     wait_for_launch,
 )
 from relay_train.protocol.pids import start_time
@@ -39,28 +39,28 @@ class Standby(threading.Thread):
         self.result = wait_for_launch(self.directory, self.node, self.ttl, poll=0.01)
 
 
-def test_a_claimed_standby_gets_the_launch_file(tmp_path: Path) -> None:
+def test_a_taken_standby_gets_the_launch_file(tmp_path: Path) -> None:
     standby = Standby(tmp_path, "node-c")
     standby.start()
-    pid = LocalLauncher._claim(tmp_path, "node-c", tmp_path / "launch.json", wait_seconds=10)
+    pid = LocalLauncher._take(tmp_path, "node-c", tmp_path / "launch.json", wait_seconds=10)
     standby.join(10)
     assert pid == os.getpid()
     assert standby.result == tmp_path / "launch.json"
-    assert not standby_file(tmp_path, "node-c").exists()  # claimed: release leaves it alone
+    assert not standby_file(tmp_path, "node-c").exists()  # taken: release leaves it alone
     assert not ready_file(tmp_path, "node-c").exists()
-    assert not claimed_file(tmp_path, "node-c").exists()
+    assert not taken_file(tmp_path, "node-c").exists()
 
 
-def test_claim_waits_for_a_standby_still_preloading(tmp_path: Path) -> None:
+def test_taking_waits_for_a_standby_still_preloading(tmp_path: Path) -> None:
     standby = Standby(tmp_path, "node-c")
     threading.Timer(0.5, standby.start).start()  # ready only half a second from now
-    pid = LocalLauncher._claim(tmp_path, "node-c", tmp_path / "launch.json", wait_seconds=10)
+    pid = LocalLauncher._take(tmp_path, "node-c", tmp_path / "launch.json", wait_seconds=10)
     standby.join(10)
     assert pid == os.getpid() and standby.result == tmp_path / "launch.json"
 
 
 def test_no_standby_means_a_cold_start(tmp_path: Path) -> None:
-    assert LocalLauncher._claim(tmp_path, "node-c", tmp_path / "launch.json", 0.2) is None
+    assert LocalLauncher._take(tmp_path, "node-c", tmp_path / "launch.json", 0.2) is None
 
 
 def test_a_released_standby_leaves(tmp_path: Path) -> None:
@@ -68,28 +68,28 @@ def test_a_released_standby_leaves(tmp_path: Path) -> None:
     standby.start()
     while not ready_file(tmp_path, "node-c").exists():
         time.sleep(0.01)
-    ready_file(tmp_path, "node-c").rename(claimed_file(tmp_path, "node-c"))
+    ready_file(tmp_path, "node-c").rename(taken_file(tmp_path, "node-c"))
     hand_over(tmp_path, "node-c", None)
     standby.join(10)
     assert standby.result is None
 
 
-def test_an_unclaimed_standby_withdraws_after_its_ttl(tmp_path: Path) -> None:
+def test_an_untaken_standby_withdraws_after_its_ttl(tmp_path: Path) -> None:
     standby = Standby(tmp_path, "node-c", ttl=0.3)
     standby.start()
     standby.join(10)
     assert standby.result is None
     assert not ready_file(tmp_path, "node-c").exists()
-    # Too late: a launcher finds nothing to claim and starts the node cold.
-    assert LocalLauncher._claim(tmp_path, "node-c", tmp_path / "launch.json", 0.2) is None
+    # Too late: a launcher finds nothing to take and starts the node cold.
+    assert LocalLauncher._take(tmp_path, "node-c", tmp_path / "launch.json", 0.2) is None
 
 
-@pytest.mark.parametrize("claimed", [True, False])
-def test_release_forgets_every_unclaimed_standby(tmp_path: Path, claimed: bool) -> None:
+@pytest.mark.parametrize("taken", [True, False])
+def test_release_forgets_every_untaken_standby(tmp_path: Path, taken: bool) -> None:
     standby_file(tmp_path, "node-d").write_text('{"pid": 999999999}')  # long gone
     ready_file(tmp_path, "node-d").write_text("{}")
-    if claimed:
-        ready_file(tmp_path, "node-d").rename(claimed_file(tmp_path, "node-d"))
+    if taken:
+        ready_file(tmp_path, "node-d").rename(taken_file(tmp_path, "node-d"))
     LocalLauncher.release_standbys(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 

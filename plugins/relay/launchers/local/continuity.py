@@ -47,13 +47,13 @@ class LocalContinuity:
                 self.launcher.reside(run_dir, nodes[:1], prestarted)
         finally:
             if prestarted is not None:
-                local_prestart.release_unclaimed(prestarted)
+                local_prestart.release_untaken(prestarted)
 
     def warm_for_retry(self, faulty: Attempt, nodes: list[str], ttl_seconds: float) -> None:
         """Have standbys preload in the segment's standby folder, where the retry's launch
         looks: copies of ``faulty``'s agents that still answer, else forked by the run's
         resident."""
-        self.launcher.prestart(faulty.segment_dir / STANDBY_DIR, nodes, ttl_seconds,
+        self.launcher.warm_standbys(faulty.segment_dir / STANDBY_DIR, nodes, ttl_seconds,
                                source=Attempt(faulty.runs_in))
 
     def plan_spare(self, attempt: Attempt, free: list[str]) -> dict[str, Any] | None:
@@ -64,7 +64,7 @@ class LocalContinuity:
     def warm_spare(self, planned: dict[str, Any], why: str) -> None:
         """Start the planned standby (blocking)."""
         log.warning("%s: warming a standby on %s for a retry", why, planned["node"])
-        self.launcher.prestart(Path(planned["directory"]), [planned["node"]],
+        self.launcher.warm_standbys(Path(planned["directory"]), [planned["node"]],
                                float(planned["ttl"]))
 
     def end_run(self, run_dir: Path, stop_workloads: bool = True) -> list[Path]:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relay.core.attempt import Attempt, AttemptState
-from relay.core.errors import NotOursError
+from relay.core.exceptions import NotOursError
 from relay.core.proctree import group_members
 from relay.launchers.agent_client import MAX_PARALLEL, AgentChannel
 from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
@@ -117,7 +117,7 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
         segment's standby folder (:data:`STANDBY_DIR`, where this launcher's warm starts
         put them) gets it (already preloaded), else one the run's resident agent forks
         now (preloaded too; waited for while it preloads), else a new agent; the
-        standbys nobody claimed are stopped afterwards.
+        standbys nobody taken are stopped afterwards.
         """
         root = cfg.root
         cfg = replace(cfg, attempt_id=cfg.attempt_id or attempt_id_of(root),
@@ -132,7 +132,7 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
         handle: dict[str, dict[str, int | None]] = {}
         self._from_resident(standby_dir, cfg.nodes)
         for node in cfg.nodes:
-            pid = self._claim(standby_dir, node, launch_file)
+            pid = self._take(standby_dir, node, launch_file)
             if pid is not None:
                 handle[node] = {**agent_handle(pid), "standby": True,
                                 "port": cfg.agent_ports[node]}

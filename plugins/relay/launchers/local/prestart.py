@@ -1,4 +1,4 @@
-"""A resident agent started before its DAG run exists, and its claim by the run.
+"""A resident agent started before its DAG run exists, and the run that takes it.
 
 ``airflow dags test`` spends its first seconds on Airflow alone (its CLI imports,
 parsing the DAG folder, building the in-process execution API) with one of the
@@ -6,8 +6,8 @@ host's cores idle; the run's resident agent (:mod:`relay_train.agent.resident`) 
 spends seconds importing the training stack, on the path to the first step.
 Relay's own runner of ``airflow dags test`` (:func:`relay.tools.demo.run_dag_test`)
 starts the resident first, in ``$RELAY_HOME/residents/<id>``, and names it in the
-DAG run's conf (``relay_resident``); the local launcher's preflight claims it
-(:func:`claim`) instead of starting one. Nothing else changes: the run's
+DAG run's conf (``relay_resident``); the local launcher's preflight takes it
+(:func:`take`) instead of starting one. Nothing else changes: the run's
 ``resident`` folder is a link to the prestarted one, so the run's end stops it as
 it stops its own. A run started any other way (the scheduler, a bare ``airflow dags
 test``) starts its resident in preflight, as before.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from relay.core import settings
 from relay.launchers.local.warm_agents import live_resident, release, start_recorded
-from relay_train.agent.resident import CLAIM_FILE, RESIDENT_DIR, UNCLAIMED, take_claim
+from relay_train.agent.resident import NOT_TAKEN, RESIDENT_DIR, TAKEN_BY_FILE, take_resident
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +32,13 @@ CONF_KEY = "relay_resident"  # in a DAG run's conf: the prestarted resident's fo
 DAG_FILE = "dag_id"  # in its folder: the DAG whose run it was prestarted for
 PRESTART_FOLDER = "residents"  # in $RELAY_HOME
 HOST = "host"  # the prestarted resident's name: it serves every node of this host
-# Unclaimed this long after its start, a prestarted resident leaves by itself (its
+# Untaken this long after its start, a prestarted resident leaves by itself (its
 # runner normally stops it when airflow dags test exits); Airflow's start-up takes
 # 5-6 s here.
-CLAIM_WITHIN_SECONDS = 180.0
-# An unclaimed resident's folder is removed this long after it was released (its
+TAKE_WITHIN_SECONDS = 180.0
+# An untaken resident's folder is removed this long after it was released (its
 # SIGTERM'd process has left by then) or, never released (its runner died), after
-# twice its claim window.
+# twice the time it waits to be taken.
 PRUNE_AFTER_SECONDS = 60.0
 
 
@@ -50,12 +50,12 @@ def residents_dir(home: Path | None = None) -> Path:
 def prestart_resident(home: Path, dag_id: str, env: dict[str, str] | None = None) -> Path:
     """Start a resident agent for a DAG run of ``dag_id`` about to be started; return its
     folder."""
-    prune_unclaimed(home)
+    prune_untaken(home)
     directory = residents_dir(home.resolve()) / uuid.uuid4().hex
     directory.mkdir(parents=True)
     (directory / DAG_FILE).write_text(dag_id)
     pid = start_recorded(["relay_train.agent.resident", "--dir", str(directory), "--node", HOST,
-                          "--claim-within", str(CLAIM_WITHIN_SECONDS)], directory, HOST, env)
+                          "--take-within", str(TAKE_WITHIN_SECONDS)], directory, HOST, env)
     log.info("Prestarted a resident agent for a DAG run of %s: pid %d in %s", dag_id, pid,
              directory)
     return directory
@@ -86,45 +86,45 @@ def prestarted(conf: object, dag_id: str) -> Path | None:
     return folder
 
 
-def claim(run_dir: Path, folder: Path) -> bool:
+def take(run_dir: Path, folder: Path) -> bool:
     """Make the prestarted resident in ``folder`` the DAG run's; False if it is gone or
-    another run claimed it (the caller starts one then)."""
+    another run taken it (the caller starts one then)."""
     link = run_dir / RESIDENT_DIR
     if link.exists() or link.is_symlink() or live_resident(folder) is None:
         return False  # the run has a resident folder (a dangling link too), or it is gone
-    if not take_claim(folder, str(run_dir)):
+    if not take_resident(folder, str(run_dir)):
         return False
     run_dir.mkdir(parents=True, exist_ok=True)
     link.symlink_to(folder.resolve(), target_is_directory=True)
     return True
 
 
-def release_unclaimed(folder: Path) -> None:
-    """Stop the prestarted resident in ``folder`` unless a DAG run claimed it (claiming
-    it first, so that no run claims it while it stops)."""
-    if take_claim(folder, UNCLAIMED):
+def release_untaken(folder: Path) -> None:
+    """Stop the prestarted resident in ``folder`` unless a DAG run taken it (taking
+    it first, so that no run takes it while it stops)."""
+    if take_resident(folder, NOT_TAKEN):
         release(folder)
 
 
-def prune_unclaimed(home: Path) -> list[Path]:
-    """Remove the folders of prestarted residents that no DAG run claimed and that have
-    left; return them. A claimed one is its run's (the run's ``resident`` folder links
+def prune_untaken(home: Path) -> list[Path]:
+    """Remove the folders of prestarted residents that no DAG run taken and that have
+    left; return them. A taken one is its run's (the run's ``resident`` folder links
     to it, with its log) and stays as long as the run's folder."""
     removed = []
     now = time.time()
     for folder in sorted(residents_dir(home).glob("*")):
         try:
-            claimed = (folder / CLAIM_FILE).read_text()
-            idle = now - (folder / CLAIM_FILE).stat().st_mtime > PRUNE_AFTER_SECONDS
-        except FileNotFoundError:  # never claimed nor released: its runner died, or starting
-            claimed, idle = UNCLAIMED, _age(folder, now) > 2 * CLAIM_WITHIN_SECONDS
+            taken = (folder / TAKEN_BY_FILE).read_text()
+            idle = now - (folder / TAKEN_BY_FILE).stat().st_mtime > PRUNE_AFTER_SECONDS
+        except FileNotFoundError:  # never taken nor released: its runner died, or starting
+            taken, idle = NOT_TAKEN, _age(folder, now) > 2 * TAKE_WITHIN_SECONDS
         except OSError:
             continue
-        if claimed == UNCLAIMED and idle and live_resident(folder) is None:
+        if taken == NOT_TAKEN and idle and live_resident(folder) is None:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     if removed:
-        log.info("Removed %d folder(s) of prestarted resident agents no DAG run claimed, "
+        log.info("Removed %d folder(s) of prestarted resident agents no DAG run taken, "
                  "in %s", len(removed), residents_dir(home))
     return removed
 

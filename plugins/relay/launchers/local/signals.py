@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from relay.core.attempt import Attempt
-from relay.core.errors import NotOursError
+from relay.core.exceptions import NotOursError
 from relay_train.protocol import pids
 
 

@@ -10,7 +10,7 @@ past half the hang threshold while another waits; a rank half way to being
 called a straggler (:meth:`relay.watch.detection.Detector.suspects`). It
 warms a standby on the node a retry would take (the first free node of the pool
 when the segment was watched). The retry
-claims it like any standby; if no retry comes, or the retry is given other nodes,
+takes it like any standby; if no retry comes, or the retry is given other nodes,
 the standby leaves by itself after ``ttl``. At most one live standby at a time
 (:class:`Warmer`): a slow answer or a passing slowness under load costs one preload
 per ``ttl``, not one per poll, and a sign that proved false does not leave the real

@@ -1,8 +1,9 @@
-"""The local launcher's standby and resident agents: their records, claim and release.
+"""The local launcher's standby and resident agents: their records, how a launch takes one,
+and their release.
 
 A standby agent (:mod:`relay_train.agent.standby`) or a resident agent
 (:mod:`relay_train.agent.resident`) is recorded in its folder as ``<node>.standby``:
-its PID and start time, so that only that process is ever claimed or signalled.
+its PID and start time, so that only that process is ever taken or signalled.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from relay.core.proctree import group_members
 from relay_train.agent.resident import RESIDENT_DIR, ask_standby
-from relay_train.agent.standby import claimed_file, hand_over, ready_file, standby_file
+from relay_train.agent.standby import hand_over, ready_file, standby_file, taken_file
 from relay_train.protocol import pids
 from relay_train.protocol.heartbeat import write_atomically
 
@@ -95,14 +96,14 @@ def from_resident(directory: Path, node: str, ttl_seconds: float) -> int | None:
                        preloading_wait_seconds=STANDBY_WAIT_SECONDS, for_node=node)
 
 
-def claim(
+def take_standby(
     directory: Path, node: str, launch_file: Path, wait_seconds: float = STANDBY_WAIT_SECONDS
 ) -> int | None:
     """Take the node's standby agent, waiting while it preloads; return its PID."""
     deadline = time.monotonic() + wait_seconds
     while (pid := recorded_pid(directory, node)) is not None:
         try:
-            os.rename(ready_file(directory, node), claimed_file(directory, node))
+            os.rename(ready_file(directory, node), taken_file(directory, node))
         except FileNotFoundError:
             if time.monotonic() >= deadline:
                 return None
@@ -115,20 +116,20 @@ def claim(
 
 
 def release(directory: Path) -> None:
-    """Stop every standby (or resident) agent recorded in ``directory`` and not claimed."""
+    """Stop every standby (or resident) agent recorded in ``directory`` and not taken."""
     for node in recorded_nodes(directory):
         found = recorded(directory, node)
         if found is not None and group_members(found[0]):
-            log.info("Stopping the unclaimed standby agent of %s (pid %d)", node, found[0])
+            log.info("Stopping the untaken standby agent of %s (pid %d)", node, found[0])
             pids.signal_group(found[0], found[1], signal.SIGTERM)
         for f in (standby_file(directory, node), ready_file(directory, node),
-                  claimed_file(directory, node)):
+                  taken_file(directory, node)):
             f.unlink(missing_ok=True)
 
 
 def release_run(run_dir: Path) -> None:
     """The DAG run is over: stop its resident agents (:meth:`LocalLauncher.reside`) and
-    every standby none of its segments claimed (a spare warmed at a sign of a fault that
+    every standby none of its segments taken (a spare warmed at a sign of a fault that
     a boundary overtook waits out its ttl otherwise)."""
     for directory in (run_dir / RESIDENT_DIR, *run_dir.glob(f"segment-*/{STANDBY_DIR}")):
         if directory.is_dir():

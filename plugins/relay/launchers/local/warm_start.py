@@ -4,7 +4,7 @@ A resident agent per DAG run (:mod:`relay_train.agent.resident`) preloads the
 training stack once, at a low CPU priority, and forks standbys on request; a
 standby (:mod:`relay_train.agent.standby`) waits preloaded in a segment's standby
 folder (:data:`~relay.launchers.local.warm_agents.STANDBY_DIR`) until a launch
-claims it. :meth:`LocalWarmStart.prestart` warms the retry's agents while a faulty
+takes it. :meth:`LocalWarmStart.warm_standbys` warms the retry's agents while a faulty
 attempt is stopped (copies of its agents that still answer first), and
 :meth:`LocalWarmStart.reside` keeps the run's resident.
 """
@@ -19,13 +19,13 @@ from relay.launchers.agent_client import AgentChannel
 from relay.launchers.local import prestart as local_prestart
 from relay.launchers.local.warm_agents import (
     LINGER_SECONDS,
-    claim,
     from_resident,
     live_resident,
     record,
     recorded_pid,
     release,
     start_recorded,
+    take_standby,
 )
 from relay_train.agent.resident import RESIDENT_DIR
 from relay_train.protocol.routes import DIRECTORY, LINGER, PID, STANDBY_TTL_SECONDS, TTL, Route
@@ -42,7 +42,7 @@ class LocalWarmStart:
         """Return the channel to the attempt's agents."""
         raise NotImplementedError
 
-    def prestart(
+    def warm_standbys(
         self, directory: Path, nodes: list[str], ttl_seconds: float = STANDBY_TTL_SECONDS,
         source: Attempt | None = None,
     ) -> None:
@@ -78,7 +78,7 @@ class LocalWarmStart:
         first segment's), and a second would import the same stack again on the CPUs the
         ranks train on. A live ``prestarted`` one (:mod:`relay.launchers.local.prestart`)
         becomes the run's instead."""
-        if prestarted is not None and local_prestart.claim(run_dir, prestarted):
+        if prestarted is not None and local_prestart.take(run_dir, prestarted):
             log.info("Resident agent for this host's nodes: the one prestarted beside "
                      "Airflow's start-up (%s)", prestarted)
             return
@@ -122,5 +122,5 @@ class LocalWarmStart:
         pid = (reply or {}).get(PID)
         return pid if isinstance(pid, int) and pid > 0 else None
 
-    _claim = staticmethod(claim)
+    _take = staticmethod(take_standby)
     release_standbys = staticmethod(release)

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from mlflow.tracking import MlflowClient
 
-from relay_train.checkpoint import Checkpointer
+from relay_train.checkpoints.checkpointer import Checkpointer
+from relay_train.checkpoints.publish import MlflowCheckpointSink
 from relay_train.examples.data import CharStream, load_corpus, mix_seed
-from relay_train.examples.model import ModelConfig, build_model
-from relay_train.publish import MlflowCheckpointSink
+from relay_train.examples.transformer import ModelConfig, build_model
 
 
 @dataclass

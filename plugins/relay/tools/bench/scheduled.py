@@ -31,7 +31,7 @@ from typing import Any
 import requests
 
 from relay.core import settings
-from relay.core.errors import ServiceError
+from relay.core.exceptions import ServiceError
 from relay.core.paths import safe_name
 from relay.tools import services
 from relay.tools.airflow_api import AirflowApi

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from relay_train.checkpoint import Checkpointer, SaveStats
+from relay_train.checkpoints.checkpointer import Checkpointer, SaveStats
 from relay_train.errors import CorruptCheckpointError
 from relay_train.protocol.launch import ResumeFrom
 from relay_train.protocol.manifest import DCP_DIR, FORMAT_DCP, files_digest, tree_mismatches
@@ -143,7 +143,7 @@ def verify_dcp(resume: ResumeFrom, process_group: dist.ProcessGroup | None = Non
     if resume.format != FORMAT_DCP:
         raise ValueError(
             f"resume point {resume.path}: expected format {FORMAT_DCP!r}, found "
-            f"{resume.format!r}; load it with relay_train.checkpoint.load_verified"
+            f"{resume.format!r}; load it with relay_train.checkpoints.checkpointer.load_verified"
         )
     where = f"DCP checkpoint {resume.path} (step {resume.step}, run {resume.run_id})"
     if files_digest(resume.files) != resume.sha256:

@@ -83,7 +83,7 @@ def load_verified(path: Path, expected_sha256: str) -> dict[str, Any]:
     if path.is_dir():
         raise ValueError(
             f"checkpoint {path}: expected one checkpoint file, found a folder (a DCP "
-            "checkpoint); load it with relay_train.dcp.load_dcp"
+            "checkpoint); load it with relay_train.checkpoints.dcp.load_dcp"
         )
     actual = file_sha256(path)
     if actual != expected_sha256:

@@ -14,10 +14,10 @@ import json
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from agents import close_served_agents, serve  # noqa: F401 - the fixture closes the agents
+from claims import take_as_task
 from processes import wait_exit
 
 from relay.core.attempt import Attempt
@@ -34,14 +34,6 @@ from relay_train.protocol.stacks_files import answer_path
 NODES = {"node-a": [0], "node-b": [1], "node-c": [2]}
 DETECTION = {"stop_unattended_after": 1.0, "checkpoint_timeout": 5.0, "evidence_timeout": 1.0}
 
-def _take(attempt: Path, wait: float, launcher: LocalLauncher | None = None,
-          fetch: Callable[[], Stopped | None] | None = None,
-          warden_due: float | None = None) -> Stopped | None:
-    """Take the attempt as execute_complete does; return what a warden saved, if any."""
-    with claim.take(Attempt(attempt), claim.TASK, launcher or LocalLauncher(),
-                    wait_seconds=wait, fetch=fetch, warden_due=warden_due) as taken:
-        assert taken.ours
-        return taken.by_warden
 
 
 
@@ -156,7 +148,7 @@ def test_execute_complete_waits_for_a_warden_elsewhere_and_uses_what_it_saved(
                 warden_record.publish(lineage, run_id, there, stopped)
             return warden_record.fetch(lineage, run_id, attempt)
 
-        got = _take(attempt, 30, LocalLauncher(), fetch,
+        got = take_as_task(attempt, 30, LocalLauncher(), fetch,
                     warden_due=time.time() - 1)  # the warden's time came
         assert got is not None and len(looks) == 2  # not there at first: it waited
         assert group_members(proc.pid) == [proc.pid], "execute_complete must not stop it first"
@@ -177,7 +169,7 @@ def test_execute_complete_before_the_wardens_time_claims_without_waiting(
         tmp_path: Path) -> None:
     attempt, proc = _attempt(tmp_path)
     try:
-        assert _take(attempt, 30, LocalLauncher(), None,
+        assert take_as_task(attempt, 30, LocalLauncher(), None,
                                     warden_due=time.time() + 60) is None
         for thread in threading.enumerate():  # the warden asks 10 s+ later, not at once
             if thread.name == "relay-claim":
@@ -193,7 +185,7 @@ def test_execute_complete_before_the_wardens_time_claims_without_waiting(
 def test_without_a_warden_there_is_nothing_to_claim(tmp_path: Path) -> None:
     attempt, proc = _attempt(tmp_path)
     try:
-        assert _take(attempt, 30, LocalLauncher(), None, warden_due=None) is None
+        assert take_as_task(attempt, 30, LocalLauncher(), None, warden_due=None) is None
         assert claim.claim_attempt(LocalLauncher(), Attempt(attempt), "someone").won
     finally:
         proc.kill()

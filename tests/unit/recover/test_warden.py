@@ -11,16 +11,15 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from claims import take_as_task
 from processes import wait_exit
 
-from relay.core.attempt import Attempt
 from relay.core.faults import Fault, FaultKind
 from relay.core.settings import REPO_ROOT
-from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher, agent_handle, group_members
+from relay.launchers.local.launcher import HANDLE_FILE, agent_handle, group_members
 from relay.policy.model import load_policy
 from relay.recover import claim, warden
 from relay.recover.save_state import STOP
@@ -29,14 +28,6 @@ from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig
 
 DEFAULT = REPO_ROOT / "policies" / "default.yaml"
 
-def _take(attempt: Path, wait: float, launcher: LocalLauncher | None = None,
-          fetch: Callable[[], Stopped | None] | None = None,
-          warden_due: float | None = None) -> Stopped | None:
-    """Take the attempt as execute_complete does; return what a warden saved, if any."""
-    with claim.take(Attempt(attempt), claim.TASK, launcher or LocalLauncher(),
-                    wait_seconds=wait, fetch=fetch, warden_due=warden_due) as taken:
-        assert taken.ours
-        return taken.by_warden
 
 
 
@@ -109,7 +100,7 @@ def test_an_unhandled_fault_is_stopped_by_one_warden(
         assert log.count("stopping the workload") == 1, log
         assert log.count("done: claimed") == 1 and log.count("done: stopped") == 1, log
         # execute_complete, when it runs, gets the warden's record.
-        assert _take(attempt, 5) == stopped
+        assert take_as_task(attempt, 5) == stopped
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -122,7 +113,7 @@ def test_a_handled_fault_is_left_to_execute_complete(tmp_path: Path) -> None:
         pid = warden.start_warden(attempt, _event(attempt, time.time()), STOP,
                                       {**DETECTION, "stop_unattended_after": 30.0}, None)
         assert pid is not None
-        assert _take(attempt, 5) is None  # execute_complete takes the attempt
+        assert take_as_task(attempt, 5) is None  # execute_complete takes the attempt
         wait_exit(pid, timeout=10)  # the warden leaves at its next look
         assert group_members(proc.pid) == [proc.pid]  # and never touched the workload
         assert claim.claimed_by(attempt)["by"] == "execute_complete"

@@ -79,18 +79,18 @@ def run_job_ok(env: dict[str, str], relay_home: Path, job: str, conf: dict[str, 
     assert started is not None, f"preflight recorded no start in {run_dir}"
     first = first_step_at(run_dir / "segment-000" / "try-1")
     assert first is None or started < first, (started, first)
-    _assert_prestarted_resident_claimed_and_gone(run_dir)
+    _assert_prestarted_resident_taken_and_gone(run_dir)
     return parent
 
 
-def _assert_prestarted_resident_claimed_and_gone(run_dir: Path) -> None:
+def _assert_prestarted_resident_taken_and_gone(run_dir: Path) -> None:
     """The run's resident was the one run_dag_test prestarted, and it is gone once the
     run is over (stopped by the run's end, or by run_dag_test's wait)."""
     link = run_dir / RESIDENT_DIR
     if not link.exists() and not link.is_symlink():
         return  # the first segment had no nodes at preflight: no resident was started
     assert link.is_symlink() and link.resolve().parent == residents_dir().resolve(), \
-        f"{link}: preflight started a resident of its own instead of claiming the prestarted one"
+        f"{link}: preflight started a resident of its own instead of taking the prestarted one"
     deadline = time.monotonic() + 30  # SIGTERMed by the run's end or by run_dag_test's wait
     # (its forks, standbys and their ranks, keep its command line: none may be left either)
     while left := list(workload_processes(link.resolve()).values()):

@@ -38,7 +38,7 @@ A resident can also be started before its DAG run exists (prestarted: Relay's ow
 by creating ``run`` there (:func:`take_resident`: the DAG run's folder, created
 exclusively: one run only) and links the run's ``resident`` folder to it. Until
 then it has no run whose heartbeats it could watch; untaken after
-``take_within`` seconds, it takes the take itself (so that no run takes it as
+``take_within`` seconds, it marks itself taken (so that no run takes it as
 it leaves) and leaves.
 
 The asking side is stdlib only: the launcher imports it without torch.
@@ -68,7 +68,7 @@ ASK_WAIT_SECONDS = 1.0  # a ready resident forks within its poll; longer means i
 TAKEN_WAIT_SECONDS = 15.0  # a taken ask is answered once forked (fork_detached: 10 s at most)
 POLL_SECONDS = 0.05
 TAKEN_BY_FILE = "run"  # in a prestarted resident's folder: the DAG run folder that taken it
-NOT_TAKEN = ""  # what ``run`` holds when no run taken it in time (or it was released)
+NOT_TAKEN = ""  # what ``run`` holds when no run took it in time (or it was released)
 
 
 def take_resident(directory: Path, owner: str) -> bool:
@@ -199,10 +199,10 @@ class Resident:
             now = time.monotonic()
             if take_by is not None and now > take_by:
                 if take_resident(self.directory, NOT_TAKEN):
-                    log.info("resident on %s: no DAG run taken it within %.0fs; leaving",
+                    log.info("resident on %s: no DAG run took it within %.0fs; leaving",
                              self.node, self.take_within)
                     break
-                take_by = None  # a run taken it: its heartbeats decide now
+                take_by = None  # a run took it: its heartbeats decide now
             if now - checked > IDLE_CHECK_SECONDS:
                 checked = now
                 last_active = max(last_active, now - self._heartbeat_age())
@@ -243,7 +243,7 @@ class Resident:
         return pid
 
     def _run_dir(self) -> Path | None:
-        """Return the DAG run's folder: the one that taken a prestarted resident (None
+        """Return the DAG run's folder: the one that took a prestarted resident (None
         while none did), else the folder this one was started in."""
         if self.take_within is None:
             return self.directory.parent

@@ -118,7 +118,7 @@ def wait_for_launch(
             if taken_late:
                 return None  # taken, but the launch file never came
             expired = directory / f".{node}.expired"
-            try:  # nobody taken us: withdraw, unless a launcher takes us this instant
+            try:  # nobody took us: withdraw, unless a launcher takes us this instant
                 os.rename(ready_file(directory, node), expired)
             except FileNotFoundError:
                 taken_late = True

@@ -109,7 +109,7 @@ HOLDER = "holder"  # answer: who holds it
 
 # -- POST standby ----------------------------------------------------------------------
 DIRECTORY = "directory"  # request: the standby folder (absolute)
-TTL = "ttl"  # request: seconds the standby waits to be claimed before it leaves
+TTL = "ttl"  # request: seconds the standby waits to be taken before it leaves
 STANDBY_TTL_SECONDS = 60.0  # the ttl Relay asks for (plus a retry's backoff, if any)
 LINGER = "linger"  # request: seconds its agent answers after its ranks end
 PID = "pid"  # answer: the standby's pid

@@ -22,8 +22,9 @@ count, whichever machine the retry runs on (:func:`fault_history`).
 A retry that finds ``handling`` knows the task process died mid-record: it
 handles that fault again before anything else (:func:`interrupted`: the same
 pure decision, the rescue the healthy rank already wrote, the stop, the
-record), exactly once, and then launches its own attempt. When the task state store is missing from
-the context (it is there under ``airflow dags test`` too in Airflow 3.3.2),
+record), exactly once; then it launches its own attempt, unless that fault's
+decision gave up (the try then fails for good). When the task state store is
+missing from the context (it is there under ``airflow dags test`` too in Airflow 3.3.2),
 the entry goes to ``journal.json`` in the segment folder instead, and the
 history is counted from the attempt folders' ``decision.json`` files.
 """

@@ -358,7 +358,7 @@ def stop_workloads(runs: Path, residents: Path | None = None) -> list[str]:
     for run_dir in runs.glob("*/*"):  # <dag>/<run>: its residents and unclaimed standbys
         release_run(run_dir)
     for folder in residents.iterdir() if residents is not None and residents.is_dir() else ():
-        release(folder)  # prestarted (relay.launchers.local.prestart), claimed or not
+        release(folder)  # prestarted (relay.launchers.local.prestart), taken or not
     return survivors
 
 

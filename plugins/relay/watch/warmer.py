@@ -8,7 +8,7 @@ first free node of the pool); the watcher warms it at the first sign of a fault
 that moves the job off a node: a node's agent, heard before, missing a poll its
 peers answer (:func:`silent_nodes`); a rank in compute past half the hang
 threshold while another waits; a rank half way to being called a straggler
-(:meth:`relay.watch.detection.Detector.suspects`). The retry claims it like any
+(:meth:`relay.watch.detection.Detector.suspects`). The retry takes it like any
 standby; if no retry comes, or the retry is given other nodes, it leaves by
 itself after ``ttl``. At most one live spare at a time (:class:`Warmer`): a slow
 answer or a passing slowness under load costs one preload per ``ttl``, not one

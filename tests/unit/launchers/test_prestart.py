@@ -75,7 +75,7 @@ def test_a_run_takes_a_live_prestarted_resident_once(home: Path) -> None:
         assert (run / RESIDENT_DIR).resolve() == folder.resolve()
         assert (folder / TAKEN_BY_FILE).read_text() == str(run)
         assert live_resident(run / RESIDENT_DIR) == HOST  # the launcher finds it there
-        assert not take(other, folder), "a second run taken the same resident"
+        assert not take(other, folder), "a second run took the same resident"
         assert not (other / RESIDENT_DIR).exists()
         assert sorted(p.name for p in folder.iterdir() if p.name.startswith(TAKEN_BY_FILE)) == \
             [TAKEN_BY_FILE], "a staged take file was left"
@@ -148,7 +148,7 @@ def test_a_prestarted_resident_leaves_unless_taken_in_time_and_cannot_be_taken_t
     assert (tmp_path / TAKEN_BY_FILE).read_text() == "", "it left without taking the take"
 
 
-def test_a_taken_resident_watches_the_heartbeats_of_the_run_that_taken_it(
+def test_a_taken_resident_watches_the_heartbeats_of_the_run_that_took_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(resident, "IDLE_CHECK_SECONDS", 0.05)
     monkeypatch.setattr(resident.signal, "signal", lambda *_: None)

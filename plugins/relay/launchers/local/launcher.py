@@ -117,7 +117,7 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
         segment's standby folder (:data:`STANDBY_DIR`, where this launcher's warm starts
         put them) gets it (already preloaded), else one the run's resident agent forks
         now (preloaded too; waited for while it preloads), else a new agent; the
-        standbys nobody taken are stopped afterwards.
+        standbys nobody took are stopped afterwards.
         """
         root = cfg.root
         cfg = replace(cfg, attempt_id=cfg.attempt_id or attempt_id_of(root),

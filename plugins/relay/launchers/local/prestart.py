@@ -88,7 +88,7 @@ def prestarted(conf: object, dag_id: str) -> Path | None:
 
 def take(run_dir: Path, folder: Path) -> bool:
     """Make the prestarted resident in ``folder`` the DAG run's; False if it is gone or
-    another run taken it (the caller starts one then)."""
+    another run took it (the caller starts one then)."""
     link = run_dir / RESIDENT_DIR
     if link.exists() or link.is_symlink() or live_resident(folder) is None:
         return False  # the run has a resident folder (a dangling link too), or it is gone
@@ -100,14 +100,14 @@ def take(run_dir: Path, folder: Path) -> bool:
 
 
 def release_untaken(folder: Path) -> None:
-    """Stop the prestarted resident in ``folder`` unless a DAG run taken it (taking
+    """Stop the prestarted resident in ``folder`` unless a DAG run took it (taking
     it first, so that no run takes it while it stops)."""
     if take_resident(folder, NOT_TAKEN):
         release(folder)
 
 
 def prune_untaken(home: Path) -> list[Path]:
-    """Remove the folders of prestarted residents that no DAG run taken and that have
+    """Remove the folders of prestarted residents that no DAG run took and that have
     left; return them. A taken one is its run's (the run's ``resident`` folder links
     to it, with its log) and stays as long as the run's folder."""
     removed = []
@@ -124,7 +124,7 @@ def prune_untaken(home: Path) -> list[Path]:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     if removed:
-        log.info("Removed %d folder(s) of prestarted resident agents no DAG run taken, "
+        log.info("Removed %d folder(s) of prestarted resident agents no DAG run took, "
                  "in %s", len(removed), residents_dir(home))
     return removed
 

@@ -129,7 +129,7 @@ def release(directory: Path) -> None:
 
 def release_run(run_dir: Path) -> None:
     """The DAG run is over: stop its resident agents (:meth:`LocalLauncher.reside`) and
-    every standby none of its segments taken (a spare warmed at a sign of a fault that
+    every standby none of its segments took (a spare warmed at a sign of a fault that
     a boundary overtook waits out its ttl otherwise)."""
     for directory in (run_dir / RESIDENT_DIR, *run_dir.glob(f"segment-*/{STANDBY_DIR}")):
         if directory.is_dir():

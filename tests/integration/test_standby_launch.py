@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import signal
 import time
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 from processes import workload_processes
 
+from relay.launchers.local import warm_start
 from relay.launchers.local.launcher import LocalLauncher, group_members
 from relay.policy.model import Detection
 from relay.tools.bench.common import Store, launch_config, watch
@@ -77,12 +79,18 @@ def _parent(pid: int) -> int:
 
 
 def test_a_launch_without_standbys_gets_them_forked_by_the_runs_resident(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What preflight sets up for the first segment: the run's resident agent preloads,
     and the launch asks it for each node's standby (waiting while it preloads) instead
     of starting agents that import the training stack again, one per node."""
+    from relay.launchers.local import warm_agents
     from relay.launchers.local.warm_agents import release_run
-    from relay_train.agent.resident import RESIDENT_DIR
+    from relay_train.agent.resident import RESIDENT_DIR, ask_standby
+
+    # What is tested is who forks the standbys, not how fast a loaded machine does: the
+    # bound on a ready resident's answer (1 s, then an agent the slow way) is widened.
+    monkeypatch.setattr(warm_agents, "ask_standby", functools.partial(ask_standby,
+                                                                      wait_seconds=60.0))
 
     store = Store(tmp_path / "mlflow")
     launcher = LocalLauncher()
@@ -104,9 +112,14 @@ def test_a_launch_without_standbys_gets_them_forked_by_the_runs_resident(
 
 
 @pytest.mark.slow
-def test_the_agents_of_a_stopped_attempt_hand_on_preloaded_copies(tmp_path: Path) -> None:
+def test_the_agents_of_a_stopped_attempt_hand_on_preloaded_copies(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A retry's standby on a node the faulty attempt used is forked from that node's agent:
     it survives the attempt's stop and takes the next launch without preloading again."""
+    # What is tested is where the copies come from, not how fast a loaded machine forks:
+    # the launcher's bound on an agent's answer (1.5 s, then a standby the slow way) is
+    # widened so that a busy CI machine cannot turn a copy into a new process.
+    monkeypatch.setattr(warm_start, "STANDBY_ASK_TIMEOUT_SECONDS", 60.0)
     store = Store(tmp_path / "mlflow")
     standby = tmp_path / "segment" / "standby"
     launcher = LocalLauncher()

@@ -65,7 +65,6 @@ log = logging.getLogger(__name__)
 
 HANDLE_FILE = "handle.json"
 STOP_GRACE_SECONDS = 5.0
-STANDBY_ASK_TIMEOUT_SECONDS = 1.5  # a fork answers within the agent's own 1 s wait
 ENV_PARTITIONED = "RELAY_TEST_PARTITIONED_NODES"  # test hook: nodes stop() cannot reach
 STOP_ASK_TIMEOUT_SECONDS = 0.5
 STOP_POLL_SECONDS = 0.02  # a stop looks this often whether the attempt's processes are gone

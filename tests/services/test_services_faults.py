@@ -33,7 +33,8 @@ from relay.lineage.run_view import find_parent, run_view
 from relay.lineage.store import Lineage
 from relay.nodes.pool import NodePool
 from relay.policy.model import UNATTENDED_MARGIN_SECONDS, load_policy
-from relay.recover import warden as unattended
+from relay.recover.claim import claimed_by
+from relay.recover.warden_record import STOPPED_FILE, Stopped, folder
 from relay.tools import services
 from relay.tools.airflow_api import AirflowApi
 
@@ -121,17 +122,17 @@ def test_scheduler_down_while_a_fault_is_detected(
 
 
 def _stopped_while_scheduler_down(api: AirflowApi, home: Path, run_id: str,
-                                  scheduler: int) -> unattended.Stopped:
+                                  scheduler: int) -> Stopped:
     """Wait for the warden's stop; check it came within the bound, the scheduler still down."""
     attempt = _attempt(home, run_id, 0, 1)
     bound = (DETECTION.stop_unattended_after + DETECTION.checkpoint_timeout
              + UNATTENDED_MARGIN_SECONDS)
-    _wait_for(unattended.folder(attempt) / unattended.STOPPED_FILE, bound + 120)
-    stopped = unattended.Stopped.read(attempt)
+    _wait_for(folder(attempt) / STOPPED_FILE, bound + 120)
+    stopped = Stopped.read(attempt)
     assert stopped is not None
     # Stopped by the warden, within the bound, while the scheduler was still down.
     assert not alive(scheduler)
-    assert unattended.claimed_by(attempt)["by"] == "warden"
+    assert claimed_by(attempt)["by"] == "warden"
     assert DETECTION.stop_unattended_after <= stopped.stopped_at - stopped.detected_at <= bound
     assert not _processes_of(home, attempt), "the hung workload outlived its warden"
     assert stopped.rescued is not None and stopped.survivors == []

@@ -91,7 +91,7 @@ def _check_recovered(clean_run: str, run_id: str, attempt: Path, where: Path) ->
     view = run_view(lineage, parent)
     seg0 = [(a.try_number, a.outcome, (a.fault or {}).get("kind")) for a in view.attempts
             if a.segment == 0]
-    assert seg0 == [(1, "fault", "hang"), (2, "completed", None)], seg0
+    assert seg0 == [(1, "faulted", "hang"), (2, "completed", None)], seg0
     # The rescued state is in the chain the final weights came from: no step was lost.
     assert record["rescued"]["step"] in [m.step for m in lineage.chain(parent)]
     clean = final_state(lineage, find_parent(lineage, "demo", clean_run), where / "clean")

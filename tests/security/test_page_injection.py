@@ -92,6 +92,13 @@ def _seed(tracking_uri: str, artifacts: Path) -> str:
                              "quarantine_node": payload("quarantine_node")},
                 "lost_steps": payload("lost_steps"),
                 "next_resume_step": payload("next_resume_step")})
+    # A tampered record the page cannot read (a segment that is no number): a 500 with its
+    # fixed text, where the server's own would skip the policy headers.
+    broken = client.create_run(lineage.experiment_id("broken"), tags={
+        TAG_JOB: "broken", TAG_DAG_RUN: "manual__broken", TAG_OUTCOME: "faulted"}).info.run_id
+    client.create_run(lineage.experiment_id("broken"), tags={
+        TAG_PARENT: broken, TAG_SEGMENT: payload("segment"), TAG_TRY: "1", TAG_JOB: "broken",
+        TAG_OUTCOME: "completed"})
     node = payload("quarantined")
     NodePool(nodes=[node]).quarantine(node, 3600, payload("quarantine_reason"),
                                       payload("quarantined_by"))
@@ -129,7 +136,7 @@ def page(tmp_path_factory: pytest.TempPathFactory, relay_home: Path) -> Iterator
     store = home / SECRET
     jobs = home / "jobs"
     jobs.mkdir()
-    for job in (JOB, "ghost"):  # ghost: a job with no MLflow experiment yet
+    for job in (JOB, "ghost", "broken"):  # ghost: a job with no MLflow experiment yet
         (jobs / f"{job}.yaml").write_text("{}\n")
     tracking_uri = f"sqlite:///{store / 'mlflow.db'}"
     with pytest.MonkeyPatch.context() as env:
@@ -194,7 +201,7 @@ def test_payloads_in_the_records_show_as_text_and_never_run(
         assert page.dag_run_id in listed, "the run id shows, as text"
         # The index's own link: the run id's payload went into its URL, where it is refused
         # (no Airflow run id looks like that) with a fixed text.
-        href = browser.evaluate("document.querySelector('td a').href")
+        href = browser.evaluate(f"document.querySelector('a[href*=relay_{JOB}]').href")
         assert href.startswith(page.url + "run?")
         assert "no record of that DAG run" in browser.open(href)
         _nothing_ran(browser)
@@ -247,7 +254,8 @@ def _every_response(page: Deployment) -> list[tuple[str, int, str, dict]]:
     paths = ["", f"run?dag_id={job}", f"api/run?dag_id={job}", "run?dag_id=relay_ghost",
              "api/run?dag_id=relay_ghost", f"run?dag_id={job}&run_id=never_recorded",
              f"api/run?dag_id={job}&run_id=never_recorded", "run?dag_id=example_bash",
-             "run", f"picture/{job}/abc123/timeline.png", "no/such/route"]
+             "run", f"picture/{job}/abc123/timeline.png", "no/such/route",
+             "run?dag_id=relay_broken", "api/run?dag_id=relay_broken"]
     found = []
     for path in paths:
         for token in (page.token, None, "not.a.jwt"):
@@ -261,7 +269,8 @@ def test_no_response_shows_the_tracking_uri_and_every_one_has_the_policy(
     page: Deployment,
 ) -> None:
     responses = _every_response(page)
-    assert {s for _, s, _, _ in responses} >= {200, 401, 403, 404, 422}
+    assert {s for _, s, _, _ in responses} >= {200, 401, 403, 404, 422, 500}
+    assert all("failed to read this run" in b for p, s, b, _ in responses if s == 500)
     for path, status, body, headers in responses:
         seen = body + json.dumps(headers)
         assert SECRET not in seen and page.tracking_uri not in seen, (path, status)

@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Debian packages the service tests need: headless Chromium (the Recovery page test) and
 # PostgreSQL (`RELAY_METADATA_DB=postgres`). Installs only what is missing; needs root.
+# Arguments name a subset: `system-deps.sh chromium` (what tests/security's browser test needs).
 set -euo pipefail
+[ $# -gt 0 ] || set -- chromium postgresql
 missing=()
-command -v chromium >/dev/null 2>&1 || missing+=(chromium)
-compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql)
+for name in "$@"; do
+    case "$name" in
+        chromium) command -v chromium >/dev/null 2>&1 || missing+=(chromium) ;;
+        postgresql) compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql) ;;
+        *) echo "system-deps: expected chromium or postgresql; found '$name'." >&2; exit 2 ;;
+    esac
+done
 if [ ${#missing[@]} -eq 0 ]; then
     exit 0
 fi

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,8 @@ from relay.core.attempt import AttemptState
 from relay.lineage.store import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, TAG_TRY, Lineage
 from relay_train.protocol.injection import CHAOS_LOG
 from relay_train.protocol.launch import FIRST_STEP_FILE
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,17 @@ def _json_artifact(lineage: Lineage, run_id: str, name: str) -> dict[str, Any] |
         except Exception:  # noqa: BLE001 - a missing artifact reads as "not recorded"
             return None
         return dict(json.loads(Path(path).read_text()))
+
+
+def step_field(record: dict[str, Any] | None, name: str, run_id: str) -> int | None:
+    """Return a step count of a ``decision.json`` (``lost_steps``, ``next_resume_step``), or
+    None when absent or not an integer: anyone who can write to MLflow can write that file."""
+    value = None if record is None else record.get(name)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    log.warning("decision.json of MLflow run %s: expected an integer %s, found %.80r; "
+                "shown as unknown", run_id, name, value)
+    return None
 
 
 def chaos_strikes(attempt_dir: Path) -> list[dict[str, Any]]:
@@ -104,7 +118,7 @@ def fault_rows(lineage: Lineage, parent: str) -> list[FaultRow]:
         if decision.get("quarantine_node"):
             action += f" ({decision['quarantine_node']} out)"
         rows.append(FaultRow(int(segment), fault["kind"], who, detected_after, action,
-                             record.get("lost_steps"), resumed))
+                             step_field(record, "lost_steps", child.info.run_id), resumed))
     return rows
 
 

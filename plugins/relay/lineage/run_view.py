@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from relay.core.attempt import AttemptState
-from relay.lineage.report import FaultRow, _json_artifact, fault_rows, first_step_at
+from relay.lineage.report import FaultRow, _json_artifact, fault_rows, first_step_at, step_field
 from relay.lineage.store import TAG_DAG_RUN, TAG_OUTCOME, TAG_SEGMENT, TAG_TRY, Lineage
 from relay.nodes.pool import NodePool
 from relay_train.protocol.heartbeat import read_heartbeats
@@ -89,8 +89,8 @@ def _attempt(lineage: Lineage, child: Any) -> AttemptView:  # noqa: ANN401 - an 
         ended_at=info.end_time / 1000 if info.end_time else None,
         productive_at=first_step_at(attempt_dir), reached_step=reached,
         fault=record["fault"] if record else None, decision=record["decision"] if record else None,
-        lost_steps=record.get("lost_steps") if record else None,
-        next_resume_step=record.get("next_resume_step") if record else None,
+        lost_steps=step_field(record, "lost_steps", info.run_id),
+        next_resume_step=step_field(record, "next_resume_step", info.run_id),
         checkpoint_every=int(params["checkpoint_every"]) if "checkpoint_every" in params else None,
         checkpoint_every_reason=params.get("checkpoint_every_reason"),
     )
@@ -181,8 +181,10 @@ def find_parent(lineage: Lineage, job: str, dag_run_id: str | None) -> str:
     """Return the MLflow run of a DAG run of ``job`` (the newest one without ``dag_run_id``)."""
     query = (f"tags.`{TAG_DAG_RUN}` = '{dag_run_id}'" if dag_run_id
              else f"tags.`{TAG_DAG_RUN}` != ''")
-    runs = lineage.client.search_runs([lineage.experiment_id(job)], filter_string=query,
-                                      order_by=["attributes.start_time DESC"], max_results=1)
+    experiment = lineage.find_experiment_id(job)
+    runs = [] if experiment is None else lineage.client.search_runs(
+        [experiment], filter_string=query, order_by=["attributes.start_time DESC"],
+        max_results=1)
     if not runs:
         which = f"DAG run {dag_run_id}" if dag_run_id else "any DAG run"
         raise LookupError(f"No MLflow record of {which} of job {job} in {lineage.tracking_uri}. "
@@ -191,8 +193,11 @@ def find_parent(lineage: Lineage, job: str, dag_run_id: str | None) -> str:
 
 
 def dag_runs(lineage: Lineage, job: str, limit: int = 50) -> list[Any]:
-    """Return the newest DAG-run MLflow runs of ``job``."""
+    """Return the newest DAG-run MLflow runs of ``job`` (none if it has no experiment yet)."""
+    experiment = lineage.find_experiment_id(job)
+    if experiment is None:
+        return []
     return list(lineage.client.search_runs(
-        [lineage.experiment_id(job)], filter_string=f"tags.`{TAG_DAG_RUN}` != ''",
+        [experiment], filter_string=f"tags.`{TAG_DAG_RUN}` != ''",
         order_by=["attributes.start_time DESC"], max_results=limit,
     ))

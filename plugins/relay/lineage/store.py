@@ -102,12 +102,18 @@ class Lineage(CheckpointReading):
             self._repos[run.info.run_id] = repo
         return repo
 
+    def find_experiment_id(self, job: str) -> str | None:
+        """Return the experiment of ``job``, or None if there is none (never creates it:
+        readers such as the Recovery page must not write)."""
+        found = self._call(self.client.get_experiment_by_name, f"relay/{job}")
+        return None if found is None else str(found.experiment_id)
+
     def experiment_id(self, job: str) -> str:
         """Get or create the experiment of ``job`` (with an explicit artifact location)."""
         name = f"relay/{job}"
-        found = self._call(self.client.get_experiment_by_name, name)
+        found = self.find_experiment_id(job)
         if found is not None:
-            return str(found.experiment_id)
+            return found
         location = None
         if not self.tracking_uri.startswith(("http://", "https://")):
             # Direct stores need an explicit place, or artifacts land in the process's cwd;

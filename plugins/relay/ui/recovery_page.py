@@ -4,21 +4,33 @@ Airflow does not put plugin apps behind its authentication, so every route
 here resolves the user exactly as Airflow's own API does (``get_user``: the
 ``Authorization: Bearer`` JWT, else the UI's ``_token`` cookie) and asks the
 auth manager whether that user may read the DAG's runs. No valid login: 401.
+
+Anyone who can write to MLflow writes what this page shows, and anyone can send it
+a link: pages render through autoescaping templates (``relay.ui.page_html``),
+error responses carry fixed texts (never the request's input, never the MLflow
+tracking URI, which may hold database credentials), every response carries a
+Content-Security-Policy that allows no script at all, and no route writes to
+MLflow (no get-or-create: a job without records reads as "no runs").
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import secrets
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relay.core import settings
 from relay.core.attempt import AttemptState
-from relay.ui.page_html import index_html, run_html
+from relay.ui.page_html import error_html, index_html, run_html
 
 if TYPE_CHECKING:
     from relay.lineage.run_view import RunView
@@ -31,6 +43,31 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 PICTURES = ("timeline.png", "loss.png")
 REFRESH_RUNNING_SECONDS = 10.0
+# Airflow's default `allowed_run_id_pattern`: a run id outside it was never recorded, and
+# the rest is safe inside an MLflow filter string's quotes.
+RUN_ID = re.compile(r"[A-Za-z0-9_.~:+-]{1,250}")
+
+# Every error the page answers with: fixed texts, never what the request sent.
+NOT_LOGGED_IN = "Not logged in. Log in to Airflow first."
+NOT_ALLOWED = ("Not allowed: your Airflow login may not read this DAG's runs, or it is no "
+               "longer valid. Log in again, or ask an Airflow admin for access.")
+NOT_RELAY = "Not found: that DAG is not a Relay DAG (a Relay DAG is named relay_JOB)."
+NO_RECORD = ("Not found: Relay has no record of that DAG run. Check the DAG id and run id, "
+             "or open the list of runs at /relay/.")
+NO_PICTURE = "Not found: no such picture (it appears once the run's page has been opened)."
+BAD_REQUEST = ("Bad request: expected the query parameter dag_id, and optionally run_id, "
+               "as the Recovery links in Airflow's UI give them.")
+FAILED = "The Recovery page failed to read this run; the API server's log says why."
+FIXED_TEXTS = {NOT_LOGGED_IN, NOT_ALLOWED, NOT_RELAY, NO_RECORD, NO_PICTURE, BAD_REQUEST, FAILED}
+BY_STATUS = {401: NOT_LOGGED_IN, 403: NOT_ALLOWED, 404: "Not found.", 405: "Method not allowed.",
+             422: BAD_REQUEST, 500: FAILED}
+
+
+def content_security_policy(nonce: str) -> str:
+    """Return the page's policy: no script, no plugins, styles only by ``nonce``, images
+    and framing (Airflow's UI embeds the page) from this origin only."""
+    return (f"default-src 'none'; style-src 'nonce-{nonce}'; img-src 'self'; "
+            "base-uri 'none'; form-action 'none'; frame-ancestors 'self'")
 
 
 async def current_user(request: Request) -> Any:  # noqa: ANN401 - an Airflow BaseUser
@@ -58,30 +95,80 @@ def _may_read_runs(user: Any, dag_id: str) -> None:  # noqa: ANN401
     allowed = get_auth_manager().is_authorized_dag(
         method="GET", access_entity=DagAccessEntity.RUN, details=DagDetails(id=dag_id), user=user)
     if not allowed:
-        raise HTTPException(status_code=403, detail=f"not allowed to read runs of {dag_id}")
+        raise HTTPException(status_code=403, detail=NOT_ALLOWED)
 
 
 def _job_of(dag_id: str) -> str:
     if not dag_id.startswith("relay_"):
-        raise HTTPException(status_code=404, detail=f"{dag_id} is not a Relay DAG")
+        raise HTTPException(status_code=404, detail=NOT_RELAY)
     return dag_id.removeprefix("relay_")
 
 
-def _lineage() -> Lineage:
+def _lineage() -> Lineage | None:
+    """Return the lineage store, or None while there is none: opening a missing SQLite
+    store would create it, and a GET never writes."""
     from relay.lineage.store import Lineage  # MLflow: at the first request, not at plugin load
 
-    return Lineage.from_settings()
+    lineage = Lineage.from_settings()
+    uri = lineage.tracking_uri
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        return None
+    return lineage
 
 
 def _view(dag_id: str, run_id: str | None) -> tuple[Lineage, RunView]:
     from relay.lineage.run_view import find_parent, run_view
 
+    job = _job_of(dag_id)
     lineage = _lineage()
+    if lineage is None or (run_id is not None and not RUN_ID.fullmatch(run_id)):
+        raise HTTPException(status_code=404, detail=NO_RECORD)
     try:
-        parent = find_parent(lineage, _job_of(dag_id), run_id)
-    except LookupError as err:
-        raise HTTPException(status_code=404, detail=str(err)) from err
+        parent = find_parent(lineage, job, run_id)
+    except LookupError as err:  # its text names the tracking URI: the log only
+        log.info("Recovery page: %s", err)
+        raise HTTPException(status_code=404, detail=NO_RECORD) from err
     return lineage, run_view(lineage, parent)
+
+
+def _nonce(request: Request) -> str:
+    return str(request.state.csp_nonce)
+
+
+def _refusal(request: Request, status: int, detail: object) -> Response:
+    """Answer an error with a fixed text: the page's own, else the one of its status."""
+    text = detail if isinstance(detail, str) and detail in FIXED_TEXTS else (
+        BY_STATUS.get(status, "Request failed."))
+    if "text/html" in request.headers.get("accept", ""):
+        return HTMLResponse(error_html(status, text, _nonce(request)), status_code=status)
+    return JSONResponse({"detail": text}, status_code=status)
+
+
+def _guard(app: FastAPI) -> None:
+    """Put the policy headers on every response and fixed texts on every error."""
+
+    @app.middleware("http")
+    async def policy_headers(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        request.state.csp_nonce = secrets.token_urlsafe(16)
+        try:
+            response = await call_next(request)
+        except Exception:  # a bare 500 from the server would bypass the headers below
+            log.exception("Recovery page: %s failed", request.url.path)
+            response = _refusal(request, 500, FAILED)
+        response.headers["Content-Security-Policy"] = content_security_policy(_nonce(request))
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["Referrer-Policy"] = "same-origin"
+        return response
+
+    @app.exception_handler(StarletteHTTPException)
+    async def refuse(request: Request, exc: StarletteHTTPException) -> Response:
+        return _refusal(request, exc.status_code, exc.detail)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> Response:
+        return _refusal(request, 422, BAD_REQUEST)
 
 
 def pictures_dir(parent_run_id: str) -> Path:
@@ -105,17 +192,10 @@ def create_app() -> FastAPI:
     """Build the Recovery page's app (mounted at ``/relay``)."""
     app = FastAPI(title="Relay recovery", docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.exception_handler(HTTPException)
-    async def refuse(request: Request, exc: HTTPException) -> Any:  # noqa: ANN401
-        if "text/html" in request.headers.get("accept", "") and exc.status_code in (401, 403):
-            return HTMLResponse(
-                f"<h1>{exc.status_code}: {exc.detail}</h1><p>Log in to Airflow first: "
-                '<a href="/auth/login/?next=/relay/">log in</a>.</p>',
-                status_code=exc.status_code)
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+    _guard(app)
 
     @app.get("/", response_class=HTMLResponse)
-    def index(user: UserDep) -> str:
+    def index(request: Request, user: UserDep) -> str:
         from relay.lineage.run_view import dag_runs
 
         lineage = _lineage()
@@ -126,16 +206,16 @@ def create_app() -> FastAPI:
                 _may_read_runs(user, f"relay_{job}")
             except HTTPException:
                 continue  # not this user's to see
-            listing[job] = dag_runs(lineage, job)
-        return index_html(listing)
+            listing[job] = [] if lineage is None else dag_runs(lineage, job)
+        return index_html(listing, _nonce(request))
 
     @app.get("/run", response_class=HTMLResponse)
-    def run_page(user: UserDep, dag_id: Annotated[str, Query()],
+    def run_page(request: Request, user: UserDep, dag_id: Annotated[str, Query()],
                  run_id: Annotated[str | None, Query()] = None) -> str:
         _may_read_runs(user, dag_id)
         lineage, view = _view(dag_id, run_id)
         _ensure_pictures(lineage, view)
-        return run_html(view)
+        return run_html(view, _nonce(request), dag_id)
 
     @app.get("/api/run")
     def run_json(user: UserDep, dag_id: Annotated[str, Query()],
@@ -147,10 +227,10 @@ def create_app() -> FastAPI:
     def picture(user: UserDep, dag_id: str, parent_run_id: str, name: str) -> FileResponse:
         _may_read_runs(user, dag_id)
         if name not in PICTURES or not parent_run_id.isalnum():
-            raise HTTPException(status_code=404, detail="no such picture")
+            raise HTTPException(status_code=404, detail=NO_PICTURE)
         path = pictures_dir(parent_run_id) / name
         if not path.exists():
-            raise HTTPException(status_code=404, detail="picture not rendered yet")
+            raise HTTPException(status_code=404, detail=NO_PICTURE)
         return FileResponse(path, media_type="image/png")
 
     return app

@@ -15,7 +15,16 @@ from typing import Any
 import websocket
 
 from relay.core.proctree import descendants, stop_pids
+from relay.core.settings import REPO_ROOT
 from relay.tools.services import free_port
+
+
+def ensure_chromium() -> None:
+    """Install Debian's chromium when it is missing, as `make test-services` does (CI runs
+    as root); elsewhere scripts/system-deps.sh fails with the command to run."""
+    if shutil.which("chromium") is None:
+        subprocess.run(["bash", str(REPO_ROOT / "scripts" / "system-deps.sh"), "chromium"],
+                       check=True, timeout=900)
 
 
 class Chromium:
@@ -84,6 +93,11 @@ class Chromium:
         text = self.call("Runtime.evaluate", expression="document.body.innerText",
                          returnByValue=True)
         return str(text["result"].get("value", ""))
+
+    def evaluate(self, expression: str) -> Any:  # noqa: ANN401 - whatever the page returns
+        """Return the value of a JavaScript expression in the page."""
+        res = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        return res["result"].get("value")
 
     def images_loaded(self) -> list[int]:
         """Return the natural widths of the page's images (0 = failed to load)."""

@@ -33,6 +33,7 @@ from typing import Any
 
 from relay_train.protocol.env import ENV_NODE_AGENT_PID
 from relay_train.protocol.injection import CHAOS_LOG, LASTING, InjectedFault
+from relay_train.protocol.pids import signal_group, start_time
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,9 @@ def _freeze_node() -> None:
     own = os.getpgid(0)
     agent = os.environ.get(ENV_NODE_AGENT_PID)
     groups: set[int] = set()
-    if agent:
+    # Only while the agent is still this rank's parent: a PID from the environment may
+    # name another process once the agent has exited (this rank is then reparented).
+    if agent and int(agent) == os.getppid():
         pids = [int(agent), *child_pids().get(int(agent), [])]
         for pid in pids:
             try:
@@ -221,5 +224,5 @@ def _freeze_node() -> None:
             except ProcessLookupError:
                 continue
     for group in groups - {own}:
-        os.killpg(group, signal.SIGSTOP)
-    os.killpg(own, signal.SIGSTOP)
+        signal_group(group, start_time(group), signal.SIGSTOP)  # found just now in /proc
+    os.killpg(own, signal.SIGSTOP)  # this rank's own group

@@ -26,6 +26,7 @@ from relay.launchers.local.launcher import free_port
 from relay.nodes.pool import NodePool
 from relay.nodes.store import SqlStore
 from relay.tools import pgcluster, services
+from relay_train.protocol.pids import start_time
 
 pytestmark = pytest.mark.postgres
 
@@ -56,6 +57,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int
     root = services.postgres_dir(home)  # a folder the postgres user can reach
     port = free_port()
     pid = pgcluster.start(root, port, home / "postgres.log")
+    started = start_time(pid)
     try:
         conn = psycopg2.connect(host="127.0.0.1", port=port, user=pgcluster.PG_USER,
                                 dbname=pgcluster.DATABASE)
@@ -65,7 +67,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int
         conn.close()
         yield f"postgresql://{pgcluster.PG_USER}@127.0.0.1:{port}/relay", pid
     finally:
-        pgcluster.stop(pid)
+        pgcluster.stop(pid, started)
         shutil.rmtree(root, ignore_errors=True)
     assert not alive(pid), "PostgreSQL outlived the test"
 
@@ -126,7 +128,7 @@ def test_a_stopped_database_fails_the_worker_with_the_fix(
     """Runs last: it stops the module's PostgreSQL."""
     url, pid = cluster
     env = worker_env(tmp_path / "a", url)
-    pgcluster.stop(pid)
+    pgcluster.stop(pid, start_time(pid))  # the module's own postmaster, running since the fixture
     done = run(env, sys.executable, "-c", SELECT)
     assert done.returncode != 0
     assert "RELAY_NODE_POOL_URL=postgresql://postgres@127.0.0.1:" in done.stderr

@@ -36,7 +36,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -46,7 +45,7 @@ from urllib.parse import parse_qs, urlparse
 from relay_train.protocol import routes as wire
 from relay_train.protocol.heartbeat import node_clock, read_heartbeats, write_atomically
 from relay_train.protocol.launch import BOUNDARIES_FILE, DRAIN_FILE
-from relay_train.protocol.pids import start_time
+from relay_train.protocol.pids import signal_process, start_time
 from relay_train.protocol.rescue_files import ACK_FILE, DONE_FILE, RESCUE_DIR
 from relay_train.protocol.rescue_files import REQUEST_FILE as RESCUE_REQUEST
 from relay_train.protocol.routes import MAX_BODY_BYTES, Route, route_path
@@ -352,10 +351,9 @@ def signal_faulthandler(folder: Path, rank: int) -> bool:
     if armed is None or armed.get("started") is None or _exited(folder, rank):
         return False
     try:
-        os.kill(int(armed["pid"]), int(armed["signal"]))
+        return signal_process(int(armed["pid"]), int(armed["started"]), int(armed["signal"]))
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return True
 
 
 def _request_id(folder: Path) -> object:

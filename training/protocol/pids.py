@@ -41,6 +41,18 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def boot_id() -> str | None:
+    """Return this boot's id (``/proc/sys/kernel/random/boot_id``), or None where unreadable.
+
+    Start times count from boot, so a record kept across a reboot (a state file on disk)
+    also keeps the boot it was made in: another boot's PIDs are all strangers'.
+    """
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def is_same_process(pid: int, started: int | None) -> bool:
     """Return whether ``pid`` is still the process that started at ``started``."""
     return started is not None and start_time(pid) == started
@@ -93,5 +105,8 @@ def _send(kill: Callable[[int, int], None], what: str, pid: int, started: int | 
     try:
         kill(pid, sig)
     except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: never one Relay started
+        log.warning("Not allowed to send signal %d to %s %d", sig, what, pid)
         return False
     return True

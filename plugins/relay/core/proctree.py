@@ -1,11 +1,17 @@
-"""Process trees from /proc: find a process's descendants and stop a set of PIDs for good."""
+"""Process trees from /proc: find a process's descendants and stop a set of PIDs for good.
+
+Every signal goes through :mod:`relay_train.protocol.pids`, so a PID that exited and
+was handed to another process while Relay waited is never signalled.
+"""
 
 from __future__ import annotations
 
-import os
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
+
+from relay_train.protocol import pids
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -49,35 +55,33 @@ def descendants(root: int) -> list[int]:
     return [p for p in found if alive(p)]
 
 
-def _signal(pid: int, sig: int, group: bool = False) -> None:
-    try:
-        os.killpg(pid, sig) if group else os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+def stop_pids(procs: list[int], groups: list[int], grace: float,
+              started: Mapping[int, int | None] | None = None) -> list[int]:
+    """SIGTERM ``procs`` (and the process groups ``groups``), SIGKILL what outlives ``grace``.
 
-
-def stop_pids(pids: list[int], groups: list[int], grace: float) -> list[int]:
-    """SIGTERM ``pids`` (and the process groups ``groups``), SIGKILL what outlives ``grace``.
-
-    Frozen processes get SIGCONT so they can act on SIGTERM. Returns the PIDs signalled.
+    ``started`` holds the start time recorded for a PID or group leader (see
+    :mod:`relay_train.protocol.pids`); any other is taken as it is now, found by the
+    caller in /proc just before. A PID whose process is not that one any more is left
+    alone. Frozen processes get SIGCONT so they can act on SIGTERM. Returns the PIDs given.
     """
+    known = {p: pids.start_time(p) for p in {*procs, *groups}} | dict(started or {})
     # Once each: Airflow's components take a second SIGTERM as "exit now, skip clean-up".
     in_groups = {m for g in groups for m in group_members(g)}
     for sig in (signal.SIGCONT, signal.SIGTERM):
         for pgid in groups:
-            _signal(pgid, sig, group=True)
-        for pid in pids:
+            pids.signal_group(pgid, known[pgid], sig)
+        for pid in procs:
             if pid not in in_groups:
-                _signal(pid, sig)
+                pids.signal_process(pid, known[pid], sig)
     deadline = time.monotonic() + grace
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(pids.is_running(p, known[p]) for p in procs) and time.monotonic() < deadline:
         time.sleep(0.2)
     for pgid in groups:
-        _signal(pgid, signal.SIGKILL, group=True)
-    for pid in pids:
-        if alive(pid):
-            _signal(pid, signal.SIGKILL)
+        pids.signal_group(pgid, known[pgid], signal.SIGKILL)
+    for pid in procs:
+        if pids.is_running(pid, known[pid]):
+            pids.signal_process(pid, known[pid], signal.SIGKILL)
     deadline = time.monotonic() + grace  # SIGKILL is not instant: wait for the kernel
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(pids.is_running(p, known[p]) for p in procs) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return pids
+    return procs

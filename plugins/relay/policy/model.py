@@ -154,6 +154,7 @@ FIXES = {
     "rules.throughput_degraded": "e.g. throughput_degraded: {action: checkpoint_and_migrate}",
     "rules.nan_loss": "e.g. nan_loss: {action: rollback, max_attempts: 2}",
     "rules.corrupt_checkpoint": "e.g. corrupt_checkpoint: {action: rollback}",
+    "escalation.timeout": "bound one delivery try to at most a minute, e.g. timeout: 10s",
 }
 
 

@@ -38,6 +38,7 @@ from relay.spec.yamlsource import (
     parse_duration,
 )
 
+MAX_ESCALATION_TIMEOUT_SECONDS = 60.0  # one delivery try waits at most this long
 _OPTIONAL_SECONDS: dict[str, Any] = {"anyOf": [*DURATION_JSON_SCHEMA["anyOf"], {"type": "null"}],
                                      "description": "a duration such as 30m, or null for none"}
 
@@ -136,7 +137,7 @@ class Escalation(BaseModel):
 
     ``connection`` names an Airflow connection (its token stays in Airflow's
     secrets); ``webhook`` is a plain http(s) URL. Delivery is tried up to
-    ``attempts`` times, each waiting up to ``timeout``.
+    ``attempts`` times, each waiting up to ``timeout`` (at most a minute).
     """
 
     model_config = FROZEN
@@ -145,7 +146,7 @@ class Escalation(BaseModel):
     webhook: str | None = None
     connection: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
     attempts: int = Field(3, ge=1, le=10, strict=True)
-    timeout: Duration = 10.0
+    timeout: Duration = Field(10.0, gt=0, le=MAX_ESCALATION_TIMEOUT_SECONDS)
 
     @field_validator("webhook", mode="after")
     @classmethod

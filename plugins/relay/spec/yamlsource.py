@@ -21,6 +21,14 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, WithJsonSchema
 
 from relay.core.exceptions import ConfigError
+from relay.spec.yamllimits import (
+    ALIAS_FIX,
+    MAX_KB,
+    AliasRefused,
+    BoundedLoader,
+    TooLarge,
+    read_bounded,
+)
 
 M = TypeVar("M", bound=BaseModel)
 KeyPath = tuple[str | int, ...]
@@ -30,6 +38,8 @@ FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 TOP_LEVEL = "(top level)"
 SYNTAX = "(yaml syntax)"
+FILE_SIZE = "(file size)"
+ALIASES = "(yaml anchors and aliases)"
 MAPPING = "a mapping of `key: value` settings"
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|s|m|h))+")
@@ -105,27 +115,40 @@ def parse_duration(value: object) -> float:
 
 
 def load_yaml_with_lines(path: Path, *, empty_fix: str | None = None) -> tuple[dict, LineMap]:
-    """Safe-load a YAML mapping and map every key path to its 1-based line number."""
+    """Safe-load a YAML mapping and map every key path to its 1-based line number.
+
+    Bounded (:mod:`relay.spec.yamllimits`): a file over the size cap is refused before
+    parsing, and an anchor or alias while composing, so nothing is ever expanded.
+    """
     file = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_bounded(Path(path))
+    except TooLarge as exc:
+        problem = Problem(file, None, FILE_SIZE, f"a file of at most {MAX_KB} KB",
+                          f"a file of {exc.shown}", f"{exc}: trim it (a spec or a policy is "
+                          "a few KB), dropping generated or repeated content")
+        raise ConfigError([problem]) from exc
     except (OSError, UnicodeDecodeError) as exc:
         fix = "check the path and that the file is readable UTF-8 text"
         problem = Problem(file, None, TOP_LEVEL, "a readable file", str(exc), fix)
         raise ConfigError([problem]) from exc
     duplicates: list[Problem] = []
     try:
-        loader = yaml.SafeLoader(text)
+        loader = BoundedLoader(text)
     except yaml.YAMLError as exc:  # a character YAML does not allow, found before parsing
         raise ConfigError([_syntax_problem(file, exc, text)]) from exc
     try:
         node = loader.get_single_node()
         lines: LineMap = {(): 1}
         if isinstance(node, yaml.MappingNode):
-            _walk(loader, node, (), lines, set(), _Duplicates(file, duplicates))
+            _walk(loader, node, (), lines, _Duplicates(file, duplicates))
         if duplicates:
             raise ConfigError(duplicates, file)
         data = loader.construct_document(node) if node is not None else None
+    except AliasRefused as exc:  # refused while composing: nothing was expanded
+        line = exc.problem_mark.line + 1 if exc.problem_mark is not None else None
+        problem = Problem(file, line, ALIASES, "values written out in full", exc.found, ALIAS_FIX)
+        raise ConfigError([problem]) from exc
     except yaml.YAMLError as exc:
         raise ConfigError([_syntax_problem(file, exc)]) from exc
     except RecursionError as exc:  # absurdly deep nesting
@@ -161,11 +184,11 @@ class _Duplicates:
 
 
 def _walk(loader: yaml.SafeLoader, node: yaml.Node, path: KeyPath, lines: LineMap,
-          active: set[int], duplicates: _Duplicates) -> None:
-    """Record the line of every key and list item under ``node``; collect duplicate keys."""
-    if id(node) in active:  # a recursive alias
-        return
-    active.add(id(node))
+          duplicates: _Duplicates) -> None:
+    """Record the line of every key and list item under ``node``; collect duplicate keys.
+
+    The nodes form a tree (the loader refuses aliases), so each is walked once.
+    """
     if isinstance(node, yaml.MappingNode):
         seen: dict[object, int] = {}
         for key_node, value_node in node.value:
@@ -186,12 +209,11 @@ def _walk(loader: yaml.SafeLoader, node: yaml.Node, path: KeyPath, lines: LineMa
                 except TypeError:  # an unhashable key: PyYAML reports it when constructing
                     pass
             lines.setdefault((*path, key), line)
-            _walk(loader, value_node, (*path, key), lines, active, duplicates)
+            _walk(loader, value_node, (*path, key), lines, duplicates)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             lines.setdefault((*path, index), item.start_mark.line + 1)
-            _walk(loader, item, (*path, index), lines, active, duplicates)
-    active.discard(id(node))
+            _walk(loader, item, (*path, index), lines, duplicates)
 
 
 def _syntax_problem(file: str, exc: yaml.YAMLError, text: str = "") -> Problem:

@@ -45,7 +45,6 @@ def _cmd_restart(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from relay.core.proctree import alive
     from relay.tools import services
 
     deployment = services.read_deployment()
@@ -53,7 +52,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print("Not running (no services.json)")
         return 1
     for name, pid in deployment.pids.items():
-        print(f"  {name:14} pid {pid:>7}  {'up' if alive(pid) else 'DEAD'}")
+        print(f"  {name:14} pid {pid:>7}  {'up' if deployment.running(name) else 'DEAD'}")
     print(f"  Airflow {deployment.api_url}   MLflow {deployment.mlflow_url}")
     return 0
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from relay.core.exceptions import ServiceError
-from relay.core.proctree import alive
+from relay_train.protocol import pids
 
 PG_USER = "postgres"
 DATABASE = "airflow"
@@ -72,13 +72,17 @@ def url(port: int) -> str:
     return f"postgresql+psycopg2://{PG_USER}@127.0.0.1:{port}/{DATABASE}"
 
 
-def stop(pid: int, grace: float = 20.0) -> None:
-    """Stop the postmaster by PID: SIGINT is PostgreSQL's fast shutdown; SIGKILL if it hangs."""
-    if not alive(pid):
-        return
-    os.kill(pid, signal.SIGINT)
+def stop(pid: int, started: int | None, grace: float = 20.0) -> bool:
+    """Stop the postmaster by PID: SIGINT is PostgreSQL's fast shutdown; SIGKILL if it hangs.
+
+    Only while ``pid`` is still the process that started at ``started`` (see
+    :mod:`relay_train.protocol.pids`); return whether it was signalled.
+    """
+    if not pids.is_running(pid, started) or not pids.signal_process(pid, started, signal.SIGINT):
+        return False
     deadline = time.monotonic() + grace
-    while alive(pid) and time.monotonic() < deadline:
+    while pids.is_running(pid, started) and time.monotonic() < deadline:
         time.sleep(0.2)
-    if alive(pid):
-        os.kill(pid, signal.SIGKILL)
+    if pids.is_running(pid, started):
+        pids.signal_process(pid, started, signal.SIGKILL)
+    return True

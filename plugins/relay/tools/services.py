@@ -5,10 +5,11 @@ triggerer as separate processes with the LocalExecutor, plus ``mlflow server``
 with its own backend store and artifact root, each in its own session; it
 records their PIDs in ``services.json`` and waits until every one is healthy.
 `down` stops exactly the recorded process groups and their descendants (never
-by name) and waits until their ports are free; then the training processes of
-DAG runs it interrupted (agents, ranks and standby agents run in sessions of
-their own, recorded by PID in their attempt folders, so stopping Airflow leaves
-them training, unwatched).
+by name, and only while each recorded PID is still the process started then, see
+:mod:`relay.tools.deployment`) and waits until their ports are free; then the
+training processes of DAG runs it interrupted (agents, ranks and standby agents
+run in sessions of their own, recorded by PID in their attempt folders, so
+stopping Airflow leaves them training, unwatched).
 
 Three traps of a hand-started Airflow are avoided here: every component runs
 with this virtualenv's ``bin/`` first on ``PATH`` (standalone-style launches
@@ -29,62 +30,34 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from relay.core import settings
 from relay.core.attempt import Attempt
 from relay.core.exceptions import ServiceError
-from relay.core.proctree import alive, descendants, group_members, stop_pids
+from relay.core.proctree import stop_pids
 from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher, free_port
 from relay.launchers.local.prestart import residents_dir
 from relay.launchers.local.warm_agents import release, release_run
 from relay.tools import pgcluster
 from relay.tools.airflow_api import AirflowApi
 from relay.tools.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
+from relay.tools.deployment import (
+    Deployment,
+    Ports,
+    read_deployment,
+    record,
+    services_dir,
+    state_file,
+    stoppable,
+)
+from relay_train.protocol.pids import boot_id, start_time
 
 log = logging.getLogger(__name__)
 
 ADMIN_USER = "admin"
 AIRFLOW_COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
-
-
-@dataclass(frozen=True)
-class Ports:
-    """The loopback ports one deployment uses (free ones unless set)."""
-
-    api: int
-    mlflow: int
-    worker_logs: int
-    trigger_logs: int
-    postgres: int = 0  # 0: Airflow's metadata stays in SQLite
-
-
-@dataclass(frozen=True)
-class Deployment:
-    """What `up` started: where, on which ports, which process groups."""
-
-    home: str
-    ports: Ports
-    pids: dict[str, int]
-    started_at: float
-    postgres_pid: int = 0
-    postgres_dir: str = ""
-
-    @property
-    def api_url(self) -> str:
-        """Return the Airflow API server's base URL."""
-        return f"http://127.0.0.1:{self.ports.api}"
-
-    @property
-    def mlflow_url(self) -> str:
-        """Return the MLflow server's URL."""
-        return f"http://127.0.0.1:{self.ports.mlflow}"
-
-
-def services_dir(home: Path | None = None) -> Path:
-    """Return where `up` keeps the deployment's state, logs and stores."""
-    return (home or settings.relay_home()) / "services"
 
 
 def postgres_dir(home: Path) -> Path:
@@ -99,11 +72,6 @@ def postgres_dir(home: Path) -> Path:
         return inside
     digest = hashlib.sha256(str(home).encode()).hexdigest()[:12]
     return Path(tempfile.gettempdir()) / f"relay-postgres-{digest}"
-
-
-def state_file(home: Path | None = None) -> Path:
-    """Return the file recording the running deployment's PIDs and ports."""
-    return services_dir(home) / "services.json"
 
 
 def port_open(port: int) -> bool:
@@ -206,31 +174,25 @@ def restart(name: str, home: Path | None = None, grace: float = 10.0) -> int:
     deployment = read_deployment(home)
     if deployment is None or name not in deployment.pids:
         raise ServiceError(f"no running {name} recorded in {state_file(home)}")
+    if not deployment.same_boot():
+        raise ServiceError(f"{state_file(home)} was written before the machine restarted: its "
+                           "PIDs are other processes' now. Run `relay services down` (it signals "
+                           "none of them), then `relay services up`")
     old = deployment.pids[name]
-    leftovers = sorted({*group_members(old), *(descendants(old) if alive(old) else [])})
-    stop_pids(leftovers, groups=[old] if group_members(old) else [], grace=grace)
+    leftovers, groups = stoppable(deployment, name)
+    stop_pids(leftovers, groups=groups, grace=grace, started={old: deployment.started.get(name)})
     pid = _start(home, deployment.ports, name, services_env(home, deployment.ports))
-    pids = {**deployment.pids, name: pid}
-    _record(replace(deployment, pids=pids))
+    record(replace(deployment, pids={**deployment.pids, name: pid},
+                    started={**deployment.started, name: start_time(pid)}))
     log.info("Restarted %s: pid %d (was %d)", name, pid, old)
     return pid
-
-
-def read_deployment(home: Path | None = None) -> Deployment | None:
-    """Return the recorded deployment, if `up` left one."""
-    path = state_file(home)
-    if not path.exists():
-        return None
-    raw = json.loads(path.read_text())
-    return Deployment(raw["home"], Ports(**raw["ports"]), raw["pids"], raw["started_at"],
-                      raw.get("postgres_pid", 0), raw.get("postgres_dir", ""))
 
 
 def up(home: Path | None = None, timeout: float = 240.0) -> Deployment:
     """Start Airflow and MLflow, wait until healthy, unpause Relay's DAGs."""
     home = (home or settings.relay_home()).resolve()
     old = read_deployment(home)
-    if old is not None and any(alive(p) for p in [*old.pids.values(), old.postgres_pid] if p):
+    if old is not None and (any(old.running(n) for n in old.pids) or old.postgres_running()):
         raise ServiceError(f"services already running (see {state_file(home)}); "
                            "run `make down` first")
     sdir = services_dir(home)
@@ -238,19 +200,18 @@ def up(home: Path | None = None, timeout: float = 240.0) -> Deployment:
     logs.mkdir(parents=True, exist_ok=True)
     ports = choose_ports()
     env = services_env(home, ports)
-    deployment = Deployment(str(home), ports, {}, time.time())
+    deployment = Deployment(str(home), ports, {}, time.time(), boot=boot_id())
     try:  # record every process as soon as it exists, so a failure stops what did start
-        deployment.pids["mlflow"] = _start(home, ports, "mlflow", env)
-        _record(deployment)
+        _start_recorded(deployment, "mlflow", env)
         if ports.postgres:
             pg_dir = postgres_dir(home)
-            deployment = replace(deployment, postgres_dir=str(pg_dir), postgres_pid=(
-                pgcluster.start(pg_dir, ports.postgres, logs / "postgres.log")))
-            _record(deployment)
+            pg_pid = pgcluster.start(pg_dir, ports.postgres, logs / "postgres.log")
+            deployment = replace(deployment, postgres_dir=str(pg_dir), postgres_pid=pg_pid,
+                                 postgres_started=start_time(pg_pid))
+            record(deployment)
         ensure_airflow_db(env, logs / "airflow-db.log")
         for name in AIRFLOW_COMPONENTS:
-            deployment.pids[name] = _start(home, ports, name, env)
-            _record(deployment)
+            _start_recorded(deployment, name, env)
         wait_healthy(deployment, timeout)
     except BaseException:
         down(home)
@@ -258,8 +219,12 @@ def up(home: Path | None = None, timeout: float = 240.0) -> Deployment:
     return deployment
 
 
-def _record(deployment: Deployment) -> None:
-    state_file(Path(deployment.home)).write_text(json.dumps(asdict(deployment), indent=2))
+def _start_recorded(deployment: Deployment, name: str, env: dict[str, str]) -> None:
+    """Start component ``name`` and record its PID and start time at once."""
+    pid = _start(Path(deployment.home), deployment.ports, name, env)
+    deployment.pids[name] = pid
+    deployment.started[name] = start_time(pid)  # our unreaped child: readable even if it died
+    record(deployment)
 
 
 def wait_healthy(deployment: Deployment, timeout: float) -> None:
@@ -269,7 +234,7 @@ def wait_healthy(deployment: Deployment, timeout: float) -> None:
     while time.monotonic() < deadline:
         # The API server writes the generated password when it starts.
         api = AirflowApi(deployment.api_url, ADMIN_USER, admin_password(Path(deployment.home)))
-        dead = [n for n, p in deployment.pids.items() if not alive(p)]
+        dead = [n for n in deployment.pids if not deployment.running(n)]
         if dead:
             raise ServiceError(f"{', '.join(dead)} exited during start-up; see "
                                f"{services_dir(Path(deployment.home)) / 'logs'}")
@@ -321,15 +286,17 @@ def down(home: Path | None = None, grace: float = 10.0) -> list[int]:
     deployment = read_deployment(home)
     if deployment is None:
         return []
-    recorded = list(deployment.pids.values())
-    # A dead leader's group may live on (LocalExecutor workers of a SIGKILLed scheduler).
-    groups = [p for p in recorded if group_members(p)]
-    pids = sorted({*(m for g in groups for m in group_members(g)),
-                   *(d for r in recorded if alive(r) for d in descendants(r))})
-    stopped = stop_pids(pids, groups=groups, grace=grace)
-    if deployment.postgres_pid:  # last: Airflow's components are its clients
-        pgcluster.stop(deployment.postgres_pid)
-        stopped.append(deployment.postgres_pid)
+    found: set[int] = set()
+    groups: list[int] = []
+    for name in deployment.pids:  # only what is still Relay's (see _stoppable)
+        pids, group = stoppable(deployment, name)
+        found.update(pids)
+        groups += group
+    recorded = {pid: deployment.started.get(name) for name, pid in deployment.pids.items()}
+    stopped = stop_pids(sorted(found), groups=groups, grace=grace, started=recorded)
+    if deployment.postgres_pid and deployment.same_boot():  # last: Airflow's are its clients
+        if pgcluster.stop(deployment.postgres_pid, deployment.postgres_started):
+            stopped.append(deployment.postgres_pid)
     ports = [p for p in asdict(deployment.ports).values() if p]
     deadline = time.monotonic() + grace
     while any(port_open(p) for p in ports) and time.monotonic() < deadline:

@@ -35,6 +35,7 @@ from typing import Any
 from relay.launchers.local.launcher import free_port
 from relay.lineage.report import chaos_strikes, first_step_at
 from relay_train.inject import child_pids
+from relay_train.protocol import pids
 from relay_train.protocol.heartbeat import read_heartbeats
 from relay_train.protocol.injection import LASTING
 from relay_train.protocol.launch import LaunchConfig, ResumeFrom
@@ -102,11 +103,9 @@ def _frozen(pid: int) -> bool:
 def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is not None:
         return  # reaped: its PID may be another process's now (its ranks left its tree)
-    for pid in [proc.pid, *_descendants(proc.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            continue
+    tree = [(pid, pids.start_time(pid)) for pid in [proc.pid, *_descendants(proc.pid)]]
+    for pid, started in tree:  # as found just now: a PID reused since is left alone
+        pids.signal_process(pid, started, signal.SIGKILL)
     proc.wait()
 
 

@@ -159,6 +159,14 @@ def test_the_namespace_enforces_restricted() -> None:
     labels = namespace["metadata"]["labels"]
     for mode in ("enforce", "audit", "warn"):
         assert labels[f"pod-security.kubernetes.io/{mode}"] == "restricted"
+    # ... so whatever deploy/ puts there must meet it too.
+    templates = [d["spec"]["template"]["spec"] for p in sorted(DEPLOY.glob("*.yaml"))
+                 if p.name != "airflow-values.yaml" for d in resources_from_file(str(p))
+                 if d["metadata"].get("namespace") == namespace["metadata"]["name"]
+                 and "template" in d.get("spec", {})]
+    assert templates, "no pod template in deploy/ runs in the namespace"
+    for template in templates:
+        assert restricted_violations(template) == [], template["containers"][0]["name"]
 
 
 # -- the Secret ----------------------------------------------------------------------

@@ -37,7 +37,7 @@ def can_host_pods() -> str:
     """Return why pods cannot run here ("" when they can)."""
     if os.geteuid() != 0:
         return "needs root (mount, PID and network namespaces)"
-    for tool in ("unshare", "setpriv", "chroot", "mount", "hostname"):
+    for tool in ("unshare", "setpriv", "chroot", "mount", "hostname", "ip"):
         if shutil.which(tool) is None:
             return f"needs {tool} (util-linux)"
     return ""
@@ -145,7 +145,9 @@ class PodHost:
         wd = container.get("workingDir")
         lines += [shlex.join(probe), "set +e",
                   (f"cd {shlex.quote(wd)} && " if wd else "") + shlex.join(run), "rc=$?",
-                  f"echo POD-EXIT $rc; ls -R {root}/relay/attempt 2>/dev/null | head -50",
+                  "echo POD-EXIT $rc",
+                  *(f"echo VOLUME {m['mountPath']}; find {root}{m['mountPath']} -maxdepth 3 "
+                    "2>/dev/null | head -30" for m in container.get("volumeMounts", [])),
                   f"tail -n 40 {root}/relay/attempt/logs/* 2>/dev/null", "exit $rc"]
         return "\n".join(lines) + "\n"
 

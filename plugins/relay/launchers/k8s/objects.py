@@ -42,7 +42,7 @@ TERMINATION_GRACE_SECONDS = 10  # the agent gives its ranks 5 s after SIGTERM
 AGENT_LINGER_SECONDS = 10  # after its ranks end, the agent answers (exit codes, errors) this long
 FINISHED_TTL_SECONDS = 3600  # Relay deletes Jobs itself; this only catches leftovers
 WORKER_UID = 50000  # deploy/worker.Dockerfile's USER; runAsNonRoot is checked by UID
-POD_HOME = "/relay/home"  # HOME: ~/.cache (torch, triton), MLflow's and matplotlib's config
+POD_HOME = "/relay/home"  # HOME: MLflow's ~/.config/mlflow, ~/.cache (torch hub, triton)
 # The attempt's Secret (same name as its Job): key -> the env variable the pod reads it as.
 SECRET_TRACKING_URI = "tracking-uri"
 SECRET_CHANNEL = "channel-secret"
@@ -167,8 +167,8 @@ def _writable_volumes() -> list[tuple[str, str, dict[str, Any]]]:
         # Heartbeats, status, logs, flight-recorder dumps, rescued state, resume downloads,
         # and the checkpoints rank 0 stages before publishing them.
         ("attempt", POD_ATTEMPT_DIR, {}),
-        # tempfile's default: MLflow's upload staging, torch.compile's caches
-        # (/tmp/torchinductor_<user>), the checkpoint writer's temporary files.
+        # tempfile's default: MLflow's upload staging, torch's inductor cache
+        # (/tmp/torchinductor_<user>, made at import), the publisher's temporary files.
         ("tmp", "/tmp", {}),  # noqa: S108 - an emptyDir of the pod's own
         ("home", POD_HOME, {}),
         ("dshm", "/dev/shm", {"medium": "Memory"}),  # torch's shared-memory tensors, gloo

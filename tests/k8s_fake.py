@@ -16,6 +16,7 @@ explicitly through the helper methods, and nothing else happens by itself.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import re
@@ -33,11 +34,13 @@ import kubernetes_validate
 SCHEMA_VERSION = "1.37"
 INDEX = "batch.kubernetes.io/job-completion-index"
 KINDS = {"pods": ("v1", "Pod"), "services": ("v1", "Service"), "configmaps": ("v1", "ConfigMap"),
-         "jobs": ("batch/v1", "Job"), "nodes": ("v1", "Node"),
-         "leases": ("coordination.k8s.io/v1", "Lease")}
+         "secrets": ("v1", "Secret"), "jobs": ("batch/v1", "Job"), "nodes": ("v1", "Node"),
+         "leases": ("coordination.k8s.io/v1", "Lease"),
+         "networkpolicies": ("networking.k8s.io/v1", "NetworkPolicy")}
 ROUTE = re.compile(
-    r"^/(?:api/v1|apis/batch/v1|apis/coordination\.k8s\.io/v1)"
-    r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<res>pods|services|configmaps|jobs|nodes|leases)"
+    r"^/(?:api/v1|apis/batch/v1|apis/coordination\.k8s\.io/v1|apis/networking\.k8s\.io/v1)"
+    r"(?:/namespaces/(?P<ns>[^/]+))?/"
+    r"(?P<res>pods|services|configmaps|secrets|jobs|nodes|leases|networkpolicies)"
     r"(?:/(?P<name>[^/]+))?$"
 )
 
@@ -155,6 +158,10 @@ class FakeApiServer:
             kubernetes_validate.validate(body, SCHEMA_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
             return 422, _status(422, "Invalid", f"{kind} is invalid: {exc.message}")
+        if kind == "Secret" and "stringData" in body:  # stored base64-encoded, as the API does
+            data = body.setdefault("data", {})
+            data.update({k: base64.b64encode(v.encode()).decode()
+                         for k, v in body.pop("stringData").items()})
         meta = body["metadata"]
         if ns is not None:
             meta["namespace"] = ns

@@ -22,6 +22,7 @@ from relay_train.device import apply_thread_count
 from relay_train.protocol.env import (
     ENV_HEARTBEAT_DIR,
     ENV_HEARTBEAT_INTERVAL,
+    ENV_LAUNCH,
     ENV_NODE,
     ENV_SPAWNED_AT,
 )
@@ -65,6 +66,9 @@ def become_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
     """The forked child: become one rank (its own log, environment and signals)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.update(env)
+    # relay_train.init() reads the file the agent was given: on Kubernetes the ConfigMap's,
+    # not the attempt folder's (which no one writes in a pod).
+    os.environ[ENV_LAUNCH] = str(launch_file)
     fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

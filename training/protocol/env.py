@@ -32,6 +32,10 @@ ENV_RESUME_PATH = "RELAY_RESUME_PATH"
 # ``--node-index``) and the machine it landed on.
 ENV_NODE_INDEX = "RELAY_NODE_INDEX"
 ENV_HOST = "RELAY_HOST"
+# The MLflow tracking URI, when a launch file leaves it out (a Kubernetes pod's launch file
+# travels in a ConfigMap; the URI, which may carry credentials, in a Secret as this
+# variable). The same variable names Relay's own URI (relay.core.settings).
+ENV_TRACKING_URI = "RELAY_MLFLOW_TRACKING_URI"
 
 # Test hook only: shift a node's clock (heartbeats, its agent) by this many seconds, to
 # prove that Relay judges heartbeat ages on its own clock. A number applies to every node;

@@ -20,6 +20,7 @@ from relay_train.protocol.env import (
     ENV_RESUME_PATH,
     ENV_SEGMENT,
     ENV_START_STEP,
+    ENV_TRACKING_URI,
 )
 
 LAUNCH_FILE = "launch.json"
@@ -158,6 +159,8 @@ class LaunchConfig:
     def from_dict(cls, fields: dict[str, Any]) -> LaunchConfig:
         """Rebuild a launch config from ``dataclasses.asdict`` of one."""
         raw = dict(fields)
+        if not raw.get("tracking_uri"):  # left out of the file: the environment's (a Secret)
+            raw["tracking_uri"] = os.environ.get(ENV_TRACKING_URI, "")
         resume = raw.pop("resume", None)
         entry = raw.pop("entrypoint", None)
         return cls(**raw, resume=ResumeFrom(**resume) if resume else None,

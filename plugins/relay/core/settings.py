@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from relay_train.protocol.env import ENV_TRACKING_URI
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -28,7 +30,7 @@ def runs_dir(home: Path | None = None) -> Path:
 def mlflow_tracking_uri() -> str:
     """Return the MLflow tracking URI (default: SQLite under ``$RELAY_HOME``)."""
     default = f"sqlite:///{relay_home() / 'mlflow' / 'mlflow.db'}"
-    return os.environ.get("RELAY_MLFLOW_TRACKING_URI", default)
+    return os.environ.get(ENV_TRACKING_URI, default)
 
 
 def mlflow_artifact_root() -> Path:

@@ -269,6 +269,13 @@ FIXES: dict[str, str] = {
     "segment attempt may not outlive, e.g. active_deadline: 6h",
     "kubernetes.taint_quarantine": "set kubernetes.taint_quarantine to true (quarantined nodes "
     "also get a NoSchedule taint; needs RBAC to patch nodes) or false",
+    "kubernetes.cpu": "set kubernetes.cpu to each pod's CPUs as a Kubernetes quantity "
+    "(requested and limited), e.g. cpu: 8 or cpu: 500m",
+    "kubernetes.memory": "set kubernetes.memory to each pod's memory as a Kubernetes quantity "
+    "(requested and limited), e.g. memory: 64Gi",
+    "kubernetes.airflow_namespace": "set kubernetes.airflow_namespace to the namespace of "
+    "Airflow's workers and triggerer (the only pods let in to the agents' port), e.g. "
+    "airflow_namespace: airflow",
 }
 
 EMPTY_FIX = (

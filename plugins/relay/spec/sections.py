@@ -13,6 +13,8 @@ from relay_train.protocol.launch import Entrypoint
 
 MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+# A Kubernetes resource quantity as people write them: "4", "500m", "16Gi", "1.5".
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 
 
 class ModelSpec(BaseModel):
@@ -111,9 +113,23 @@ class KubernetesSpec(BaseModel):
     gpus_per_pod: int = Field(0, strict=True, ge=0)
     active_deadline: float = Field(6 * 3600.0, gt=0)
     taint_quarantine: bool = Field(False, strict=True)
+    # Each pod's CPU and memory, requested and limited alike (so the pods are Guaranteed
+    # and a rank that grows past it is OOM-killed, a crash the policy sees).
+    cpu: str = Field("2", strict=True, pattern=QUANTITY_PATTERN)
+    memory: str = Field("8Gi", strict=True, pattern=QUANTITY_PATTERN)
+    # Where Airflow's workers and triggerer run: the only pods that may reach the agents.
+    airflow_namespace: str = Field("airflow", strict=True, pattern=DNS_LABEL_PATTERN)
 
     @field_validator("active_deadline", mode="before")
     @classmethod
     def _duration(cls, value: object) -> float:
         """Parse "30m", "6h" or a number of seconds."""
         return parse_duration(value)
+
+    @field_validator("cpu", "memory", mode="before")
+    @classmethod
+    def _quantity(cls, value: object) -> object:
+        """Take a plain number (cpu: 8) as the quantity it writes."""
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return format(value, "g")
+        return value

@@ -114,7 +114,7 @@ def test_launch_creates_an_indexed_job_its_service_and_configmap(
     assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"] == [{"matchFields": [
             {"key": "metadata.name", "operator": "NotIn", "values": ["gpu-3"]}]}]
-    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
     assert pod["subdomain"] == name
     owner = [{"apiVersion": "batch/v1", "kind": "Job", "name": name,
               "uid": job["metadata"]["uid"], "blockOwnerDeletion": True}]
@@ -435,9 +435,11 @@ def test_every_call_the_launcher_makes_is_granted_by_the_shipped_rbac(
     launcher.stop(Attempt(cfg.root), grace_seconds=0)
     launcher.stop_all(cfg.root.parent)
 
-    rbac = Path(__file__).resolve().parents[3] / "deploy" / "rbac.yaml"
+    deploy = Path(__file__).resolve().parents[3] / "deploy"
+    docs = [*resources_from_file(str(deploy / "rbac.yaml")),  # taint_quarantine is on: both
+            *resources_from_file(str(deploy / "rbac-taint-quarantine.yaml"))]
     granted = {(group, resource, verb)
-               for doc in resources_from_file(str(rbac)) if doc["kind"].endswith("Role")
+               for doc in docs if doc["kind"].endswith("Role")
                for rule in doc["rules"] for group in rule["apiGroups"]
                for resource in rule["resources"] for verb in rule["verbs"]}
     assert fake.verbs <= granted, f"not granted: {sorted(fake.verbs - granted)}"

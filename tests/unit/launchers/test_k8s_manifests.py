@@ -66,14 +66,16 @@ def test_job_shape_follows_the_settings() -> None:
     container = pod["containers"][0]
 
     assert job["spec"]["activeDeadlineSeconds"] == 90
-    assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "cpu": "2",
+                                                 "memory": "8Gi"}
+    assert container["resources"]["requests"] == container["resources"]["limits"]
     assert pod["serviceAccountName"] == "trainer" and pod["automountServiceAccountToken"] is False
     assert container["args"][2:4] == ["--node-index", "$(RELAY_NODE_INDEX)"]
     assert container["args"][4:8] == ["--bind", "0.0.0.0", "--port", "29401"]  # the channel
     anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert anti[0]["topologyKey"] == "kubernetes.io/hostname"
-    assert "resources" not in job_manifest(KEY, SETTINGS[0], ["pod-0"], 1, [], 0.0)["spec"][
-        "template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in job_manifest(KEY, SETTINGS[0], ["pod-0"], 1, [], 0.0)[
+        "spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert "nodeAffinity" not in job_manifest(KEY, SETTINGS[0], ["pod-0"], 1, [], 0.0)["spec"][
         "template"]["spec"]["affinity"]
 
@@ -97,8 +99,11 @@ def test_shipped_manifests_validate(path: Path) -> None:
 
 
 def test_rbac_grants_only_what_the_launcher_uses() -> None:
+    """Verbs only, both files together; namespaces and bindings: tests/security."""
     granted: dict[tuple[str, str], set[str]] = {}
-    for doc in resources_from_file(str(DEPLOY / "rbac.yaml")):
+    docs = [*resources_from_file(str(DEPLOY / "rbac.yaml")),
+            *resources_from_file(str(DEPLOY / "rbac-taint-quarantine.yaml"))]
+    for doc in docs:
         for rule in doc.get("rules", []) if doc["kind"] in ("Role", "ClusterRole") else []:
             for resource in rule["resources"]:
                 granted.setdefault((rule["apiGroups"][0], resource), set()).update(rule["verbs"])
@@ -109,6 +114,8 @@ def test_rbac_grants_only_what_the_launcher_uses() -> None:
         ("", "pods"): {"list", "watch", "delete"},
         ("", "services"): {"create"},
         ("", "configmaps"): {"create"},
+        ("", "secrets"): {"create"},
+        ("networking.k8s.io", "networkpolicies"): {"create"},
         ("", "nodes"): {"get", "list", "patch"},
         ("coordination.k8s.io", "leases"): {"get"},
     }

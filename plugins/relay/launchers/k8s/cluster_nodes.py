@@ -103,7 +103,7 @@ class KubernetesNodes:
             log.warning("taint_quarantine is on, but Relay may not list or patch nodes (403 "
                         "Forbidden: %s). Quarantines are still enforced by nodeAffinity; to "
                         "taint nodes too, bind ClusterRole relay-node-tainter "
-                        "(deploy/rbac.yaml) to Relay's service account, or set "
+                        "(deploy/rbac-taint-quarantine.yaml) to Relay's service account, or set "
                         "kubernetes.taint_quarantine: false", exc.reason)
 
     def _set_taint(self, node: Any, want: dict[str, Any] | None) -> None:  # noqa: ANN401

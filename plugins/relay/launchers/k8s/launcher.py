@@ -1,4 +1,4 @@
-"""Run a segment attempt as a Kubernetes Indexed Job (objects: k8s_objects; state: k8s_status).
+"""Run a segment attempt as a Kubernetes Indexed Job (objects: objects, access; state: status).
 
 The API is reached through the cncf.kubernetes provider's ``KubernetesHook``
 (its connection, kubeconfig or in-cluster credentials) and the official
@@ -35,6 +35,7 @@ from urllib3.exceptions import HTTPError
 from relay.core.attempt import Attempt, AttemptState
 from relay.launchers.agent_client import AgentChannel
 from relay.launchers.base import LaunchStatus, overall_state
+from relay.launchers.k8s.access import network_policy_manifest, secret_manifest, split_launch
 from relay.launchers.k8s.cluster_nodes import (
     LEASE_STALE_SECONDS,
     NODE_CHECK_SECONDS,
@@ -126,6 +127,11 @@ class KubernetesLauncher(KubernetesNodes):
         return self.hook.batch_v1_client
 
     @cached_property
+    def networking(self) -> client.NetworkingV1Api:
+        """Return the networking.k8s.io/v1 client (the attempt's NetworkPolicy)."""
+        return client.NetworkingV1Api(api_client=self.hook.api_client)
+
+    @cached_property
     def coordination(self) -> client.CoordinationV1Api:
         """Return the coordination.k8s.io/v1 client (node Leases)."""
         return client.CoordinationV1Api(api_client=self.hook.api_client)
@@ -171,17 +177,27 @@ class KubernetesLauncher(KubernetesNodes):
                           master_port=RENDEZVOUS_PORT, attempt_id=attempt_id_of(cfg.root))
         held = NodePool().quarantines()
         self.enforce_quarantines(held)
+        public, secret = split_launch(asdict(pod_cfg))
         job = self._create_job(job_manifest(key, self.settings, cfg.nodes, cfg.ranks_per_node,
-                                            sorted(held), time.time()))
-        owner = owner_reference(job)
-        launch_json = json.dumps(asdict(pod_cfg), indent=2, sort_keys=True)
+                                            sorted(held), time.time(), sorted(secret)))
+        self._create_owned_objects(key, owner_reference(job), public, secret)
+        log.info("Job %s/%s: %d pods, quarantined nodes excluded: %s", self.namespace, key.name,
+                 len(cfg.nodes), ", ".join(sorted(held)) or "none")
+        return Attempt(cfg.root, nodes=tuple(cfg.nodes))
+
+    def _create_owned_objects(self, key: AttemptKey, owner: dict[str, Any],
+                              public: dict[str, Any], secret: dict[str, str]) -> None:
+        """Create what the Job owns: the Secret and the NetworkPolicy before the pods need
+        them (they wait for the Secret; the policy lets the channel in), then the rest."""
+        launch_json = json.dumps(public, indent=2, sort_keys=True)
+        self._create_owned(self.core.create_namespaced_secret,
+                           secret_manifest(key, self.namespace, owner, secret))
+        self._create_owned(self.networking.create_namespaced_network_policy,
+                           network_policy_manifest(key, self.settings, owner))
         self._create_owned(self.core.create_namespaced_config_map,
                            configmap_manifest(key, self.namespace, owner, launch_json))
         self._create_owned(self.core.create_namespaced_service,
                            service_manifest(key, self.namespace, owner))
-        log.info("Job %s/%s: %d pods, quarantined nodes excluded: %s", self.namespace, key.name,
-                 len(cfg.nodes), ", ".join(sorted(held)) or "none")
-        return Attempt(cfg.root, nodes=tuple(cfg.nodes))
 
     def handle(self, attempt: Attempt) -> dict[str, Any]:
         """Return nothing: the Job's name comes from the attempt folder's name, and its

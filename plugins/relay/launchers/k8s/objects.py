@@ -2,10 +2,14 @@
 
 An attempt is an Indexed Job (one pod per node, each running the node agent
 for its completion index), a headless Service whose DNS name gives the ranks a
-rendezvous on the index-0 pod, and a ConfigMap holding the launch file. The
-Service and the ConfigMap are owned by the Job, so one foreground delete of
-the Job removes everything. Nothing here talks to a cluster: tests validate
-these dicts against the Kubernetes OpenAPI schema.
+rendezvous on the index-0 pod, a ConfigMap holding the launch file, and (in
+``relay.launchers.k8s.access``) a Secret with what the launch file leaves out
+and a NetworkPolicy. All but the Job are owned by the Job, so one foreground
+delete of the Job removes everything. The pods meet Pod Security ``restricted``
+(non-root, no privilege escalation, no capabilities, the runtime's seccomp
+profile) and run on a read-only root file system: every place the agent and
+its ranks write is a volume (:func:`_writable_volumes`). Nothing here talks to
+a cluster: tests validate these dicts against the Kubernetes OpenAPI schema.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 from relay.core.attempt import Attempt
 from relay.spec.sections import KubernetesSpec
-from relay_train.protocol.env import ENV_HOST, ENV_NODE_INDEX
+from relay_train.protocol.env import ENV_HOST, ENV_NODE_INDEX, ENV_TRACKING_URI
 from relay_train.protocol.launch import LAUNCH_FILE
 from relay_train.protocol.routes import AGENT_PORT
 
@@ -37,6 +41,13 @@ AGENT_CONTAINER = "agent"
 TERMINATION_GRACE_SECONDS = 10  # the agent gives its ranks 5 s after SIGTERM
 AGENT_LINGER_SECONDS = 10  # after its ranks end, the agent answers (exit codes, errors) this long
 FINISHED_TTL_SECONDS = 3600  # Relay deletes Jobs itself; this only catches leftovers
+WORKER_UID = 50000  # deploy/worker.Dockerfile's USER; runAsNonRoot is checked by UID
+POD_HOME = "/relay/home"  # HOME: MLflow's ~/.config/mlflow, ~/.cache (torch hub, triton)
+# The attempt's Secret (same name as its Job): key -> the env variable the pod reads it as.
+SECRET_TRACKING_URI = "tracking-uri"
+SECRET_CHANNEL = "channel-secret"
+ENV_CHANNEL_SECRET = "RELAY_CHANNEL_SECRET"  # the agents read it before the launch file's
+SECRET_ENV = {SECRET_TRACKING_URI: ENV_TRACKING_URI, SECRET_CHANNEL: ENV_CHANNEL_SECRET}
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
@@ -125,8 +136,9 @@ def owner_reference(job: dict[str, Any]) -> dict[str, Any]:
             "uid": job["metadata"]["uid"], "blockOwnerDeletion": True}
 
 
-def _metadata(key: AttemptKey, namespace: str, owner: dict[str, Any] | None = None,
-              annotations: dict[str, str] | None = None) -> dict[str, Any]:
+def object_metadata(key: AttemptKey, namespace: str, owner: dict[str, Any] | None = None,
+                    annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """Return an attempt object's metadata: its name, namespace, labels and owner."""
     meta: dict[str, Any] = {"name": key.name, "namespace": namespace, "labels": key.labels()}
     if annotations:
         meta["annotations"] = annotations
@@ -148,7 +160,61 @@ def _affinity(key: AttemptKey, quarantined: list[str]) -> dict[str, Any]:
     return affinity
 
 
-def _container(k8s: KubernetesSpec, key: AttemptKey) -> dict[str, Any]:
+def _writable_volumes() -> list[tuple[str, str, dict[str, Any]]]:
+    """Return (name, mount path, emptyDir) for every place the agent and its ranks write:
+    the root file system is read-only."""
+    return [
+        # Heartbeats, status, logs, flight-recorder dumps, rescued state, resume downloads,
+        # and the checkpoints rank 0 stages before publishing them.
+        ("attempt", POD_ATTEMPT_DIR, {}),
+        # tempfile's default: MLflow's upload staging, torch's inductor cache
+        # (/tmp/torchinductor_<user>, made at import), the publisher's temporary files.
+        ("tmp", "/tmp", {}),  # noqa: S108 - an emptyDir of the pod's own
+        ("home", POD_HOME, {}),
+        ("dshm", "/dev/shm", {"medium": "Memory"}),  # torch's shared-memory tensors, gloo
+    ]
+
+
+def _mounts() -> list[dict[str, Any]]:
+    """Return the container's volume mounts: the launch file read-only, the rest writable."""
+    return [{"name": "launch", "mountPath": LAUNCH_MOUNT, "readOnly": True}] + [
+        {"name": name, "mountPath": path} for name, path, _ in _writable_volumes()]
+
+
+def _volumes(key: AttemptKey) -> list[dict[str, Any]]:
+    """Return the pod's volumes (see :func:`_mounts`)."""
+    return [{"name": "launch", "configMap": {"name": key.name}}] + [
+        {"name": name, "emptyDir": empty} for name, _, empty in _writable_volumes()]
+
+
+def _pod_security() -> dict[str, Any]:
+    """Return the pod's securityContext: Pod Security ``restricted`` at the pod level."""
+    return {"runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID,
+            "fsGroup": WORKER_UID, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _container_security() -> dict[str, Any]:
+    """Return the container's securityContext: no privilege, no capability, read-only root."""
+    return {"allowPrivilegeEscalation": False, "runAsNonRoot": True, "privileged": False,
+            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _resources(k8s: KubernetesSpec) -> dict[str, Any]:
+    """Return the container's requests and limits (equal: a Guaranteed pod)."""
+    wanted = {"cpu": k8s.cpu, "memory": k8s.memory}
+    if k8s.gpus_per_pod:
+        wanted["nvidia.com/gpu"] = str(k8s.gpus_per_pod)
+    return {"requests": dict(wanted), "limits": dict(wanted)}
+
+
+def _secret_env(key: AttemptKey, secret_keys: list[str]) -> list[dict[str, Any]]:
+    """Return the env variables read from the attempt's Secret (never a value in clear)."""
+    return [{"name": SECRET_ENV[item], "valueFrom": {"secretKeyRef": {
+        "name": key.name, "key": item}}} for item in sorted(secret_keys)]
+
+
+def _container(k8s: KubernetesSpec, key: AttemptKey, secret_keys: list[str]) -> dict[str, Any]:
     env = [
         {"name": ENV_NODE_INDEX, "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
@@ -157,6 +223,9 @@ def _container(k8s: KubernetesSpec, key: AttemptKey) -> dict[str, Any]:
         {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
         {"name": "OMP_NUM_THREADS", "value": "1"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},  # the image is read-only
+        {"name": "HOME", "value": POD_HOME},
+        *_secret_env(key, secret_keys),
     ]
     container: dict[str, Any] = {
         "name": AGENT_CONTAINER,
@@ -169,24 +238,21 @@ def _container(k8s: KubernetesSpec, key: AttemptKey) -> dict[str, Any]:
         "env": env,
         "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
                   {"name": "channel", "containerPort": AGENT_PORT}],
-        "volumeMounts": [
-            {"name": "launch", "mountPath": LAUNCH_MOUNT, "readOnly": True},
-            {"name": "attempt", "mountPath": POD_ATTEMPT_DIR},
-            {"name": "dshm", "mountPath": "/dev/shm"},
-        ],
-        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
-                            "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": _mounts(),
+        "resources": _resources(k8s),
+        "securityContext": _container_security(),
     }
-    if k8s.gpus_per_pod:
-        gpus = str(k8s.gpus_per_pod)
-        container["resources"] = {"limits": {"nvidia.com/gpu": gpus},
-                                  "requests": {"nvidia.com/gpu": gpus}}
     return container
 
 
 def job_manifest(key: AttemptKey, k8s: KubernetesSpec, nodes: list[str], ranks_per_node: int,
-                 quarantined: list[str], launched_at: float) -> dict[str, Any]:
-    """Return the attempt's Indexed Job: one pod per node, no retries by Kubernetes."""
+                 quarantined: list[str], launched_at: float,
+                 secret_keys: list[str] | None = None) -> dict[str, Any]:
+    """Return the attempt's Indexed Job: one pod per node, no retries by Kubernetes.
+
+    ``secret_keys`` are the keys of the attempt's Secret (``SECRET_ENV``) the pods read as
+    env variables; default: the tracking URI only."""
+    keys = [SECRET_TRACKING_URI] if secret_keys is None else secret_keys
     count = len(nodes)
     annotations = {ANNOTATION_NODES: json.dumps(nodes), f"{GROUP}/ranks-per-node":
                    str(ranks_per_node), ANNOTATION_LAUNCHED_AT: repr(launched_at),
@@ -197,18 +263,15 @@ def job_manifest(key: AttemptKey, k8s: KubernetesSpec, nodes: list[str], ranks_p
         "serviceAccountName": k8s.service_account,
         "automountServiceAccountToken": False,  # the pods never call the API
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "securityContext": _pod_security(),
         "affinity": _affinity(key, quarantined),
-        "containers": [_container(k8s, key)],
-        "volumes": [
-            {"name": "launch", "configMap": {"name": key.name}},
-            {"name": "attempt", "emptyDir": {}},
-            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-        ],
+        "containers": [_container(k8s, key, keys)],
+        "volumes": _volumes(key),
     }
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": _metadata(key, k8s.namespace, annotations=annotations),
+        "metadata": object_metadata(key, k8s.namespace, annotations=annotations),
         "spec": {
             "completionMode": "Indexed",
             "completions": count,
@@ -226,7 +289,7 @@ def service_manifest(key: AttemptKey, namespace: str, owner: dict[str, Any]) -> 
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(key, namespace, owner),
+        "metadata": object_metadata(key, namespace, owner),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,  # ranks meet before any readiness exists
@@ -240,11 +303,12 @@ def service_manifest(key: AttemptKey, namespace: str, owner: dict[str, Any]) -> 
 
 def configmap_manifest(key: AttemptKey, namespace: str, owner: dict[str, Any],
                        launch_json: str) -> dict[str, Any]:
-    """Return the ConfigMap the pods read their launch file from."""
+    """Return the ConfigMap the pods read their launch file from (``launch_json`` without
+    the tracking URI or any secret: see ``relay.launchers.k8s.access.split_launch``)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(key, namespace, owner),
+        "metadata": object_metadata(key, namespace, owner),
         "data": {LAUNCH_FILE: launch_json},
     }
 

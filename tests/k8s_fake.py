@@ -34,10 +34,10 @@ SCHEMA_VERSION = "1.37"
 INDEX = "batch.kubernetes.io/job-completion-index"
 KINDS = {"pods": ("v1", "Pod"), "services": ("v1", "Service"), "configmaps": ("v1", "ConfigMap"),
          "jobs": ("batch/v1", "Job"), "nodes": ("v1", "Node"),
-         "leases": ("coordination.k8s.io/v1", "Lease")}
+         "leases": ("coordination.k8s.io/v1", "Lease"), "secrets": ("v1", "Secret")}
 ROUTE = re.compile(
     r"^/(?:api/v1|apis/batch/v1|apis/coordination\.k8s\.io/v1)"
-    r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<res>pods|services|configmaps|jobs|nodes|leases)"
+    r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<res>pods|services|configmaps|jobs|nodes|leases|secrets)"
     r"(?:/(?P<name>[^/]+))?$"
 )
 

@@ -153,7 +153,7 @@ def test_clear_text_http_to_a_tls_agent_gets_nothing(
     assert b"HTTP/" not in answer and ATTEMPT.encode() not in answer
     assert served.stop_reasons == []
     assert any("no TLS handshake" in r.getMessage() for r in caplog.records)
-    clear = AgentChannel(ATTEMPT, {"node-a": "http://{}:{}".format(host, port)})
+    clear = AgentChannel(ATTEMPT, {"node-a": f"http://{host}:{port}"})
     assert clear.poll()["node-a"] is None
     # The agent still serves Relay over TLS afterwards.
     assert AgentChannel(ATTEMPT, {"node-a": https(tls_agent)},

@@ -111,9 +111,29 @@ class KubernetesSpec(BaseModel):
     gpus_per_pod: int = Field(0, strict=True, ge=0)
     active_deadline: float = Field(6 * 3600.0, gt=0)
     taint_quarantine: bool = Field(False, strict=True)
+    # The channel to the pods' agents crosses hosts: TLS. The agents' certificate and key
+    # (a kubernetes.io/tls Secret mounted into every pod) and the CA Relay verifies them by (a
+    # Secret with ca.crt, read by the launcher). Both null: clear text (see docs/security.md).
+    channel_tls_secret: str | None = Field("relay-channel-tls", strict=True,
+                                           pattern=DNS_LABEL_PATTERN)
+    channel_ca_secret: str | None = Field("relay-channel-ca", strict=True,
+                                          pattern=DNS_LABEL_PATTERN)
 
     @field_validator("active_deadline", mode="before")
     @classmethod
     def _duration(cls, value: object) -> float:
         """Parse "30m", "6h" or a number of seconds."""
         return parse_duration(value)
+
+    @model_validator(mode="after")
+    def _tls_both_or_neither(self) -> KubernetesSpec:
+        """Require the agents' TLS Secret and the CA Secret together (or neither: clear text)."""
+        if (self.channel_tls_secret is None) != (self.channel_ca_secret is None):
+            raise FieldValueError(
+                "kubernetes.channel_tls_secret and kubernetes.channel_ca_secret both set (TLS) "
+                "or both null (clear text)",
+                {"channel_tls_secret": self.channel_tls_secret,
+                 "channel_ca_secret": self.channel_ca_secret},
+                "name both Secrets (see docs/security.md#tls-between-hosts), or write "
+                "channel_tls_secret: null and channel_ca_secret: null for clear text")
+        return self

@@ -18,6 +18,7 @@ from agents import ServedNode
 from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 from channel_certs import Authority, new_authority
 from k8s_fake import SCHEMA_VERSION, FakeApiServer
+from kubernetes_validate.utils import resources_from_file
 from pydantic import ValidationError
 
 from relay.core.attempt import Attempt
@@ -142,9 +143,18 @@ def test_the_launcher_verifies_the_pods_agents_by_the_ca_from_its_secret(
             "pod-0": NodeState.RUNNING, "pod-1": NodeState.RUNNING}
         assert all(s.last_seen is not None for s in status.nodes.values()), (
             "an agent was not heard over TLS")
+        assert ("", "secrets", "get") in fake.verbs
     finally:
         for server in servers:
             server.close()
+
+
+def test_the_shipped_rbac_lets_the_launcher_read_the_ca_secret_and_no_other() -> None:
+    rbac = Path(__file__).resolve().parents[2] / "deploy" / "rbac.yaml"
+    rules = [rule for doc in resources_from_file(str(rbac)) if doc["kind"].endswith("Role")
+             for rule in doc["rules"] if "secrets" in rule["resources"]]
+    assert rules == [{"apiGroups": [""], "resources": ["secrets"],
+                      "resourceNames": [TLS["channel_ca_secret"]], "verbs": ["get"]}]
 
 
 @pytest.mark.parametrize("secret", ["missing", "no ca.crt"])

@@ -109,6 +109,7 @@ def test_rbac_grants_only_what_the_launcher_uses() -> None:
         ("", "pods"): {"list", "watch", "delete"},
         ("", "services"): {"create"},
         ("", "configmaps"): {"create"},
+        ("", "secrets"): {"get"},  # the channel CA only (tests/security/test_k8s_channel_tls.py)
         ("", "nodes"): {"get", "list", "patch"},
         ("coordination.k8s.io", "leases"): {"get"},
     }

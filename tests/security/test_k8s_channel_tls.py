@@ -22,7 +22,7 @@ from kubernetes_validate.utils import resources_from_file
 from pydantic import ValidationError
 
 from relay.core.attempt import Attempt
-from relay.core.exceptions import ChannelCAError
+from relay.core.exceptions import ChannelCAError, ConfigError
 from relay.launchers.k8s.launcher import KubernetesLauncher
 from relay.launchers.k8s.objects import (
     AGENT_CONTAINER,
@@ -31,6 +31,7 @@ from relay.launchers.k8s.objects import (
     agent_url,
     job_manifest,
 )
+from relay.spec.job import load_job_spec
 from relay.spec.sections import KubernetesSpec
 from relay_train.agent.server import AgentServer
 from relay_train.protocol.channel_tls import AGENT_TLS_NAME
@@ -42,6 +43,7 @@ IMAGE = "registry.example.com/relay-worker:0.1.0"
 KEY = AttemptKey("relay_demo", "manual__2026-12-03T05_00_00_00_00", 3, 2)
 TLS = {"channel_tls_secret": "relay-channel-tls", "channel_ca_secret": "relay-channel-ca"}
 HOSTS = ["gpu-1", "gpu-2"]
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def make_launcher(fake: FakeApiServer, tmp_path: Path) -> KubernetesLauncher:
@@ -89,10 +91,24 @@ def test_null_secrets_keep_the_channel_clear_and_mount_nothing() -> None:
     assert ENV_CHANNEL_TLS_CERT not in names and ENV_CHANNEL_TLS_KEY not in names
 
 
-def test_the_spec_takes_both_secrets_or_neither() -> None:
+def test_the_spec_takes_both_secrets_or_neither(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match="channel_tls_secret and kubernetes.channel_ca_"
                        "secret both set"):
         KubernetesSpec(image=IMAGE, channel_tls_secret=None)
+    example = (DOCS / "examples" / "kubernetes-job.yaml").read_text()
+    assert "\nkubernetes:\n" in example
+    spec = tmp_path / "job.yaml"
+    spec.write_text(example.replace("\nkubernetes:\n",
+                                    "\nkubernetes:\n  channel_ca_secret: null\n"))
+
+    with pytest.raises(ConfigError) as refused:
+        load_job_spec(spec)
+
+    line = example.split("\nkubernetes:\n")[0].count("\n") + 2
+    assert f"{spec}:{line}: kubernetes: expected kubernetes.channel_tls_secret and " in str(
+        refused.value)
+    assert "found channel_tls_secret: relay-channel-tls, channel_ca_secret: null" in str(
+        refused.value)
 
 
 @pytest.fixture

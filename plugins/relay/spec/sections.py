@@ -132,8 +132,9 @@ class KubernetesSpec(BaseModel):
             raise FieldValueError(
                 "kubernetes.channel_tls_secret and kubernetes.channel_ca_secret both set (TLS) "
                 "or both null (clear text)",
-                {"channel_tls_secret": self.channel_tls_secret,
-                 "channel_ca_secret": self.channel_ca_secret},
+                None,
                 "name both Secrets (see docs/security.md#tls-between-hosts), or write "
-                "channel_tls_secret: null and channel_ca_secret: null for clear text")
+                "channel_tls_secret: null and channel_ca_secret: null for clear text",
+                shown=f"channel_tls_secret: {self.channel_tls_secret or 'null'}, "
+                f"channel_ca_secret: {self.channel_ca_secret or 'null'}")
         return self

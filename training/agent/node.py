@@ -55,6 +55,7 @@ from relay_train.device import (
     rank_environment,
     rank_start_method,
 )
+from relay_train.protocol.channel_tls import server_context_from_env
 from relay_train.protocol.env import ENV_NODE
 from relay_train.protocol.heartbeat import node_clock
 from relay_train.protocol.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
@@ -351,6 +352,11 @@ def main(argv: list[str] | None = None) -> int:
         format=agent_log_format(args.node),
         stream=sys.stderr,
     )
+    try:
+        server_context_from_env()  # an agent told to serve TLS without its cert/key never starts
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     if args.standby is not None:
         return run_standby(args.standby, args.node, args.ttl, args.linger)
     if args.launch is None:

@@ -28,7 +28,9 @@ Fencing: every request names its attempt (``attempt`` in the query or the body)
 and every reply carries the agent's own; a request for another attempt gets
 409 with the agent's attempt (status is answered anyway: Relay refuses a stale
 agent's heartbeats itself, and records it). The routes, fields and node states are
-spelled in :mod:`relay_train.protocol.routes`. Stdlib only.
+spelled in :mod:`relay_train.protocol.routes`. Where the agent's environment names a
+certificate and key (on Kubernetes), it serves TLS: :mod:`relay_train.protocol.channel_tls`.
+Stdlib only.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs, urlparse
 
 from relay_train.protocol import routes as wire
+from relay_train.protocol.channel_tls import serve_tls, server_context_from_env
 from relay_train.protocol.heartbeat import node_clock, read_heartbeats, write_atomically
 from relay_train.protocol.launch import BOUNDARIES_FILE, DRAIN_FILE
 from relay_train.protocol.pids import signal_process, start_time
@@ -126,6 +129,7 @@ class AgentServer:
         handler = type("Handler", (_Handler,), {"agent": agent, "claim": _Claim()})
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
+        serve_tls(self.httpd, server_context_from_env())  # TLS iff the pod names a cert and key
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="channel",
                                         args=(SERVE_POLL_SECONDS,), daemon=True)
 

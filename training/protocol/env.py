@@ -36,6 +36,11 @@ ENV_HOST = "RELAY_HOST"
 # travels in a ConfigMap; the URI, which may carry credentials, in a Secret as this
 # variable). The same variable names Relay's own URI (relay.core.settings).
 ENV_TRACKING_URI = "RELAY_MLFLOW_TRACKING_URI"
+# Set by the Kubernetes launcher in each pod when the channel is TLS: the agent's certificate
+# and private key (PEM, from the channel's TLS Secret); see relay_train.protocol.channel_tls.
+# Neither set: the agent serves clear text (local launches).
+ENV_CHANNEL_TLS_CERT = "RELAY_CHANNEL_TLS_CERT"
+ENV_CHANNEL_TLS_KEY = "RELAY_CHANNEL_TLS_KEY"
 
 # Test hook only: shift a node's clock (heartbeats, its agent) by this many seconds, to
 # prove that Relay judges heartbeat ages on its own clock. A number applies to every node;

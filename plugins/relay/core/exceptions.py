@@ -10,6 +10,7 @@ Each message says what was expected, what was found and what to do::
     ├── NotEnoughNodesError    fewer healthy nodes than a segment needs
     ├── PoolStoreError         the node pool's state cannot be read or written
     ├── StaleAgentError        an agent answered for another attempt (fencing)
+    ├── ChannelCAError         the channel's TLS CA cannot be read from its Secret
     ├── NotOursError           a recorded PID may now belong to another process
     ├── IllegalTransitionError an attempt was asked to take a step its state machine forbids
     ├── ReplayError            nothing to replay, or a bad argument
@@ -72,6 +73,10 @@ class PoolStoreError(RelayError, RuntimeError):
 
 class StaleAgentError(RelayError, LookupError):
     """An agent answered for another attempt than the one asked about."""
+
+
+class ChannelCAError(RelayError, RuntimeError):
+    """The channel's TLS CA cannot be had from its Secret (message: expected, found, to do)."""
 
 
 class NotOursError(RelayError, LookupError):

@@ -5,7 +5,9 @@ Routes, fields and node states are those of :mod:`relay_train.protocol.routes`.
 Everything the watcher, drain, rescue and evidence need from a running attempt
 comes from here, over HTTP with short timeouts, never from a file a node wrote.
 Launchers own one :class:`AgentChannel` per attempt they watch and say where its
-agents are (``node -> http://host:port``).
+agents are (``node -> http://host:port``, or ``https://`` with the TLS context the
+channel verifies them by, where the channel crosses hosts: see
+:mod:`relay_train.protocol.channel_tls`).
 
 Clocks: an agent reports each heartbeat's age on its own clock; the channel
 places the beat on Relay's clock as ``received_at - age`` (and the same for the
@@ -27,6 +29,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import ssl
 import time
 import urllib.error
 import urllib.parse
@@ -81,9 +84,12 @@ def place_on_our_clock(record: dict[str, Any], received_at: float) -> Heartbeat:
 class AgentChannel:
     """Talk to the agents of one attempt; remember what they last said."""
 
-    def __init__(self, attempt_id: str, addresses: dict[str, str]) -> None:
+    def __init__(self, attempt_id: str, addresses: dict[str, str],
+                 tls: ssl.SSLContext | None = None) -> None:
         self.attempt_id = attempt_id
         self.addresses = dict(addresses)
+        self.tls = tls  # for https:// addresses: relay_train.protocol.channel_tls.client_context
+        self.tls_refused: set[str] = set()  # nodes whose TLS handshake failed (warned once)
         self.refused: list[dict[str, Any]] = []
         self.reports: dict[str, NodeReport] = {}
         self.beats: dict[int, Heartbeat] = {}
@@ -119,7 +125,8 @@ class AgentChannel:
             method="POST" if data is not None else "GET",
             headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as reply:  # noqa: S310 - our URL
+            with urllib.request.urlopen(request, timeout=timeout,  # noqa: S310 - our URL
+                                        context=self.tls) as reply:
                 raw = reply.read()
                 kind = reply.headers.get("Content-Type", "")
         except urllib.error.HTTPError as exc:
@@ -132,7 +139,13 @@ class AgentChannel:
         # Refused, reset, timed out, or cut off mid-reply (an agent exiting as its ranks
         # stop: http.client.IncompleteRead is no OSError): unreachable for now.
         except (OSError, ValueError, http.client.HTTPException) as exc:
-            log.debug("Agent of %s unreachable (%s): %s", node, route, exc)
+            tls_refused = isinstance(getattr(exc, "reason", exc), ssl.SSLError)
+            if tls_refused and node not in self.tls_refused:  # not the network: trust (once)
+                self.tls_refused.add(node)
+                log.warning("TLS with the agent of %s refused (%s): %s. Check the channel CA "
+                            "and the agents' certificate (docs/security.md)", node, route, exc)
+            else:
+                log.debug("Agent of %s unreachable (%s): %s", node, route, exc)
             return None
         if not kind.startswith("application/json"):
             return raw

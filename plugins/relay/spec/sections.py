@@ -119,6 +119,13 @@ class KubernetesSpec(BaseModel):
     memory: str = Field("8Gi", strict=True, pattern=QUANTITY_PATTERN)
     # Where Airflow's workers and triggerer run: the only pods that may reach the agents.
     airflow_namespace: str = Field("airflow", strict=True, pattern=DNS_LABEL_PATTERN)
+    # The channel to the pods' agents crosses hosts: TLS. The agents' certificate and key
+    # (a kubernetes.io/tls Secret mounted into every pod) and the CA Relay verifies them by (a
+    # Secret with ca.crt, read by the launcher). Both null: clear text (see docs/security.md).
+    channel_tls_secret: str | None = Field("relay-channel-tls", strict=True,
+                                           pattern=DNS_LABEL_PATTERN)
+    channel_ca_secret: str | None = Field("relay-channel-ca", strict=True,
+                                          pattern=DNS_LABEL_PATTERN)
 
     @field_validator("active_deadline", mode="before")
     @classmethod
@@ -133,3 +140,16 @@ class KubernetesSpec(BaseModel):
         if isinstance(value, int | float) and not isinstance(value, bool):
             return format(value, "g")
         return value
+    @model_validator(mode="after")
+    def _tls_both_or_neither(self) -> KubernetesSpec:
+        """Require the agents' TLS Secret and the CA Secret together (or neither: clear text)."""
+        if (self.channel_tls_secret is None) != (self.channel_ca_secret is None):
+            raise FieldValueError(
+                "kubernetes.channel_tls_secret and kubernetes.channel_ca_secret both set (TLS) "
+                "or both null (clear text)",
+                None,
+                "name both Secrets (see docs/security.md#tls-between-hosts), or write "
+                "channel_tls_secret: null and channel_ca_secret: null for clear text",
+                shown=f"channel_tls_secret: {self.channel_tls_secret or 'null'}, "
+                f"channel_ca_secret: {self.channel_ca_secret or 'null'}")
+        return self

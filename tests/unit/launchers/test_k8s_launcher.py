@@ -56,6 +56,9 @@ def node_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> NodePool:
 def make_launcher(fake: FakeApiServer, tmp_path: Path, **settings: object) -> KubernetesLauncher:
     hook = KubernetesHook(conn_id=None, kubernetes_conn_id=None,
                           config_file=str(fake.kubeconfig(tmp_path / "kubeconfig")))
+    # The pods' agents here are clear-text servers on loopback: the channel's TLS (on by
+    # default) is tested in tests/security/test_k8s_channel_tls.py.
+    settings = {"channel_tls_secret": None, "channel_ca_secret": None, **settings}
     spec = KubernetesSpec(image="registry.example.com/relay-worker:0.1.0", **settings)
     launcher = KubernetesLauncher(spec, hook=hook, retry_wait_seconds=0)
     launcher.node_check_seconds = 0  # see every change at once
@@ -374,7 +377,8 @@ def test_the_factory_builds_it_from_an_airflow_connection(
     monkeypatch.setenv("AIRFLOW_CONN_RELAY_K8S", json.dumps(
         {"conn_type": "kubernetes", "extra": {"kube_config_path": str(kubeconfig)}}))
     launcher = launcher_from({"kind": "kubernetes", "conn_id": "relay_k8s",
-                              "image": "registry.example.com/relay-worker:0.1.0"})
+                              "image": "registry.example.com/relay-worker:0.1.0",
+                              "channel_tls_secret": None, "channel_ca_secret": None})
     cfg = make_cfg(tmp_path, launcher)
 
     launcher.launch(cfg)
@@ -458,7 +462,8 @@ def test_the_segment_trigger_watches_a_job_and_fires_node_unresponsive(
         {"conn_type": "kubernetes",
          "extra": {"kube_config_path": str(fake.kubeconfig(tmp_path / "kubeconfig"))}}))
     launcher = launcher_from({"kind": "kubernetes", "conn_id": "relay_k8s",
-                              "image": "registry.example.com/relay-worker:0.1.0"})
+                              "image": "registry.example.com/relay-worker:0.1.0",
+                              "channel_tls_secret": None, "channel_ca_secret": None})
     cfg, name = launched(fake, launcher, tmp_path, ["gpu-3", "gpu-1"])
     node_ranks = {n: [cfg.global_rank(n, r) for r in range(2)] for n in cfg.nodes}
     trigger = SegmentWatchTrigger(str(cfg.root), node_ranks, poll_interval_seconds=0.05,

@@ -114,7 +114,7 @@ def test_rbac_grants_only_what_the_launcher_uses() -> None:
         ("", "pods"): {"list", "watch", "delete"},
         ("", "services"): {"create"},
         ("", "configmaps"): {"create"},
-        ("", "secrets"): {"create"},
+        ("", "secrets"): {"create", "get"},  # get: the channel CA only
         ("networking.k8s.io", "networkpolicies"): {"create"},
         ("", "nodes"): {"get", "list", "patch"},
         ("coordination.k8s.io", "leases"): {"get"},

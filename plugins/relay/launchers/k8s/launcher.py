@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from contextlib import closing
@@ -36,6 +37,7 @@ from relay.core.attempt import Attempt, AttemptState
 from relay.launchers.agent_client import AgentChannel
 from relay.launchers.base import LaunchStatus, overall_state
 from relay.launchers.k8s.access import network_policy_manifest, secret_manifest, split_launch
+from relay.launchers.k8s.channel_ca import channel_client_context
 from relay.launchers.k8s.cluster_nodes import (
     LEASE_STALE_SECONDS,
     NODE_CHECK_SECONDS,
@@ -136,6 +138,12 @@ class KubernetesLauncher(KubernetesNodes):
         """Return the coordination.k8s.io/v1 client (node Leases)."""
         return client.CoordinationV1Api(api_client=self.hook.api_client)
 
+    @cached_property
+    def channel_tls(self) -> ssl.SSLContext | None:
+        """Return the TLS context the agents are verified by (its CA read once), None when the
+        spec keeps the channel clear (see relay.launchers.k8s.channel_ca)."""
+        return channel_client_context(self.core, self.namespace, self.settings.channel_ca_secret)
+
     def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:  # noqa: ANN401
         """Call the API, retrying transient failures only."""
         retrying = tenacity.Retrying(
@@ -175,6 +183,7 @@ class KubernetesLauncher(KubernetesNodes):
         cfg.write(cfg.root / LAUNCH_FILE)  # for this worker's reports; the record travels
         pod_cfg = replace(cfg, attempt_dir=POD_ATTEMPT_DIR, master_addr=master_addr(key),
                           master_port=RENDEZVOUS_PORT, attempt_id=attempt_id_of(cfg.root))
+        _ = self.channel_tls  # no CA Secret, no pods: Relay could not talk to them
         held = NodePool().quarantines()
         self.enforce_quarantines(held)
         public, secret = split_launch(asdict(pod_cfg))
@@ -295,7 +304,8 @@ class KubernetesLauncher(KubernetesNodes):
 
     def agent_url(self, key: AttemptKey, index: int) -> str:
         """Return where the agent of pod ``index`` answers (its headless-Service DNS name)."""
-        return agent_url(key, self.namespace, index)
+        tls = self.settings.channel_tls_secret is not None
+        return agent_url(key, self.namespace, index, tls=tls)
 
     def channel(self, attempt: Attempt, slots: list[str] | None = None) -> AgentChannel:
         """Return the channel to the attempt's pod agents (slots from its Job, read once)."""
@@ -307,7 +317,7 @@ class KubernetesLauncher(KubernetesNodes):
                     job.metadata.annotations[ANNOTATION_NODES])
             self._channels[key.name] = AgentChannel(
                 attempt_id_of(attempt.runs_in),
-                {s: self.agent_url(key, i) for i, s in enumerate(slots)})
+                {s: self.agent_url(key, i) for i, s in enumerate(slots)}, tls=self.channel_tls)
         return self._channels[key.name]
 
     def host_of(self, attempt: Attempt, node: str) -> str:

@@ -23,7 +23,13 @@ from typing import Any
 
 from relay.core.attempt import Attempt
 from relay.spec.sections import KubernetesSpec
-from relay_train.protocol.env import ENV_HOST, ENV_NODE_INDEX, ENV_TRACKING_URI
+from relay_train.protocol.env import (
+    ENV_CHANNEL_TLS_CERT,
+    ENV_CHANNEL_TLS_KEY,
+    ENV_HOST,
+    ENV_NODE_INDEX,
+    ENV_TRACKING_URI,
+)
 from relay_train.protocol.launch import LAUNCH_FILE
 from relay_train.protocol.routes import AGENT_PORT
 
@@ -36,6 +42,7 @@ QUARANTINE_TAINT_KEY = f"{GROUP}/quarantined"
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 LAUNCH_MOUNT = "/relay/launch"
 POD_ATTEMPT_DIR = "/relay/attempt"
+CHANNEL_TLS_MOUNT = "/relay/channel-tls"  # the agents' certificate and key (their TLS Secret)
 RENDEZVOUS_PORT = 29500
 AGENT_CONTAINER = "agent"
 TERMINATION_GRACE_SECONDS = 10  # the agent gives its ranks 5 s after SIGTERM
@@ -125,9 +132,10 @@ def master_addr(key: AttemptKey) -> str:
     return f"{key.name}-0.{key.name}"
 
 
-def agent_url(key: AttemptKey, namespace: str, index: int) -> str:
+def agent_url(key: AttemptKey, namespace: str, index: int, *, tls: bool = False) -> str:
     """Return the channel address of the agent in pod ``index`` (its headless-Service name)."""
-    return f"http://{key.name}-{index}.{key.name}.{namespace}.svc:{AGENT_PORT}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://{key.name}-{index}.{key.name}.{namespace}.svc:{AGENT_PORT}"
 
 
 def owner_reference(job: dict[str, Any]) -> dict[str, Any]:
@@ -245,6 +253,24 @@ def _container(k8s: KubernetesSpec, key: AttemptKey, secret_keys: list[str]) -> 
     return container
 
 
+def add_channel_tls(pod_spec: dict[str, Any], secret: str | None) -> dict[str, Any]:
+    """Mount the agents' TLS Secret read-only into the agent container and name its files in
+    the agent's environment (see relay_train.protocol.channel_tls); nothing when ``secret`` is
+    None (clear text). Return ``pod_spec``."""
+    if secret is None:
+        return pod_spec
+    pod_spec["volumes"].append({"name": "channel-tls", "secret": {
+        "secretName": secret, "defaultMode": 0o444,
+        "items": [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]}})
+    container = next(c for c in pod_spec["containers"] if c["name"] == AGENT_CONTAINER)
+    container["volumeMounts"].append(
+        {"name": "channel-tls", "mountPath": CHANNEL_TLS_MOUNT, "readOnly": True})
+    container["env"] += [
+        {"name": ENV_CHANNEL_TLS_CERT, "value": f"{CHANNEL_TLS_MOUNT}/tls.crt"},
+        {"name": ENV_CHANNEL_TLS_KEY, "value": f"{CHANNEL_TLS_MOUNT}/tls.key"}]
+    return pod_spec
+
+
 def job_manifest(key: AttemptKey, k8s: KubernetesSpec, nodes: list[str], ranks_per_node: int,
                  quarantined: list[str], launched_at: float,
                  secret_keys: list[str] | None = None) -> dict[str, Any]:
@@ -268,6 +294,7 @@ def job_manifest(key: AttemptKey, k8s: KubernetesSpec, nodes: list[str], ranks_p
         "containers": [_container(k8s, key, keys)],
         "volumes": _volumes(key),
     }
+    add_channel_tls(pod_spec, k8s.channel_tls_secret)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",

@@ -191,6 +191,8 @@ def launch_with_secrets(fake: FakeApiServer, tmp_path: Path, monkeypatch: pytest
         **dataclasses.asdict(cfg), "channel_secret": CHANNEL_SECRET})
     hook = KubernetesHook(conn_id=None, kubernetes_conn_id=None,
                           config_file=str(fake.kubeconfig(tmp_path / "kubeconfig")))
+    # TLS has its own tests (test_k8s_channel_tls.py): clear text here
+    settings = {"channel_tls_secret": None, "channel_ca_secret": None, **settings}
     launcher = KubernetesLauncher(KubernetesSpec(image=IMAGE, **settings), hook=hook,
                                   retry_wait_seconds=0)
     root = tmp_path / "runs" / "relay_k8sdemo" / "manual__1" / "segment-001" / "try-0"

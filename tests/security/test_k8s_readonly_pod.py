@@ -70,7 +70,8 @@ def test_a_pod_trains_and_publishes_with_its_root_file_system_read_only(tmp_path
     pod_cfg = replace(cfg, attempt_dir=POD_ATTEMPT_DIR, master_addr=master_addr(key),
                       master_port=RENDEZVOUS_PORT, attempt_id=attempt_id_of(cfg.root))
     public, secret = split_launch(asdict(pod_cfg))
-    job = job_manifest(key, KubernetesSpec(image="relay-worker:test", cpu=2, memory="4Gi"),
+    job = job_manifest(key, KubernetesSpec(image="relay-worker:test", cpu=2, memory="4Gi",
+                                      channel_tls_secret=None, channel_ca_secret=None),
                        cfg.nodes, cfg.ranks_per_node, [], 0.0, sorted(secret))
     launch = tmp_path / "configmap"
     launch.mkdir()

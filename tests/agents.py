@@ -19,6 +19,7 @@ from relay.core.attempt import Attempt
 from relay.launchers.agent_client import AgentChannel
 from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
 from relay_train.agent.server import AgentServer
+from relay_train.protocol.channel_auth import new_secret
 from relay_train.protocol.launch import attempt_id_of
 from relay_train.protocol.routes import ERRORS, EXIT_CODES, STATE, NodeState
 
@@ -52,14 +53,16 @@ class ServedAttempt:
         self.root = root
         served_id = attempt_id or attempt_id_of(root)
         self.nodes = {n: ServedNode(root, n, ranks, served_id) for n, ranks in nodes.items()}
-        self.servers = {n: AgentServer(agent, "127.0.0.1", 0).start()
+        self.secret = new_secret()
+        self.servers = {n: AgentServer(agent, "127.0.0.1", 0, secret=self.secret).start()
                         for n, agent in self.nodes.items()}
         self.addresses = {n: "http://{}:{}".format(*s.address) for n, s in self.servers.items()}
         self._channel: AgentChannel | None = None
 
     def channel(self, attempt: Attempt) -> AgentChannel:
         if self._channel is None:
-            self._channel = AgentChannel(attempt_id_of(attempt.runs_in), self.addresses)
+            self._channel = AgentChannel(attempt_id_of(attempt.runs_in), self.addresses,
+                                         self.secret)
         return self._channel
 
     def status(self, attempt: Attempt) -> LaunchStatus:

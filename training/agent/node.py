@@ -55,7 +55,7 @@ from relay_train.device import (
     rank_environment,
     rank_start_method,
 )
-from relay_train.protocol.env import ENV_NODE
+from relay_train.protocol.env import CHANNEL_SECRET, ENV_NODE
 from relay_train.protocol.heartbeat import node_clock
 from relay_train.protocol.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
 from relay_train.protocol.routes import (
@@ -82,7 +82,14 @@ class NodeAgent:
     def __init__(
         self, cfg: LaunchConfig, launch_file: Path, node: str, *, preloaded: bool = False,
         bind: str = LOCAL_BIND, port: int | None = None, linger_seconds: float = 0.0,
+        secret: str | None = None,
     ) -> None:
+        self.secret = secret or cfg.channel_secret
+        if not self.secret:
+            raise ValueError(
+                f"node {node}: expected the attempt's channel secret in {launch_file} (field "
+                f"channel_secret) or in ${CHANNEL_SECRET}, found neither; launch the attempt "
+                "with a Relay that makes one (this agent answers nobody without it)")
         self.cfg = cfg
         self.preloaded = preloaded
         self.node = node
@@ -227,7 +234,7 @@ class NodeAgent:
 
     def _serve(self) -> None:
         """Open the channel: after the ranks are forked, so none holds its socket or a lock."""
-        self.server = AgentServer(self, *self._address).start()
+        self.server = AgentServer(self, *self._address, secret=self.secret).start()
 
     def _supervise(self) -> int:
         if not self.preloaded:
@@ -316,7 +323,12 @@ def run_standby(directory: Path, node: str, ttl_seconds: float,
         log.error("node %s: expected one of %s in %s", node, cfg.nodes, launch)
         return 2
     log.info("took over as %s's agent, preloaded in advance (%.2fs)", node, preloaded)
-    return NodeAgent(cfg, launch, node, preloaded=True, linger_seconds=linger_seconds).run()
+    try:
+        agent = NodeAgent(cfg, launch, node, preloaded=True, linger_seconds=linger_seconds)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    return agent.run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"found {args.node_index}")
         args.node = nodes[args.node_index]
     os.environ[ENV_NODE] = args.node  # this node's clock (the skew test hook names nodes)
+    # The channel secret, if the platform gave it here: read once, kept from the ranks and
+    # from any standby this agent forks (a standby takes its next attempt's from its launch file).
+    secret = os.environ.pop(CHANNEL_SECRET, "") or None
     logging.basicConfig(
         level=logging.INFO,
         format=agent_log_format(args.node),
@@ -359,8 +374,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.node not in cfg.nodes:
         log.error("node %s: expected one of %s in %s", args.node, cfg.nodes, args.launch)
         return 2
-    return NodeAgent(cfg, args.launch, args.node, bind=args.bind, port=args.port,
-                     linger_seconds=args.linger).run()
+    try:
+        agent = NodeAgent(cfg, args.launch, args.node, bind=args.bind, port=args.port,
+                          linger_seconds=args.linger, secret=secret)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    return agent.run()
 
 
 if __name__ == "__main__":

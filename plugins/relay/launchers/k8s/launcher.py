@@ -63,6 +63,7 @@ from relay.launchers.k8s.status import (
     stuck,
 )
 from relay.spec.sections import KubernetesSpec
+from relay_train.protocol.channel_auth import new_secret
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 from relay_train.protocol.routes import SETTLED, NodeState
 
@@ -165,6 +166,7 @@ class KubernetesLauncher(KubernetesNodes):
         from relay.nodes.pool import NodePool
 
         key = AttemptKey.from_dir(cfg.root)
+        cfg = replace(cfg, channel_secret=new_secret())  # fresh for every attempt
         cfg.root.mkdir(parents=True, exist_ok=True)
         cfg.write(cfg.root / LAUNCH_FILE)  # for this worker's reports; the record travels
         pod_cfg = replace(cfg, attempt_dir=POD_ATTEMPT_DIR, master_addr=master_addr(key),
@@ -291,8 +293,28 @@ class KubernetesLauncher(KubernetesNodes):
                     job.metadata.annotations[ANNOTATION_NODES])
             self._channels[key.name] = AgentChannel(
                 attempt_id_of(attempt.runs_in),
-                {s: self.agent_url(key, i) for i, s in enumerate(slots)})
+                {s: self.agent_url(key, i) for i, s in enumerate(slots)},
+                self.channel_secret(key, attempt))
         return self._channels[key.name]
+
+    def channel_secret(self, key: AttemptKey, attempt: Attempt) -> str:
+        """Return the channel secret the attempt's pods got: from the launch file in the API
+        server (the Job's ConfigMap: a Job re-attached to keeps its own), else this worker's
+        copy; "" when neither is there (every agent refuses)."""
+        try:
+            found = self._call(self.core.read_namespaced_config_map, key.name, self.namespace)
+            launch = json.loads((found.data or {})[LAUNCH_FILE])
+            return str(launch.get("channel_secret") or "")
+        except (ApiException, HTTPError, KeyError, ValueError, TypeError, AttributeError) as exc:
+            log.info("No launch file of %s in the API server (%s); using this worker's", key.name,
+                     exc)
+        try:
+            return LaunchConfig.read(attempt.runs_in / LAUNCH_FILE).channel_secret
+        except (OSError, ValueError, TypeError) as exc:
+            log.error("No channel secret for %s: expected it in ConfigMap %s/%s or in %s, found "
+                      "neither (%s); its agents will refuse this worker", key.name,
+                      self.namespace, key.name, attempt.runs_in / LAUNCH_FILE, exc)
+            return ""
 
     def host_of(self, attempt: Attempt, node: str) -> str:
         """Return the Kubernetes node the slot's pod runs on (the slot itself if unknown)."""

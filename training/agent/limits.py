@@ -32,9 +32,10 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
 class Deadline:
     """Hang up on a connection unless cancelled within ``seconds`` (a daemon timer)."""
 
-    def __init__(self, connection: socket.socket, seconds: float = READ_DEADLINE_SECONDS) -> None:
+    def __init__(self, connection: socket.socket, seconds: float | None = None) -> None:
         self.connection = connection
-        self.timer = threading.Timer(seconds, self._hang_up)
+        self.timer = threading.Timer(READ_DEADLINE_SECONDS if seconds is None else seconds,
+                                     self._hang_up)
         self.timer.daemon = True
         self.timer.start()
 

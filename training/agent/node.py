@@ -84,12 +84,7 @@ class NodeAgent:
         bind: str = LOCAL_BIND, port: int | None = None, linger_seconds: float = 0.0,
         secret: str | None = None,
     ) -> None:
-        self.secret = secret or cfg.channel_secret
-        if not self.secret:
-            raise ValueError(
-                f"node {node}: expected the attempt's channel secret in {launch_file} (field "
-                f"channel_secret) or in ${CHANNEL_SECRET}, found neither; launch the attempt "
-                "with a Relay that makes one (this agent answers nobody without it)")
+        self.secret = secret or cfg.channel_secret  # the channel's (see run)
         self.cfg = cfg
         self.preloaded = preloaded
         self.node = node
@@ -222,7 +217,14 @@ class NodeAgent:
         stop_ranks([p for p in self.procs.values() if p.exitcode is None], reason)
 
     def run(self) -> int:
-        """Supervise until every rank has exited; return 0 only if all succeeded."""
+        """Supervise until every rank has exited; return 0 only if all succeeded (2: no
+        channel secret, nothing started)."""
+        if not self.secret:
+            log.error("node %s: expected the attempt's channel secret in %s (field "
+                      "channel_secret) or in $%s, found neither; launch the attempt with a "
+                      "Relay that makes one (an agent answers nobody without it)", self.node,
+                      self.launch_file, CHANNEL_SECRET)
+            return 2
         signal.signal(signal.SIGTERM, self._on_term)
         try:
             code = self._supervise()
@@ -323,12 +325,7 @@ def run_standby(directory: Path, node: str, ttl_seconds: float,
         log.error("node %s: expected one of %s in %s", node, cfg.nodes, launch)
         return 2
     log.info("took over as %s's agent, preloaded in advance (%.2fs)", node, preloaded)
-    try:
-        agent = NodeAgent(cfg, launch, node, preloaded=True, linger_seconds=linger_seconds)
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
-    return agent.run()
+    return NodeAgent(cfg, launch, node, preloaded=True, linger_seconds=linger_seconds).run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,13 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.node not in cfg.nodes:
         log.error("node %s: expected one of %s in %s", args.node, cfg.nodes, args.launch)
         return 2
-    try:
-        agent = NodeAgent(cfg, args.launch, args.node, bind=args.bind, port=args.port,
-                          linger_seconds=args.linger, secret=secret)
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
-    return agent.run()
+    return NodeAgent(cfg, args.launch, args.node, bind=args.bind, port=args.port,
+                     linger_seconds=args.linger, secret=secret).run()
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def signal_faulthandler(folder: Path, rank: int) -> bool:
     started at another time is someone else's now, and SIGUSR2's default action kills.
     """
     armed = read_json(armed_path(folder, rank))
-    if armed is None or armed.get("started") is None or exited(folder, rank):
+    if armed is None or armed.get("started") is None or rank_exited(folder, rank):
         return False
     try:
         os.kill(int(armed["pid"]), int(armed["signal"]))
@@ -86,7 +86,7 @@ def read_text(path: Path) -> str:
         return ""
 
 
-def exited(folder: Path, rank: int) -> bool:
+def rank_exited(folder: Path, rank: int) -> bool:
     """Return whether an armed rank of this node has exited (it can answer nothing)."""
     armed = read_json(armed_path(folder, rank))
     if armed is None or armed.get("started") is None:

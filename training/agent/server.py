@@ -66,6 +66,7 @@ from relay_train.agent.limits import (
 from relay_train.agent.node_files import (
     crossed_report,
     heartbeat_report,
+    rank_exited,
     read_json,
     read_text,
     signal_faulthandler,
@@ -390,7 +391,7 @@ class _Handler(BaseHTTPRequestHandler):
             text = read_text(faulthandler_path(folder, rank))
             if text.strip():
                 fallback[str(rank)] = text
-            if exited(folder, rank):
+            if rank_exited(folder, rank):
                 exited.append(rank)
         return {wire.ANSWERS: answers, wire.TRACES: traces, wire.FR_PICKLES: pickles,
                 wire.FAULTHANDLER: fallback, wire.EXITED: exited}

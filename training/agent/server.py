@@ -202,8 +202,11 @@ class _Handler(BaseHTTPRequestHandler):
                                                            code, body))
         self.send_header("Connection", "close")  # one request per connection: a bounded cost
         self.close_connection = True
-        self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.end_headers()
+            self.wfile.write(body)
+        except (TimeoutError, ConnectionError) as exc:  # the client left, or stopped reading
+            log.info("channel: could not answer %s: %s", self.client_address[0], exc)
 
     def _mine(self, asked: object) -> bool:
         """Answer 409 (and say so) unless the request is for this agent's attempt."""

@@ -114,9 +114,10 @@ def test_the_watcher_evidence_and_rescue_read_no_file_of_the_attempt(
     assert rescued is not None and rescued.step is not None and rescued.step >= 29
     assert Path(rescued.path).is_relative_to(root / RESCUED)  # fetched over the channel
     assert evidence is not None and 0 in evidence.answers and evidence.traces
-    # Reads under the attempt folder: the local launcher's own launch record, and what
-    # Relay itself wrote from the channel's answers (the rescued file, to hash it).
-    relay_side = {"handle.json"}
+    # Reads under the attempt folder: the local launcher's own launch record and the launch
+    # file it wrote (the channel secret, 0600), and what Relay itself wrote from the
+    # channel's answers (the rescued file, to hash it).
+    relay_side = {"handle.json", "launch.json"}
     assert {r for r in audit.reads if not r.startswith(RESCUED)} <= relay_side, audit.reads
     assert not audit.listed, audit.listed
 
@@ -139,7 +140,8 @@ def test_a_watcher_at_a_segment_boundary_reads_no_file_of_the_attempt(
         audit.on = False
     assert event["status"] == "completed" and event["boundary_step"] == 40, event
     assert crossed == {40}
-    assert audit.reads <= {"handle.json"}, audit.reads  # the local launcher's launch record
+    # The local launcher's launch record, and the launch file it wrote (the channel secret).
+    assert audit.reads <= {"handle.json", "launch.json"}, audit.reads
     assert not audit.listed, audit.listed
 
 

@@ -66,7 +66,7 @@ def signal_faulthandler(folder: Path, rank: int) -> bool:
     return True
 
 
-def request_id(folder: Path) -> object:
+def pending_request_id(folder: Path) -> object:
     record = read_json(folder / STACKS_REQUEST)
     return None if record is None else record.get(wire.REQUEST_ID)
 

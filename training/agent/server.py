@@ -66,6 +66,7 @@ from relay_train.agent.limits import (
 from relay_train.agent.node_files import (
     crossed_report,
     heartbeat_report,
+    pending_request_id,
     rank_exited,
     read_json,
     read_text,
@@ -371,7 +372,7 @@ class _Handler(BaseHTTPRequestHandler):
         folder = self.agent.root / EVIDENCE_DIR
         folder.mkdir(parents=True, exist_ok=True)
         request_id = body[wire.REQUEST_ID]
-        if not (folder / STACKS_REQUEST).exists() or request_id(folder) != request_id:
+        if not (folder / STACKS_REQUEST).exists() or pending_request_id(folder) != request_id:
             write_atomically(folder / STACKS_REQUEST, json.dumps(
                 {wire.REQUEST_ID: str(request_id), wire.FAULT: body.get(wire.FAULT),
                  wire.CULPRIT_RANK: body.get(wire.CULPRIT_RANK), "at": node_clock()}))

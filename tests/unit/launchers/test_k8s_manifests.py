@@ -108,7 +108,7 @@ def test_rbac_grants_only_what_the_launcher_uses() -> None:
         ("batch", "jobs/finalizers"): {"update"},
         ("", "pods"): {"list", "watch", "delete"},
         ("", "services"): {"create"},
-        ("", "configmaps"): {"create"},
+        ("", "configmaps"): {"create", "get"},  # get: the channel secret, read back
         ("", "nodes"): {"get", "list", "patch"},
         ("coordination.k8s.io", "leases"): {"get"},
     }

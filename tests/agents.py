@@ -8,6 +8,7 @@ supervision is left out (no ranks are forked); everything on the wire is real.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,8 @@ from relay.core.attempt import Attempt
 from relay.launchers.agent_client import AgentChannel
 from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
 from relay_train.agent.server import AgentServer
-from relay_train.protocol.launch import attempt_id_of
+from relay_train.protocol.channel_auth import new_secret
+from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 from relay_train.protocol.routes import ERRORS, EXIT_CODES, STATE, NodeState
 
 
@@ -44,6 +46,20 @@ class ServedNode:
         self.stop_reasons.append(reason)
 
 
+def attempt_secret(root: Path) -> str:
+    """Return the channel secret of the attempt at ``root``: its launch file's, as a launcher
+    would have made it (one is made and written there if the file has none); a fresh one
+    when there is no launch file."""
+    launch = root / LAUNCH_FILE
+    if not launch.exists():
+        return new_secret()
+    cfg = LaunchConfig.read(launch)
+    if not cfg.channel_secret:
+        cfg = dataclasses.replace(cfg, channel_secret=new_secret())
+        cfg.write(launch)
+    return cfg.channel_secret
+
+
 class ServedAttempt:
     """A launcher's channel side over real agent servers, one per node."""
 
@@ -52,14 +68,16 @@ class ServedAttempt:
         self.root = root
         served_id = attempt_id or attempt_id_of(root)
         self.nodes = {n: ServedNode(root, n, ranks, served_id) for n, ranks in nodes.items()}
-        self.servers = {n: AgentServer(agent, "127.0.0.1", 0).start()
+        self.secret = attempt_secret(root)
+        self.servers = {n: AgentServer(agent, "127.0.0.1", 0, secret=self.secret).start()
                         for n, agent in self.nodes.items()}
         self.addresses = {n: "http://{}:{}".format(*s.address) for n, s in self.servers.items()}
         self._channel: AgentChannel | None = None
 
     def channel(self, attempt: Attempt) -> AgentChannel:
         if self._channel is None:
-            self._channel = AgentChannel(attempt_id_of(attempt.runs_in), self.addresses)
+            self._channel = AgentChannel(attempt_id_of(attempt.runs_in), self.addresses,
+                                         self.secret)
         return self._channel
 
     def status(self, attempt: Attempt) -> LaunchStatus:

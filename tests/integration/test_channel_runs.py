@@ -114,9 +114,10 @@ def test_the_watcher_evidence_and_rescue_read_no_file_of_the_attempt(
     assert rescued is not None and rescued.step is not None and rescued.step >= 29
     assert Path(rescued.path).is_relative_to(root / RESCUED)  # fetched over the channel
     assert evidence is not None and 0 in evidence.answers and evidence.traces
-    # Reads under the attempt folder: the local launcher's own launch record, and what
-    # Relay itself wrote from the channel's answers (the rescued file, to hash it).
-    relay_side = {"handle.json"}
+    # Reads under the attempt folder: the local launcher's own launch record and the launch
+    # file it wrote (the channel secret, 0600), and what Relay itself wrote from the
+    # channel's answers (the rescued file, to hash it).
+    relay_side = {"handle.json", "launch.json"}
     assert {r for r in audit.reads if not r.startswith(RESCUED)} <= relay_side, audit.reads
     assert not audit.listed, audit.listed
 
@@ -139,7 +140,8 @@ def test_a_watcher_at_a_segment_boundary_reads_no_file_of_the_attempt(
         audit.on = False
     assert event["status"] == "completed" and event["boundary_step"] == 40, event
     assert crossed == {40}
-    assert audit.reads <= {"handle.json"}, audit.reads  # the local launcher's launch record
+    # The local launcher's launch record, and the launch file it wrote (the channel secret).
+    assert audit.reads <= {"handle.json", "launch.json"}, audit.reads
     assert not audit.listed, audit.listed
 
 
@@ -215,16 +217,19 @@ def test_a_frozen_node_resumed_after_its_attempt_was_replaced_is_refused(
         launcher.launch(new)  # the replacement, on another node
         launcher.signal_node(Attempt(old.root), "node-a", signal.SIGCONT)  # the partition heals
 
-        # Late heartbeats: the retry's watcher reaches the old agent (a stale address).
+        # The retry's watcher reaches the old agent (a stale address). The old agent holds the
+        # old attempt's channel secret: it refuses the retry's requests (401, naming nothing),
+        # and the retry refuses it in turn, using nothing it could say.
         stale_address = launcher.channel(Attempt(old.root)).addresses["node-a"]
         launcher.channel(Attempt(new.root)).addresses["node-a"] = stale_address
-        refused = _wait("a refused heartbeat", lambda: [
+        refused = _wait("a refused stale agent", lambda: [
             r for r in observe_attempt(new.root, node_ranks(new), 0.5, launcher).launch.refused
-            if r["node"] == "node-a" and r["heartbeats"]])
-        assert refused[0]["found_attempt"] == attempt_id_of(old.root)  # type: ignore[index]
+            if r["node"] == "node-a"])
+        assert refused[0]["why"] == "refused our credential"  # type: ignore[index]
+        assert refused[0]["found_attempt"] is None  # type: ignore[index]
         assert refused[0]["expected_attempt"] == attempt_id_of(new.root)  # type: ignore[index]
         assert launcher.channel(Attempt(new.root)).ask(
-            "node-a", "drain", stop_at=99) is None  # 409
+            "node-a", "drain", stop_at=99) is None  # 401
         assert 0 not in launcher.status(Attempt(new.root)).heartbeats or \
             launcher.status(Attempt(new.root)).heartbeats[0].node == "node-b"
 

@@ -56,7 +56,7 @@ from relay_train.device import (
     rank_start_method,
 )
 from relay_train.protocol.channel_tls import server_context_from_env
-from relay_train.protocol.env import ENV_NODE
+from relay_train.protocol.env import ENV_CHANNEL_SECRET, ENV_NODE
 from relay_train.protocol.heartbeat import node_clock
 from relay_train.protocol.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
 from relay_train.protocol.routes import (
@@ -83,7 +83,9 @@ class NodeAgent:
     def __init__(
         self, cfg: LaunchConfig, launch_file: Path, node: str, *, preloaded: bool = False,
         bind: str = LOCAL_BIND, port: int | None = None, linger_seconds: float = 0.0,
+        secret: str | None = None,
     ) -> None:
+        self.secret = secret or cfg.channel_secret  # the channel's (see run)
         self.cfg = cfg
         self.preloaded = preloaded
         self.node = node
@@ -216,7 +218,14 @@ class NodeAgent:
         stop_ranks([p for p in self.procs.values() if p.exitcode is None], reason)
 
     def run(self) -> int:
-        """Supervise until every rank has exited; return 0 only if all succeeded."""
+        """Supervise until every rank has exited; return 0 only if all succeeded (2: no
+        channel secret, nothing started)."""
+        if not self.secret:
+            log.error("node %s: expected the attempt's channel secret in %s (field "
+                      "channel_secret) or in $%s, found neither; launch the attempt with a "
+                      "Relay that makes one (an agent answers nobody without it)", self.node,
+                      self.launch_file, ENV_CHANNEL_SECRET)
+            return 2
         signal.signal(signal.SIGTERM, self._on_term)
         try:
             code = self._supervise()
@@ -228,7 +237,7 @@ class NodeAgent:
 
     def _serve(self) -> None:
         """Open the channel: after the ranks are forked, so none holds its socket or a lock."""
-        self.server = AgentServer(self, *self._address).start()
+        self.server = AgentServer(self, *self._address, secret=self.secret).start()
 
     def _supervise(self) -> int:
         if not self.preloaded:
@@ -347,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"found {args.node_index}")
         args.node = nodes[args.node_index]
     os.environ[ENV_NODE] = args.node  # this node's clock (the skew test hook names nodes)
+    # The channel secret, if the platform gave it here: read once, kept from the ranks and
+    # from any standby this agent forks (a standby takes its next attempt's from its launch file).
+    secret = os.environ.pop(ENV_CHANNEL_SECRET, "") or None
     logging.basicConfig(
         level=logging.INFO,
         format=agent_log_format(args.node),
@@ -366,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("node %s: expected one of %s in %s", args.node, cfg.nodes, args.launch)
         return 2
     return NodeAgent(cfg, args.launch, args.node, bind=args.bind, port=args.port,
-                     linger_seconds=args.linger).run()
+                     linger_seconds=args.linger, secret=secret).run()
 
 
 if __name__ == "__main__":

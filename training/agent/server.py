@@ -28,9 +28,18 @@ Fencing: every request names its attempt (``attempt`` in the query or the body)
 and every reply carries the agent's own; a request for another attempt gets
 409 with the agent's attempt (status is answered anyway: Relay refuses a stale
 agent's heartbeats itself, and records it). The routes, fields and node states are
-spelled in :mod:`relay_train.protocol.routes`. Where the agent's environment names a
-certificate and key (on Kubernetes), it serves TLS: :mod:`relay_train.protocol.channel_tls`.
-Stdlib only.
+spelled in :mod:`relay_train.protocol.routes`.
+
+Trust: every route, status included, answers only a request signed with the attempt's
+channel secret (:mod:`relay_train.protocol.channel_auth`); any other gets 401 with a body
+that names nothing, and has no effect. Replies to a signed request are signed back. The
+server bounds what a stranger can cost it: a body over ``MAX_BODY_BYTES`` (or a
+``Content-Length`` that is no count) is refused unread, a connection idle for
+``SOCKET_TIMEOUT_SECONDS`` is closed, one connection carries one request, and at most
+``MAX_HANDLERS`` requests are handled at once (the next gets 503 at once). A standby is
+forked only into a folder under the agent's DAG run folder, with a bounded ttl. Where the
+agent's environment names a certificate and key (on Kubernetes), it serves TLS:
+:mod:`relay_train.protocol.channel_tls`. Stdlib only.
 """
 
 from __future__ import annotations
@@ -38,24 +47,44 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlparse
 
+from relay_train.agent.limits import (
+    MAX_HANDLERS,
+    SOCKET_TIMEOUT_SECONDS,
+    BoundedServer,
+    Deadline,
+    Refused,
+    bounded_seconds,
+    read_body,
+    standby_home,
+)
+from relay_train.agent.node_files import (
+    crossed_report,
+    heartbeat_report,
+    pending_request_id,
+    rank_exited,
+    read_json,
+    read_text,
+    signal_faulthandler,
+)
 from relay_train.protocol import routes as wire
+from relay_train.protocol.channel_auth import REPLY_HEADER as SIGNED_REPLY
+from relay_train.protocol.channel_auth import UNAUTHORIZED, Verifier, reply_signature
 from relay_train.protocol.channel_tls import serve_tls, server_context_from_env
-from relay_train.protocol.heartbeat import node_clock, read_heartbeats, write_atomically
-from relay_train.protocol.launch import BOUNDARIES_FILE, DRAIN_FILE
-from relay_train.protocol.pids import signal_process, start_time
+from relay_train.protocol.heartbeat import node_clock, write_atomically
+from relay_train.protocol.launch import DRAIN_FILE
 from relay_train.protocol.rescue_files import ACK_FILE, DONE_FILE, RESCUE_DIR
 from relay_train.protocol.rescue_files import REQUEST_FILE as RESCUE_REQUEST
-from relay_train.protocol.routes import MAX_BODY_BYTES, Route, route_path
+from relay_train.protocol.routes import Route, route_path
 from relay_train.protocol.stacks_files import (
     EVIDENCE_DIR,
     answer_path,
-    armed_path,
     faulthandler_path,
     fr_dump_path,
     trace_path,
@@ -64,7 +93,6 @@ from relay_train.protocol.stacks_files import REQUEST_FILE as STACKS_REQUEST
 
 log = logging.getLogger("relay_train.agent.server")
 
-CROSSED_REPORTED = 16  # the last boundary crossings a status answer carries (Relay keeps all)
 # How often the server's loop looks for a shutdown: closing waits for it, and a stopping agent
 # closes its server before it exits (the default 0.5 s was most of a stop's wait).
 SERVE_POLL_SECONDS = 0.05
@@ -91,44 +119,20 @@ class Served(Protocol):
         ...
 
 
-def heartbeat_report(directory: Path, ranks: list[int], now: float) -> list[dict[str, Any]]:
-    """Return the ranks' latest heartbeats, each with its ages on this node's clock."""
-    beats = read_heartbeats(directory)
-    report = []
-    for rank in sorted(r for r in beats if r in ranks):
-        beat = beats[rank]
-        record = json.loads(beat.to_json())
-        record[wire.AGE_SECONDS] = now - beat.wall_clock
-        record[wire.PHASE_AGE_SECONDS] = now - beat.phase_started_at
-        report.append(record)
-    return report
-
-
-def crossed_report(root: Path, ranks: list[int], last: int = CROSSED_REPORTED) -> list[int]:
-    """Return the last segment boundaries rank 0 recorded crossing (only its node has any)."""
-    if 0 not in ranks:
-        return []
-    try:
-        lines = (root / BOUNDARIES_FILE).read_text().splitlines()
-    except OSError:
-        return []
-    steps = []
-    for line in lines:
-        try:
-            steps.append(int(json.loads(line)["step"]))
-        except (ValueError, KeyError, TypeError):
-            continue  # a line being written
-    return steps[-last:]
-
-
 class AgentServer:
     """Serve one node agent's channel from a daemon thread."""
 
-    def __init__(self, agent: Served, host: str, port: int) -> None:
+    def __init__(self, agent: Served, host: str, port: int, *, secret: str,
+                 max_handlers: int = MAX_HANDLERS) -> None:
+        """Listen on ``host:port``; answer only requests signed with ``secret``.
+
+        TLS (when the environment names a certificate and key) wraps ``self.httpd.socket``
+        here, before :meth:`start`: :func:`relay_train.protocol.channel_tls.serve_tls`.
+        """
         self.agent = agent
-        handler = type("Handler", (_Handler,), {"agent": agent, "claim": _Claim()})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        handler = type("Handler", (_Handler,), {"agent": agent, "claim": _Claim(),
+                                                "verifier": Verifier(secret)})
+        self.httpd = BoundedServer((host, port), handler, max_handlers)
         serve_tls(self.httpd, server_context_from_env())  # TLS iff the pod names a cert and key
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="channel",
                                         args=(SERVE_POLL_SECONDS,), daemon=True)
@@ -173,10 +177,21 @@ class _Claim:
 class _Handler(BaseHTTPRequestHandler):
     agent: Served
     claim: _Claim
+    verifier: Verifier
     protocol_version = "HTTP/1.1"
+    timeout = SOCKET_TIMEOUT_SECONDS  # applied to the connection's socket (StreamRequestHandler)
+    nonce: str | None = None  # the verified request's, to sign its reply with
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002, ANN401
         log.debug("channel: %s", format % args)
+
+    def setup(self) -> None:
+        super().setup()
+        self.deadline = Deadline(self.connection)
+
+    def finish(self) -> None:
+        self.deadline.cancel()
+        super().finish()
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -186,8 +201,16 @@ class _Handler(BaseHTTPRequestHandler):
         kind = "application/octet-stream" if isinstance(payload, bytes) else "application/json"
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        if self.nonce is not None:
+            self.send_header(SIGNED_REPLY, reply_signature(self.verifier.secret, self.nonce,
+                                                           code, body))
+        self.send_header("Connection", "close")  # one request per connection: a bounded cost
+        self.close_connection = True
+        try:
+            self.end_headers()
+            self.wfile.write(body)
+        except (TimeoutError, ConnectionError) as exc:  # the client left, or stopped reading
+            log.info("channel: could not answer %s: %s", self.client_address[0], exc)
 
     def _mine(self, asked: object) -> bool:
         """Answer 409 (and say so) unless the request is for this agent's attempt."""
@@ -200,46 +223,81 @@ class _Handler(BaseHTTPRequestHandler):
                                    f"not {asked!r}"})
         return False
 
+    def _authentic(self, body: bytes) -> bool:
+        """Check the request's credential; answer 401 (naming nothing) if it fails."""
+        self.nonce = self.verifier.verify(self.command, self.path, self.headers, body)
+        if self.nonce is None:
+            log.warning("channel: refused an unauthenticated %s %s from %s", self.command,
+                        self.path[:200], self.client_address[0])
+            self._reply(401, {wire.ERROR: UNAUTHORIZED})
+            return False
+        return True
+
     def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        self._handle(self._get)
+
+    def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+        self._handle(self._post)
+
+    def _handle(self, serve: Any) -> None:  # noqa: ANN401
+        """Read, authenticate and serve one request; whatever happens, answer or hang up."""
+        self.nonce = None
+        try:
+            body = read_body(self.headers, self.rfile)
+            if self._authentic(body):
+                self.deadline.cancel()
+                serve(body)
+        except Refused as refused:
+            self._reply(refused.code, {wire.ERROR: refused.error})
+        except (TimeoutError, ConnectionError) as exc:  # a client too slow, or gone
+            log.info("channel: dropped a request from %s: %s", self.client_address[0], exc)
+            self.close_connection = True
+        except Exception:  # a bug: say so, never leave the client hanging
+            log.exception("channel: %s %s failed", self.command, self.path[:200])
+            self._reply(500, {wire.ERROR: "internal error; see the agent's log"})
+
+    def _get(self, _body: bytes) -> None:
         url = urlparse(self.path)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         route = {Route.STATUS: self._status, Route.RESCUE: self._rescue_state,
                  Route.RESCUE_FILE: self._rescue_file, Route.STACKS: self._stacks}
         handler = {route_path(r): h for r, h in route.items()}.get(url.path)
         if handler is None:
-            self._reply(404, {wire.ERROR: f"no such path {url.path}"})
+            self._reply(404, {wire.ERROR: f"no such path {url.path[:200]}"})
         elif handler == self._status or self._mine(query.get(wire.ATTEMPT)):
-            # Status is answered whoever asks: it names its attempt, and Relay refuses a
-            # stale one's heartbeats itself (and records that it did).
+            # Status is answered to any signed request: it names its attempt, and Relay
+            # refuses a stale one's heartbeats itself (and records that it did).
             self._answer(handler, query)
 
-    def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+    def _post(self, raw: bytes) -> None:
         url = urlparse(self.path)
-        length = int(self.headers.get("Content-Length") or 0)
         try:
-            body = json.loads(self.rfile.read(min(length, MAX_BODY_BYTES)) or b"{}")
+            body = json.loads(raw or b"{}")
             if not isinstance(body, dict):
                 raise ValueError("expected a JSON object")
-        except ValueError as exc:
-            self._reply(400, {wire.ERROR: f"bad request body: {exc}"})
+        except (ValueError, RecursionError) as exc:
+            self._reply(400, {wire.ERROR: f"bad request body: {str(exc)[:200]}"})
             return
         route = {Route.STOP: self._stop, Route.DRAIN: self._drain, Route.RESCUE: self._rescue,
                  Route.STACKS: self._ask_stacks, Route.STACKS_SIGNAL: self._signal_stacks,
                  Route.CLAIM: self._claim, Route.STANDBY: self._standby}
         handler = {route_path(r): h for r, h in route.items()}.get(url.path)
         if handler is None:
-            self._reply(404, {wire.ERROR: f"no such path {url.path}"})
+            self._reply(404, {wire.ERROR: f"no such path {url.path[:200]}"})
         elif self._mine(body.get(wire.ATTEMPT)):
             self._answer(handler, body)
 
     def _answer(self, handler: Any, args: dict[str, Any]) -> None:  # noqa: ANN401
         try:
             result = handler(args)
-        except (KeyError, TypeError, ValueError) as exc:
-            self._reply(400, {wire.ATTEMPT: self.agent.attempt_id, wire.ERROR: repr(exc)})
+        except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
+            self._reply(400, {wire.ATTEMPT: self.agent.attempt_id, wire.ERROR: repr(exc)[:500]})
             return
-        except OSError as exc:
-            self._reply(500, {wire.ATTEMPT: self.agent.attempt_id, wire.ERROR: repr(exc)})
+        except FileNotFoundError as exc:
+            self._reply(404, {wire.ATTEMPT: self.agent.attempt_id, wire.ERROR: repr(exc)[:500]})
+            return
+        except OSError as exc:  # the node cannot do it now (a full disk, a stopping agent)
+            self._reply(503, {wire.ATTEMPT: self.agent.attempt_id, wire.ERROR: repr(exc)[:500]})
             return
         if isinstance(result, bytes):
             self._reply(200, result)
@@ -261,10 +319,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _standby(self, body: dict[str, Any]) -> dict[str, Any]:
         directory = Path(str(body[wire.DIRECTORY]))
-        if not directory.is_absolute():
-            raise ValueError(f"standby: expected an absolute directory, found {directory}")
-        pid = self.agent.request_standby(directory, float(body[wire.TTL]),
-                                         float(body.get(wire.LINGER) or 0.0))
+        home = standby_home(self.agent.root)
+        if not directory.is_absolute() or "\0" in str(directory) or \
+                not Path(os.path.realpath(directory)).is_relative_to(home) or \
+                Path(os.path.realpath(directory)) == home:
+            raise ValueError(f"standby: expected an absolute folder under {home}, "
+                             f"found {str(directory)[:200]}")
+        ttl = bounded_seconds(body[wire.TTL], wire.TTL, wire.MAX_STANDBY_TTL_SECONDS, positive=True)
+        linger = bounded_seconds(body.get(wire.LINGER) or 0.0, wire.LINGER, wire.MAX_LINGER_SECONDS)
+        pid = self.agent.request_standby(directory, ttl, linger)
         if pid is None:
             raise OSError("this agent cannot fork a standby now (it is stopping)")
         return {wire.PID: pid}
@@ -302,13 +365,17 @@ class _Handler(BaseHTTPRequestHandler):
         done = json.loads((self.agent.root / RESCUE_DIR / DONE_FILE).read_text())
         if done.get("step") != step or not done.get("path"):
             raise ValueError(f"no rescued state at step {step}")
-        return Path(done["path"]).read_bytes()
+        path = Path(os.path.realpath(str(done["path"])))
+        if not path.is_relative_to(os.path.realpath(self.agent.root / RESCUE_DIR)):
+            raise ValueError(f"the rescued state {path} is not in this attempt's "
+                             f"{RESCUE_DIR}/ folder")
+        return path.read_bytes()
 
     def _ask_stacks(self, body: dict[str, Any]) -> dict[str, Any]:
         folder = self.agent.root / EVIDENCE_DIR
         folder.mkdir(parents=True, exist_ok=True)
         request_id = body[wire.REQUEST_ID]
-        if not (folder / STACKS_REQUEST).exists() or _request_id(folder) != request_id:
+        if not (folder / STACKS_REQUEST).exists() or pending_request_id(folder) != request_id:
             write_atomically(folder / STACKS_REQUEST, json.dumps(
                 {wire.REQUEST_ID: str(request_id), wire.FAULT: body.get(wire.FAULT),
                  wire.CULPRIT_RANK: body.get(wire.CULPRIT_RANK), "at": node_clock()}))
@@ -318,20 +385,20 @@ class _Handler(BaseHTTPRequestHandler):
         folder = self.agent.root / EVIDENCE_DIR
         answers, traces, pickles, fallback, exited = {}, {}, {}, {}, []
         for rank in self.agent.ranks:
-            record = _read_json(answer_path(folder, rank))
+            record = read_json(answer_path(folder, rank))
             if record is not None and record.get("request") == query[wire.REQUEST_ID]:
                 answers[str(rank)] = record
-                trace = _read_json(trace_path(folder, rank))
+                trace = read_json(trace_path(folder, rank))
                 if trace is not None:
                     traces[str(rank)] = trace
                 pickled = fr_dump_path(folder, rank)
                 if pickled.exists():
                     pickles[str(rank)] = base64.b64encode(pickled.read_bytes()).decode()
                 continue
-            text = _read_text(faulthandler_path(folder, rank))
+            text = read_text(faulthandler_path(folder, rank))
             if text.strip():
                 fallback[str(rank)] = text
-            if _exited(folder, rank):
+            if rank_exited(folder, rank):
                 exited.append(rank)
         return {wire.ANSWERS: answers, wire.TRACES: traces, wire.FR_PICKLES: pickles,
                 wire.FAULTHANDLER: fallback, wire.EXITED: exited}
@@ -343,46 +410,3 @@ class _Handler(BaseHTTPRequestHandler):
             if not answer_path(folder, rank).exists() and signal_faulthandler(folder, rank):
                 signalled.append(rank)
         return {wire.SIGNALLED: signalled}
-
-
-def signal_faulthandler(folder: Path, rank: int) -> bool:
-    """Ask a silent rank's faulthandler for its stacks: only an armed, living process.
-
-    The armed record names the rank's pid and its start time; a pid whose process
-    started at another time is someone else's now, and SIGUSR2's default action kills.
-    """
-    armed = _read_json(armed_path(folder, rank))
-    if armed is None or armed.get("started") is None or _exited(folder, rank):
-        return False
-    try:
-        return signal_process(int(armed["pid"]), int(armed["started"]), int(armed["signal"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-def _request_id(folder: Path) -> object:
-    record = _read_json(folder / STACKS_REQUEST)
-    return None if record is None else record.get(wire.REQUEST_ID)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
-
-
-def _exited(folder: Path, rank: int) -> bool:
-    """Return whether an armed rank of this node has exited (it can answer nothing)."""
-    armed = _read_json(armed_path(folder, rank))
-    if armed is None or armed.get("started") is None:
-        return False
-    return start_time(int(armed["pid"])) != armed["started"]

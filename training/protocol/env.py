@@ -46,3 +46,9 @@ ENV_CHANNEL_TLS_KEY = "RELAY_CHANNEL_TLS_KEY"
 # prove that Relay judges heartbeat ages on its own clock. A number applies to every node;
 # "node-b=30,node-c=-30" to the named nodes only (the node agent resolves it for its ranks).
 ENV_CLOCK_SKEW = "RELAY_CLOCK_SKEW_SECONDS"
+
+# The attempt's channel secret (relay_train.protocol.channel_auth), for a node agent whose
+# platform hands it over outside the launch file (a per-attempt Kubernetes Secret). When
+# set, it wins over the launch file's ``channel_secret``; the agent removes it from its
+# environment once read, so that neither its ranks nor a standby it forks inherit it.
+ENV_CHANNEL_SECRET = "RELAY_CHANNEL_SECRET"

@@ -107,6 +107,10 @@ class LaunchConfig:
     boundaries: list[int] = field(default_factory=list)
     run_on_to: int | None = None
     adopt_wait_seconds: float = 120.0
+    # The attempt's channel secret (relay_train.protocol.channel_auth): made fresh by the
+    # launcher for each attempt; its agents sign and check every channel message with it.
+    # Never logged, never in a launch record that travels (relay.launchers.launch_record).
+    channel_secret: str = field(default="", repr=False)
 
     @property
     def fence_id(self) -> str:

@@ -15,7 +15,7 @@ from enum import StrEnum
 
 API_PREFIX = "/v1"
 AGENT_PORT = 29401  # on Kubernetes: every pod's agent listens here (locally: a free port)
-MAX_BODY_BYTES = 64 * 1024  # a request body is read up to this size
+MAX_BODY_BYTES = 64 * 1024  # a larger request body is refused (413) unread
 
 
 class Route(StrEnum):
@@ -111,5 +111,7 @@ HOLDER = "holder"  # answer: who holds it
 DIRECTORY = "directory"  # request: the standby folder (absolute)
 TTL = "ttl"  # request: seconds the standby waits to be taken before it leaves
 STANDBY_TTL_SECONDS = 60.0  # the ttl Relay asks for (plus a retry's backoff, if any)
+MAX_STANDBY_TTL_SECONDS = 6 * 3600.0  # an agent refuses a longer ttl (400)
 LINGER = "linger"  # request: seconds its agent answers after its ranks end
+MAX_LINGER_SECONDS = 3600.0  # an agent refuses a longer linger (400)
 PID = "pid"  # answer: the standby's pid

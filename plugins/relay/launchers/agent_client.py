@@ -18,6 +18,13 @@ Boundaries: the agent of the node hosting rank 0 reports the last segment bounda
 rank 0 recorded crossing; the channel keeps every one it heard of
 (:attr:`AgentChannel.crossed`), so a silent agent's last word still counts.
 
+Trust: every request is signed with the attempt's channel secret, and a reply is used
+only if the agent signed it back (:mod:`relay_train.protocol.channel_auth`). An agent
+that refuses our credential (401: another attempt's agent, or no agent of ours at all)
+is refused in turn and recorded like a stale one, with nothing it said; a reply that is
+not signed is not an answer. Node clocks play no part: the agent's replay window is
+minutes wide either way.
+
 Fencing: every request names the attempt; a reply from an agent serving another
 attempt (a 409, or a body naming another attempt) is refused: nothing in it is
 used, a warning is logged and the refusal is kept in :attr:`AgentChannel.refused`
@@ -39,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relay.core.exceptions import StaleAgentError
+from relay_train.protocol.channel_auth import NONCE_HEADER, reply_is_signed, sign
 from relay_train.protocol.heartbeat import Heartbeat
 from relay_train.protocol.routes import (
     AGE_SECONDS,
@@ -84,9 +92,10 @@ def place_on_our_clock(record: dict[str, Any], received_at: float) -> Heartbeat:
 class AgentChannel:
     """Talk to the agents of one attempt; remember what they last said."""
 
-    def __init__(self, attempt_id: str, addresses: dict[str, str],
+    def __init__(self, attempt_id: str, addresses: dict[str, str], secret: str,
                  tls: ssl.SSLContext | None = None) -> None:
         self.attempt_id = attempt_id
+        self._secret = secret  # the attempt's channel secret: never logged
         self.addresses = dict(addresses)
         self.tls = tls  # for https:// addresses: relay_train.protocol.channel_tls.client_context
         self.tls_refused: set[str] = set()  # nodes whose TLS handshake failed (warned once)
@@ -120,17 +129,29 @@ class AgentChannel:
         data = None
         if body is not None:
             data = json.dumps({ATTEMPT: self.attempt_id, **body}).encode()
+        method = "POST" if data is not None else "GET"
+        target = f"{route_path(route)}?{urllib.parse.urlencode(params)}"
+        signed = sign(self._secret, method, target, data or b"")
         request = urllib.request.Request(
-            f"{url}{route_path(route)}?{urllib.parse.urlencode(params)}", data=data,
-            method="POST" if data is not None else "GET",
-            headers={"Content-Type": "application/json"})
+            f"{url}{target}", data=data, method=method,
+            headers={"Content-Type": "application/json", **signed})
+        nonce = signed[NONCE_HEADER]
         try:
             with urllib.request.urlopen(request, timeout=timeout,  # noqa: S310 - our URL
                                         context=self.tls) as reply:
                 raw = reply.read()
                 kind = reply.headers.get("Content-Type", "")
+                if not reply_is_signed(self._secret, nonce, reply.status, raw, reply.headers):
+                    self._unsigned(node, route, reply.status)
+                    return None
         except urllib.error.HTTPError as exc:
-            payload = _json(exc.read())
+            raw = exc.read()
+            if exc.code == 401:
+                self._refuse(node, str(route), None, {}, why="refused our credential")
+            if not reply_is_signed(self._secret, nonce, exc.code, raw, exc.headers):
+                self._unsigned(node, route, exc.code)
+                return None
+            payload = _json(raw)
             if exc.code == 409:
                 self._refuse(node, str(route), payload.get(ATTEMPT), payload)
             log.warning("Agent of %s answered %d to %s: %s", node, exc.code, route,
@@ -154,8 +175,16 @@ class AgentChannel:
             self._refuse(node, str(route), payload.get(ATTEMPT), payload)
         return payload
 
-    def _refuse(self, node: str, what: str, found: object, payload: dict[str, Any]) -> None:
-        """Record a message from another attempt; raise :class:`StaleAgentError`."""
+    def _unsigned(self, node: str, route: Route, code: int) -> None:
+        """Log a reply without the agent's signature (not used: not the agent's word)."""
+        log.warning("A reply (%d) to %s at the address of %s's agent (%s) is not signed with "
+                    "this attempt's channel secret: not used", code, route, node,
+                    self.addresses.get(node))
+
+    def _refuse(self, node: str, what: str, found: object, payload: dict[str, Any],
+                why: str = "it speaks for another attempt") -> None:
+        """Record a message from another attempt (or an agent that refused our credential);
+        raise :class:`StaleAgentError`."""
         now = time.time()
         beats = payload.get(HEARTBEATS) or []
         for seen in self.refused:
@@ -169,10 +198,10 @@ class AgentChannel:
                 "node": node, "address": self.addresses.get(node), "what": what,
                 "expected_attempt": self.attempt_id, "found_attempt": found, "at": now,
                 "last_at": now, "count": 1, "heartbeats": len(beats),
-                "steps": sorted({int(b.get("step", 0)) for b in beats}),
+                "steps": sorted({int(b.get("step", 0)) for b in beats}), "why": why,
             })
-            log.warning("Refused %s from the agent of %s at %s: it speaks for attempt %r, this "
-                        "is %r (a stale node: fenced)", what, node, self.addresses.get(node),
+            log.warning("Refused %s from the agent of %s at %s: %s (attempt %r; this is %r): "
+                        "a stale node, fenced", what, node, self.addresses.get(node), why,
                         found, self.attempt_id)
         raise StaleAgentError(f"{node}: attempt {found!r}, expected {self.attempt_id!r}")
 

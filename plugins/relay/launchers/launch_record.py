@@ -16,7 +16,9 @@ they are the *launch record*, and it rides:
 reads it only for a record that carries none (an attempt launched by an older
 Relay), and says so. The tracking URI is left out of the record: it may carry
 credentials, and the task state store is readable through Airflow's REST API.
-Whoever restores a record fills in the URI of its own settings (the same store).
+Whoever restores a record fills in the URI of its own settings (the same store). The
+channel secret is left out too: a launcher's channel reads it where the attempt's agents
+get it (the local launch file, written 0600; on Kubernetes, the API server).
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ _restored: dict[Path, LaunchConfig] = {}  # attempt folder -> its config, in thi
 
 
 def build(cfg: LaunchConfig, launcher: Launcher) -> dict[str, Any]:
-    """Return the launch record of the attempt ``cfg`` describes (JSON, no tracking URI)."""
+    """Return the launch record of the attempt ``cfg`` describes (JSON, no tracking URI and
+    no channel secret)."""
     launch = dataclasses.asdict(cfg)
     launch["tracking_uri"] = ""
+    launch["channel_secret"] = ""  # the launcher finds it where the agents have it
     return {"launch": launch, "handle": launcher.handle(Attempt(cfg.root))}
 
 

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 ACK_TIMEOUT_SECONDS = 2.0  # a healthy rank's thread answers within a poll (0.1s)
 RECEIVED_DIR = "rescued"  # Relay's side: the states fetched from the nodes
 KEPT_FILE = "result.json"  # in RECEIVED_DIR: the verified state, for a retry that finishes a record
+REJECTED_FILE = "rejected.json"  # in RECEIVED_DIR: a state refused on arrival (its sha256)
 
 
 def silent(fault: Fault, cfg: LaunchConfig) -> tuple[set[str], set[int]]:
@@ -124,9 +125,7 @@ def request_rescue(
         log.warning("Rank %d refused to hand over its state: %s", rank, result.refused)
         return None
     local = _fetch_state(channel, node, result, attempt_dir, timeout_seconds)
-    if local is None or file_sha256(local) != result.sha256:
-        log.warning("Rescued state of rank %d at step %d did not arrive intact (sha256 %s "
-                    "expected); not used", rank, result.step, result.sha256)
+    if local is None:
         return None
     log.info("Rank %d handed over its state at step %d in %.2fs", rank, result.step,
              time.monotonic() - asked)
@@ -149,19 +148,37 @@ def kept_rescue(attempt_dir: Path) -> RescueResult | None:
 
 def _fetch_state(channel: AgentChannel, node: str, result: RescueResult, attempt_dir: Path,
                  timeout_seconds: float) -> Path | None:
-    """Download the rescued file from the node's agent to Relay's side; return its path."""
+    """Download the rescued file from the node's agent to Relay's side; return its path.
+
+    The download is authenticated like every channel request (signed both ways), and the
+    file is verified on arrival: its sha256 must be the one the rank declared (in its
+    signed ``GET rescue`` answer), else it is deleted, refused and reported (a warning
+    and ``rescued/rejected.json``), and None is returned.
+    """
     assert result.step is not None
     try:
         data = channel.call(node, Route.RESCUE_FILE, query={STEP: result.step},
                             timeout=timeout_seconds)
     except StaleAgentError:
-        return None
+        data = None
     if not isinstance(data, bytes):
+        log.warning("Rescued state of rank %d at step %d: no file came from the agent of %s; "
+                    "not used", result.rank, result.step, node)
         return None
     local = attempt_dir / RECEIVED_DIR / f"step-{result.step:08d}" / CHECKPOINT_FILE
     local.parent.mkdir(parents=True, exist_ok=True)
     partial = local.with_suffix(".partial")
     partial.write_bytes(data)
+    found = file_sha256(partial)
+    if found != result.sha256:
+        partial.unlink(missing_ok=True)
+        log.warning("Rescued state of rank %d at step %d from %s: expected sha256 %s (as the "
+                    "rank declared), found %s over %d bytes; refused, not used", result.rank,
+                    result.step, node, result.sha256, found, len(data))
+        write_atomically(attempt_dir / RECEIVED_DIR / REJECTED_FILE, json.dumps({
+            "node": node, "rank": result.rank, "step": result.step, "expected_sha256":
+            result.sha256, "found_sha256": found, "size_bytes": len(data), "at": time.time()}))
+        return None
     partial.replace(local)
     return local
 

@@ -190,7 +190,7 @@ def test_a_node_without_a_boundary_record_reports_none(root: Path, agents: Serve
 
 
 def test_an_unreachable_address_is_not_an_answer() -> None:
-    channel = AgentChannel("a/b/segment-000/try-1", {"node-a": "http://127.0.0.1:9"})
+    channel = AgentChannel("a/b/segment-000/try-1", {"node-a": "http://127.0.0.1:9"}, "s")
     assert channel.poll() == {"node-a": None}
     assert channel.last_seen("node-a") is None and channel.refused == []
 
@@ -210,7 +210,8 @@ def test_an_agent_cut_off_mid_reply_is_not_an_answer() -> None:
     thread = threading.Thread(target=answer_half)
     thread.start()
     try:
-        channel = AgentChannel("a", {"node-a": "http://{}:{}".format(*server.getsockname())})
+        channel = AgentChannel("a", {"node-a": "http://{}:{}".format(*server.getsockname())},
+                               "s")
         assert channel.call_quietly("node-a", Route.STOP, 5.0) is None
     finally:
         thread.join()
@@ -241,6 +242,8 @@ def test_the_kubernetes_launcher_reads_pods_agents_over_the_channel(
     pods = ServedAttempt(cfg.root, {"pod-0": [0, 1], "pod-1": [2, 3]})
     try:
         monkeypatch.setattr(launcher, "agent_url", lambda _key, i: pods.addresses[f"pod-{i}"])
+        # The pods' agents hold the secret the launcher makes for the attempt.
+        monkeypatch.setattr("relay.launchers.k8s.launcher.new_secret", lambda: pods.secret)
         launcher.launch(cfg)
         fake.run_pods(key.name, ["gpu-1", "gpu-2"])
         for rank in range(4):

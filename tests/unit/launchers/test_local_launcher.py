@@ -22,7 +22,8 @@ from relay.launchers.local.launcher import (
     agent_handle,
     group_members,
 )
-from relay_train.protocol.launch import attempt_id_of
+from relay_train.protocol.channel_auth import new_secret
+from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 from relay_train.protocol.routes import NodeState
 
 SLEEP_WITH_CHILD = "sleep 60 & sleep 60"
@@ -248,6 +249,11 @@ def fabricate(root: Path, agents: dict[str, int], records: dict[str, dict | None
     A node whose record is None has no channel server (its agent never answered).
     """
     root.mkdir(parents=True, exist_ok=True)
+    LaunchConfig(  # where the launcher's channel finds the attempt's secret
+        job="t", seed=1, model={}, data={}, optimizer={}, start_step=0, end_step=10,
+        checkpoint_every=5, nodes=list(agents), ranks_per_node=1, tracking_uri="", run_id="r",
+        attempt_dir=str(root), attempt=1, segment=0, channel_secret=new_secret(),
+    ).write(root / LAUNCH_FILE)
     answering = {n: r for n, r in records.items() if r is not None}
     served = serve(root, {n: [int(k) for k in r["exit_codes"]] for n, r in answering.items()})
     for node, record in answering.items():

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from relay_train.agent.server import AgentServer
+from relay_train.protocol.channel_auth import new_secret, sign
 from relay_train.protocol.routes import (
     API_PREFIX,
     ATTEMPT,
@@ -54,10 +55,14 @@ def test_the_wire_spells_routes_and_states_as_before() -> None:
     assert SETTLED == {"succeeded", "failed"}
 
 
+SECRET = new_secret()
+
+
 def _ask(base: str, route: Route, method: str) -> tuple[int, dict[str, Any]]:
     data = json.dumps({ATTEMPT: "someone else's"}).encode() if method == "POST" else None
-    request = urllib.request.Request(f"{base}{route_path(route)}?{ATTEMPT}=x", data=data,
-                                     method=method)
+    target = f"{route_path(route)}?{ATTEMPT}=x"
+    request = urllib.request.Request(f"{base}{target}", data=data, method=method,
+                                     headers=sign(SECRET, method, target, data or b""))
     try:
         with urllib.request.urlopen(request, timeout=10) as reply:  # noqa: S310 - loopback
             return reply.status, json.loads(reply.read())
@@ -67,7 +72,7 @@ def _ask(base: str, route: Route, method: str) -> tuple[int, dict[str, Any]]:
 
 @pytest.fixture
 def base(tmp_path: Path) -> Iterator[str]:
-    server = AgentServer(_Agent(tmp_path), "127.0.0.1", 0).start()
+    server = AgentServer(_Agent(tmp_path), "127.0.0.1", 0, secret=SECRET).start()
     try:
         yield "http://{}:{}".format(*server.address)
     finally:

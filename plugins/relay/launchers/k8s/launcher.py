@@ -66,6 +66,7 @@ from relay.launchers.k8s.status import (
     stuck,
 )
 from relay.spec.sections import KubernetesSpec
+from relay_train.protocol.channel_auth import new_secret
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 from relay_train.protocol.routes import SETTLED, NodeState
 
@@ -179,6 +180,7 @@ class KubernetesLauncher(KubernetesNodes):
         from relay.nodes.pool import NodePool
 
         key = AttemptKey.from_dir(cfg.root)
+        cfg = replace(cfg, channel_secret=new_secret())  # fresh for every attempt
         cfg.root.mkdir(parents=True, exist_ok=True)
         cfg.write(cfg.root / LAUNCH_FILE)  # for this worker's reports; the record travels
         pod_cfg = replace(cfg, attempt_dir=POD_ATTEMPT_DIR, master_addr=master_addr(key),
@@ -317,8 +319,22 @@ class KubernetesLauncher(KubernetesNodes):
                     job.metadata.annotations[ANNOTATION_NODES])
             self._channels[key.name] = AgentChannel(
                 attempt_id_of(attempt.runs_in),
-                {s: self.agent_url(key, i) for i, s in enumerate(slots)}, tls=self.channel_tls)
+                {s: self.agent_url(key, i) for i, s in enumerate(slots)},
+                self.channel_secret(attempt), tls=self.channel_tls)
         return self._channels[key.name]
+
+    def channel_secret(self, attempt: Attempt) -> str:
+        """Return the channel secret the attempt's pods got, from the launch file this
+        launcher wrote under RELAY_HOME (0600; shared by Airflow's workers and triggerer on
+        a cluster); "" when it is not there (every agent refuses). The pods read it from the
+        attempt's Secret, which Relay never reads back."""
+        try:
+            return LaunchConfig.read(attempt.runs_in / LAUNCH_FILE).channel_secret
+        except (OSError, ValueError, TypeError) as exc:
+            log.error("No channel secret for %s: expected it in %s, found none (%s); its agents "
+                      "will refuse this worker", attempt.runs_in.name,
+                      attempt.runs_in / LAUNCH_FILE, exc)
+            return ""
 
     def host_of(self, attempt: Attempt, node: str) -> str:
         """Return the Kubernetes node the slot's pod runs on (the slot itself if unknown)."""

@@ -24,6 +24,7 @@ from typing import Any
 from relay.core.attempt import Attempt
 from relay.spec.sections import KubernetesSpec
 from relay_train.protocol.env import (
+    ENV_CHANNEL_SECRET,
     ENV_CHANNEL_TLS_CERT,
     ENV_CHANNEL_TLS_KEY,
     ENV_HOST,
@@ -53,7 +54,6 @@ POD_HOME = "/relay/home"  # HOME: MLflow's ~/.config/mlflow, ~/.cache (torch hub
 # The attempt's Secret (same name as its Job): key -> the env variable the pod reads it as.
 SECRET_TRACKING_URI = "tracking-uri"
 SECRET_CHANNEL = "channel-secret"
-ENV_CHANNEL_SECRET = "RELAY_CHANNEL_SECRET"  # the agents read it before the launch file's
 SECRET_ENV = {SECRET_TRACKING_URI: ENV_TRACKING_URI, SECRET_CHANNEL: ENV_CHANNEL_SECRET}
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 

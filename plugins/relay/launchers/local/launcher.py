@@ -44,6 +44,7 @@ from relay.launchers.local.warm_agents import (
 )
 from relay.launchers.local.warm_start import LocalWarmStart
 from relay_train.protocol import pids
+from relay_train.protocol.channel_auth import new_secret
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 from relay_train.protocol.routes import (
     ERRORS,
@@ -75,6 +76,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def channel_secret(root: Path) -> str:
+    """Return the channel secret of the attempt at ``root``: its launch file's (written 0600
+    on this machine, where its agents run); "" when there is none (every agent refuses)."""
+    try:
+        return LaunchConfig.read(root / LAUNCH_FILE).channel_secret
+    except (OSError, ValueError, TypeError) as exc:
+        log.error("No channel secret for %s: expected %s with field channel_secret, found %s; "
+                  "its agents will refuse this worker (run it where the attempt was launched)",
+                  root, root / LAUNCH_FILE, exc)
+        return ""
 
 
 def agent_handle(pid: int) -> dict[str, int | None]:
@@ -120,6 +133,7 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
         """
         root = cfg.root
         cfg = replace(cfg, attempt_id=cfg.attempt_id or attempt_id_of(root),
+                      channel_secret=new_secret(),  # fresh for every attempt
                       agent_ports={n: free_port() for n in cfg.nodes},
                       master_addr=cfg.master_addr or "127.0.0.1",
                       master_port=cfg.master_port or free_port())
@@ -200,7 +214,7 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
             attempt_id = str(self.handle(attempt).get("attempt_id") or attempt_id_of(root))
             addresses = {n: f"http://127.0.0.1:{ids['port']}"
                          for n, ids in self._handle(attempt).items() if ids["port"] is not None}
-            self._channels[root] = AgentChannel(attempt_id, addresses)
+            self._channels[root] = AgentChannel(attempt_id, addresses, channel_secret(root))
         return self._channels[root]
 
     def status(self, attempt: Attempt) -> LaunchStatus:

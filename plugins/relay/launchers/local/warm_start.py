@@ -28,7 +28,15 @@ from relay.launchers.local.warm_agents import (
     take_standby,
 )
 from relay_train.agent.resident import RESIDENT_DIR
-from relay_train.protocol.routes import DIRECTORY, LINGER, PID, STANDBY_TTL_SECONDS, TTL, Route
+from relay_train.protocol.routes import (
+    DIRECTORY,
+    LINGER,
+    MAX_STANDBY_TTL_SECONDS,
+    PID,
+    STANDBY_TTL_SECONDS,
+    TTL,
+    Route,
+)
 
 log = logging.getLogger(__name__)
 STANDBY_ASK_TIMEOUT_SECONDS = 1.5  # a fork answers within the agent's own 1 s wait
@@ -117,7 +125,8 @@ class LocalWarmStart:
         if node not in channel.addresses or node in channel.silent:
             return None
         reply = channel.call_quietly(node, Route.STANDBY, STANDBY_ASK_TIMEOUT_SECONDS,
-                                     **{DIRECTORY: str(directory), TTL: ttl_seconds,
+                                     **{DIRECTORY: str(directory),
+                                        TTL: min(ttl_seconds, MAX_STANDBY_TTL_SECONDS),
                                         LINGER: LINGER_SECONDS})
         pid = (reply or {}).get(PID)
         return pid if isinstance(pid, int) and pid > 0 else None

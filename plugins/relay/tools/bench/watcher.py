@@ -25,6 +25,8 @@ from pathlib import Path
 from relay.launchers.local.launcher import HANDLE_FILE, agent_handle
 from relay.policy.model import Detection
 from relay.watch.triggers import SegmentWatchTrigger
+from relay_train.protocol.channel_auth import new_secret
+from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig
 
 _SIMULATOR = r"""
 import json, random, sys, time
@@ -34,6 +36,7 @@ from relay_train.protocol.heartbeat import Heartbeat, heartbeat_path, write_atom
 from relay_train.protocol.routes import EXIT_CODES, STATE, NodeState
 root, ranks, per_node = Path(sys.argv[1]), int(sys.argv[2]), 4
 interval, attempt_id, rounds = float(sys.argv[3]), sys.argv[4], 0
+secret = sys.stdin.readline().strip()  # the channel secret: not on the command line
 
 class Node:  # what the real agent serves: its state; heartbeats from its node-local folder
     def __init__(self, n):
@@ -61,7 +64,8 @@ while True:
                              wall_clock=now, seq=step)
             write_atomically(heartbeat_path(node.root / "heartbeats", r), beat.to_json())
     if step == 1:  # every node's agent channel, once its first heartbeats exist
-        servers = {n.node: AgentServer(n, "127.0.0.1", 0).start().address[1] for n in nodes}
+        servers = {n.node: AgentServer(n, "127.0.0.1", 0, secret=secret).start().address[1]
+                   for n in nodes}
         write_atomically(root / "ports.json", json.dumps(servers))
     rounds += 1
     (root / "simulator.json").write_text(json.dumps({"interval": (time.time() - started) / rounds}))
@@ -81,6 +85,17 @@ async def _watch(trigger: SegmentWatchTrigger, seconds: float) -> dict | None:
         return None
 
 
+def _launch_file(root: Path, nodes: int, per_node: int) -> str:
+    """Write the simulated attempt's launch file (where the watcher's channel finds the
+    secret); return its channel secret."""
+    secret = new_secret()
+    LaunchConfig(job="bench", seed=0, model={}, data={}, optimizer={}, start_step=0,
+                 end_step=0, checkpoint_every=0, nodes=[f"node-{n}" for n in range(nodes)],
+                 ranks_per_node=per_node, tracking_uri="", run_id="", attempt_dir=str(root),
+                 attempt=1, segment=0, channel_secret=secret).write(root / LAUNCH_FILE)
+    return secret
+
+
 def measure(ranks: int, seconds: float, heartbeat_interval: float) -> int:
     """Simulate ``ranks`` ranks for ``seconds``; print the watcher's CPU share; 0 if silent."""
     per_node = 4
@@ -88,8 +103,12 @@ def measure(ranks: int, seconds: float, heartbeat_interval: float) -> int:
     with tempfile.TemporaryDirectory(prefix="relay-bench-watcher-") as tmp:
         root = Path(tmp)
         attempt_id = "bench/watcher/segment-000/try-1"
+        secret = _launch_file(root, ranks // per_node, per_node)
         sim = subprocess.Popen([sys.executable, "-c", _SIMULATOR, str(root), str(ranks),
-                                str(heartbeat_interval), attempt_id])
+                                str(heartbeat_interval), attempt_id], stdin=subprocess.PIPE)
+        assert sim.stdin is not None
+        sim.stdin.write(f"{secret}\n".encode())
+        sim.stdin.close()
         try:
             while not (root / "simulator.json").exists():  # its first round is written
                 time.sleep(0.2)

@@ -28,15 +28,18 @@ from relay.core.attempt import Attempt
 from relay.launchers.agent_client import AgentChannel
 from relay.launchers.local.launcher import LocalLauncher
 from relay_train.agent.server import AgentServer
+from relay_train.protocol.channel_auth import new_secret
 from relay_train.protocol.channel_tls import (
     AGENT_TLS_NAME,
     client_context,
     server_context_from_env,
 )
 from relay_train.protocol.env import ENV_CHANNEL_TLS_CERT, ENV_CHANNEL_TLS_KEY
+from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig
 from relay_train.protocol.routes import STATE, STOPPING, NodeState, Route, route_path
 
 ATTEMPT = "relay_demo/run/segment-001/try-0"
+SECRET = new_secret()  # the attempt's channel secret: TLS comes on top of it
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def start_tls_agent(monkeypatch: pytest.MonkeyPatch, node: ServedNode, cert: Pat
     """Start a real agent server told (by its environment, as in a pod) to serve TLS."""
     monkeypatch.setenv(ENV_CHANNEL_TLS_CERT, str(cert))
     monkeypatch.setenv(ENV_CHANNEL_TLS_KEY, str(key))
-    return AgentServer(node, "127.0.0.1", 0).start()
+    return AgentServer(node, "127.0.0.1", 0, secret=SECRET).start()
 
 
 @pytest.fixture
@@ -74,7 +77,7 @@ def https(server: AgentServer) -> str:
 def test_relay_talks_to_a_tls_agent_it_verifies_by_the_channel_ca(
     tls_agent: AgentServer, served: ServedNode, channel_ca: Authority
 ) -> None:
-    channel = AgentChannel(ATTEMPT, {"node-a": https(tls_agent)},
+    channel = AgentChannel(ATTEMPT, {"node-a": https(tls_agent)}, SECRET,
                            tls=client_context(channel_ca.pem))
 
     replies = channel.poll()
@@ -95,7 +98,7 @@ def test_a_client_without_the_channel_ca_is_refused(
         urllib.request.urlopen(f"{https(tls_agent)}{route_path(Route.STATUS)}", timeout=30,
                                context=stranger)
     assert isinstance(refused.value.reason, ssl.SSLCertVerificationError)
-    channel = AgentChannel(ATTEMPT, {"node-a": https(tls_agent)}, tls=stranger)
+    channel = AgentChannel(ATTEMPT, {"node-a": https(tls_agent)}, SECRET, tls=stranger)
     assert channel.ask("node-a", Route.STOP, reason="a stranger") is None
     assert served.stop_reasons == []
 
@@ -108,7 +111,7 @@ def test_an_agent_with_a_certificate_from_another_ca_is_refused(
     server = start_tls_agent(monkeypatch, served,
                              *impostor_ca.issue(tmp_path / "impostor", AGENT_TLS_NAME))
     try:
-        channel = AgentChannel(ATTEMPT, {"node-a": https(server)},
+        channel = AgentChannel(ATTEMPT, {"node-a": https(server)}, SECRET,
                                tls=client_context(channel_ca.pem))
         with caplog.at_level(logging.WARNING, logger="relay.launchers.agent_client"):
             assert channel.poll()["node-a"] is None
@@ -153,10 +156,10 @@ def test_clear_text_http_to_a_tls_agent_gets_nothing(
     assert b"HTTP/" not in answer and ATTEMPT.encode() not in answer
     assert served.stop_reasons == []
     assert any("no TLS handshake" in r.getMessage() for r in caplog.records)
-    clear = AgentChannel(ATTEMPT, {"node-a": f"http://{host}:{port}"})
+    clear = AgentChannel(ATTEMPT, {"node-a": f"http://{host}:{port}"}, SECRET)
     assert clear.poll()["node-a"] is None
     # The agent still serves Relay over TLS afterwards.
-    assert AgentChannel(ATTEMPT, {"node-a": https(tls_agent)},
+    assert AgentChannel(ATTEMPT, {"node-a": https(tls_agent)}, SECRET,
                         tls=client_context(channel_ca.pem)).poll()["node-a"] is not None
 
 
@@ -166,7 +169,7 @@ def test_a_silent_connection_does_not_hold_up_relays_requests(
     # A stranger connects and says nothing: its handshake waits in its own thread, not in the
     # loop that accepts Relay's connection.
     with socket.create_connection(tls_agent.address, timeout=30):
-        channel = AgentChannel(ATTEMPT, {"node-a": https(tls_agent)},
+        channel = AgentChannel(ATTEMPT, {"node-a": https(tls_agent)}, SECRET,
                                tls=client_context(channel_ca.pem))
         reply = channel.call("node-a", Route.STATUS, timeout=30)
     assert isinstance(reply, dict) and reply[STATE] == NodeState.RUNNING
@@ -212,10 +215,16 @@ def test_local_launches_stay_clear_text(tmp_path: Path, served: ServedNode,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_CHANNEL_TLS_CERT, raising=False)
     monkeypatch.delenv(ENV_CHANNEL_TLS_KEY, raising=False)
-    server = AgentServer(served, "127.0.0.1", 0).start()  # as a local agent starts it
+    server = AgentServer(served, "127.0.0.1", 0, secret=SECRET).start()  # as a local agent
     try:
         launcher = LocalLauncher()
         attempt = Attempt(tmp_path / "runs" / "relay_demo" / "run" / "segment-001" / "try-0")
+        attempt.runs_in.mkdir(parents=True)
+        LaunchConfig(  # the launch file the local launcher wrote: its channel secret
+            job="j", seed=1, model={}, data={}, optimizer={}, start_step=0, end_step=1,
+            checkpoint_every=1, nodes=["node-a"], ranks_per_node=1, tracking_uri="sqlite:///x",
+            run_id="r", attempt_dir=str(attempt.runs_in), attempt=0, segment=1,
+            channel_secret=SECRET).write(attempt.runs_in / LAUNCH_FILE)
         pid = os.getpid()
         launcher.attach(attempt, {"attempt_id": ATTEMPT, "started_at": 0.0, "nodes": {
             "node-a": {"pid": pid, "pgid": os.getpgid(pid), "started": None,

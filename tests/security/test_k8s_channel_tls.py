@@ -36,7 +36,7 @@ from relay.spec.sections import KubernetesSpec
 from relay_train.agent.server import AgentServer
 from relay_train.protocol.channel_tls import AGENT_TLS_NAME
 from relay_train.protocol.env import ENV_CHANNEL_TLS_CERT, ENV_CHANNEL_TLS_KEY
-from relay_train.protocol.launch import LaunchConfig, attempt_id_of
+from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 from relay_train.protocol.routes import NodeState
 
 IMAGE = "registry.example.com/relay-worker:0.1.0"
@@ -143,13 +143,15 @@ def test_the_launcher_verifies_the_pods_agents_by_the_ca_from_its_secret(
     assert launcher.agent_url(AttemptKey.from_dir(cfg.root), 0) == (
         f"https://{name}-0.{name}.default.svc:29401")
     (cfg.root / "heartbeats").mkdir(parents=True)
+    launcher.launch(cfg)
+    secret = LaunchConfig.read(cfg.root / LAUNCH_FILE).channel_secret  # what the pods got
     servers = [AgentServer(ServedNode(cfg.root, f"pod-{i}", [2 * i, 2 * i + 1],
-                                      attempt_id_of(cfg.root)), "127.0.0.1", 0).start()
+                                      attempt_id_of(cfg.root)), "127.0.0.1", 0,
+                           secret=secret).start()
                for i in range(2)]
     try:
         monkeypatch.setattr(launcher, "agent_url", lambda _key, i: "https://{}:{}".format(
             *servers[i].address))
-        launcher.launch(cfg)
         fake.run_pods(name, ["gpu-1", "gpu-2"])
 
         status = launcher.status(Attempt(cfg.root))

@@ -31,6 +31,7 @@ from relay.launchers.k8s.objects import (
     master_addr,
 )
 from relay.spec.sections import KubernetesSpec
+from relay_train.protocol.channel_auth import new_secret
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 
 pytestmark = [pytest.mark.integration,
@@ -65,7 +66,7 @@ def test_a_pod_trains_and_publishes_with_its_root_file_system_read_only(tmp_path
         optimizer={"lr": 0.003, "weight_decay": 0.01}, start_step=0, end_step=STEPS,
         checkpoint_every=STEPS, nodes=["pod-0"], ranks_per_node=2,
         tracking_uri=f"sqlite:///{SERVER}/mlflow.db", run_id=run_id, attempt_dir=str(root),
-        attempt=0, segment=0)
+        attempt=0, segment=0, channel_secret=new_secret())
     # What KubernetesLauncher.launch makes of it: the pod's launch data, split.
     pod_cfg = replace(cfg, attempt_dir=POD_ATTEMPT_DIR, master_addr=master_addr(key),
                       master_port=RENDEZVOUS_PORT, attempt_id=attempt_id_of(cfg.root))

@@ -17,7 +17,9 @@ from relay.core.attempt import Attempt, AttemptState
 from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher
 from relay.tools import chaos
 from relay_train.protocol import pids
+from relay_train.protocol.channel_auth import new_secret
 from relay_train.protocol.heartbeat import Heartbeat, heartbeat_path, write_atomically
+from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig
 
 
 @pytest.fixture
@@ -73,6 +75,12 @@ def reused_attempt(root: Path, proc: subprocess.Popen[bytes]) -> Path:
     handle = {"pid": proc.pid, "pgid": proc.pid, "started": stale_start(proc)}
     (root / HANDLE_FILE).write_text(json.dumps({"nodes": {"node-a": handle},
                                                 "started_at": time.time()}))
+    # The launch file, as the launcher wrote it: its channel secret is what Relay signs with.
+    LaunchConfig(job="j", seed=1, model={}, data={}, optimizer={}, start_step=0, end_step=1,
+                 checkpoint_every=1, nodes=["node-a"], ranks_per_node=1,
+                 master_addr="127.0.0.1", master_port=1, tracking_uri="sqlite:///x", run_id="r",
+                 attempt_dir=str(root), attempt=1, segment=0,
+                 channel_secret=new_secret()).write(root / LAUNCH_FILE)
     return root
 
 

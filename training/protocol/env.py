@@ -33,6 +33,11 @@ ENV_RESUME_PATH = "RELAY_RESUME_PATH"
 ENV_NODE_INDEX = "RELAY_NODE_INDEX"
 ENV_HOST = "RELAY_HOST"
 
+# The checkpoint key ring file (relay_train.protocol.signing), where the launch file does
+# not carry the ring: a Kubernetes Secret mounted into the pods, or a file an operator
+# gives Relay's processes (read by both sides).
+ENV_CHECKPOINT_KEYS_FILE = "RELAY_CHECKPOINT_KEYS_FILE"
+
 # Test hook only: shift a node's clock (heartbeats, its agent) by this many seconds, to
 # prove that Relay judges heartbeat ages on its own clock. A number applies to every node;
 # "node-b=30,node-c=-30" to the named nodes only (the node agent resolves it for its ranks).

@@ -66,6 +66,9 @@ class ResumeFrom:
     format: str = "torch"
     files: dict[str, str] = field(default_factory=dict, hash=False)
     artifact: str = ""  # the checkpoint's URI in MLflow's artifact store; ranks fetch it there
+    # The signed manifest (its JSON): every rank checks its signature, and that the fields
+    # above are its own, before fetching or loading anything (relay_train.protocol.signing).
+    manifest: str = ""
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,11 @@ class LaunchConfig:
     boundaries: list[int] = field(default_factory=list)
     run_on_to: int | None = None
     adopt_wait_seconds: float = 120.0
+    # The deployment's checkpoint key ring ({"write": id, "keys": {id: secret}}), for the
+    # ranks to sign and verify manifests. Only in this 0600 file on the launching machine:
+    # left out of launch records and of a Kubernetes ConfigMap (pods mount a Secret, named
+    # by RELAY_CHECKPOINT_KEYS_FILE instead).
+    checkpoint_keys: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def fence_id(self) -> str:

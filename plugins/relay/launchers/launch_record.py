@@ -14,9 +14,12 @@ they are the *launch record*, and it rides:
 
 ``launch.json`` in the attempt folder stays the ranks' copy on their node; Relay
 reads it only for a record that carries none (an attempt launched by an older
-Relay), and says so. The tracking URI is left out of the record: it may carry
-credentials, and the task state store is readable through Airflow's REST API.
-Whoever restores a record fills in the URI of its own settings (the same store).
+Relay), and says so. The tracking URI and the checkpoint key ring are left out of
+the record: the URI may carry credentials, the ring is the deployment's signing key,
+and the task state store is readable through Airflow's REST API. Whoever restores a
+record fills in the URI of its own settings (the same store), and the ring from the
+attempt's launch file where this machine has it (else the deployment's, see
+:func:`relay.core.checkpoint_keys.ring_for`).
 """
 
 from __future__ import annotations
@@ -41,15 +44,25 @@ def build(cfg: LaunchConfig, launcher: Launcher) -> dict[str, Any]:
     """Return the launch record of the attempt ``cfg`` describes (JSON, no tracking URI)."""
     launch = dataclasses.asdict(cfg)
     launch["tracking_uri"] = ""
+    launch["checkpoint_keys"] = {}
     return {"launch": launch, "handle": launcher.handle(Attempt(cfg.root))}
 
 
 def restore(record: Mapping[str, Any], launcher: Launcher, tracking_uri: str) -> LaunchConfig:
     """Return the record's launch config, and have ``launcher`` find the attempt by its handle."""
     cfg = LaunchConfig.from_dict({**record["launch"], "tracking_uri": tracking_uri})
+    cfg = dataclasses.replace(cfg, checkpoint_keys=_local_keys(cfg.root))
     launcher.attach(Attempt(cfg.root), dict(record.get("handle") or {}))
     _restored[cfg.root] = cfg
     return cfg
+
+
+def _local_keys(root: Path) -> dict[str, Any]:
+    """Return the key ring in the attempt's launch file on this machine ({} if none here)."""
+    try:
+        return LaunchConfig.read(root / LAUNCH_FILE).checkpoint_keys
+    except (OSError, ValueError, TypeError):
+        return {}
 
 
 def find(root: Path, launcher: Launcher, tracking_uri: str,

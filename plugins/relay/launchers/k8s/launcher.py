@@ -168,7 +168,8 @@ class KubernetesLauncher(KubernetesNodes):
         cfg.root.mkdir(parents=True, exist_ok=True)
         cfg.write(cfg.root / LAUNCH_FILE)  # for this worker's reports; the record travels
         pod_cfg = replace(cfg, attempt_dir=POD_ATTEMPT_DIR, master_addr=master_addr(key),
-                          master_port=RENDEZVOUS_PORT, attempt_id=attempt_id_of(cfg.root))
+                          master_port=RENDEZVOUS_PORT, attempt_id=attempt_id_of(cfg.root),
+                          checkpoint_keys={})  # not in a ConfigMap: the pods mount KEYS_SECRET
         held = NodePool().quarantines()
         self.enforce_quarantines(held)
         job = self._create_job(job_manifest(key, self.settings, cfg.nodes, cfg.ranks_per_node,

@@ -19,9 +19,10 @@ from typing import Any
 
 from relay.core.attempt import Attempt
 from relay.spec.sections import KubernetesSpec
-from relay_train.protocol.env import ENV_HOST, ENV_NODE_INDEX
+from relay_train.protocol.env import ENV_CHECKPOINT_KEYS_FILE, ENV_HOST, ENV_NODE_INDEX
 from relay_train.protocol.launch import LAUNCH_FILE
 from relay_train.protocol.routes import AGENT_PORT
+from relay_train.protocol.signing import KEYRING_FILE
 
 GROUP = "relay.dev"
 LABEL_ATTEMPT_ID = f"{GROUP}/attempt-id"
@@ -37,6 +38,10 @@ AGENT_CONTAINER = "agent"
 TERMINATION_GRACE_SECONDS = 10  # the agent gives its ranks 5 s after SIGTERM
 AGENT_LINGER_SECONDS = 10  # after its ranks end, the agent answers (exit codes, errors) this long
 FINISHED_TTL_SECONDS = 3600  # Relay deletes Jobs itself; this only catches leftovers
+# The deployment's checkpoint key ring: a Secret the operator creates (key KEYRING_FILE),
+# mounted read-only; the ranks sign and verify checkpoint manifests with it.
+KEYS_SECRET = "relay-checkpoint-key"
+KEYS_MOUNT = "/relay/keys"
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
@@ -157,6 +162,7 @@ def _container(k8s: KubernetesSpec, key: AttemptKey) -> dict[str, Any]:
         {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
         {"name": "OMP_NUM_THREADS", "value": "1"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": ENV_CHECKPOINT_KEYS_FILE, "value": f"{KEYS_MOUNT}/{KEYRING_FILE}"},
     ]
     container: dict[str, Any] = {
         "name": AGENT_CONTAINER,
@@ -173,6 +179,7 @@ def _container(k8s: KubernetesSpec, key: AttemptKey) -> dict[str, Any]:
             {"name": "launch", "mountPath": LAUNCH_MOUNT, "readOnly": True},
             {"name": "attempt", "mountPath": POD_ATTEMPT_DIR},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "checkpoint-keys", "mountPath": KEYS_MOUNT, "readOnly": True},
         ],
         "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
                             "capabilities": {"drop": ["ALL"]}},
@@ -203,6 +210,9 @@ def job_manifest(key: AttemptKey, k8s: KubernetesSpec, nodes: list[str], ranks_p
             {"name": "launch", "configMap": {"name": key.name}},
             {"name": "attempt", "emptyDir": {}},
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            {"name": "checkpoint-keys", "secret": {
+                "secretName": KEYS_SECRET, "defaultMode": 0o444,  # in the pod's only container
+                "items": [{"key": KEYRING_FILE, "path": KEYRING_FILE}]}},
         ],
     }
     return {

@@ -18,7 +18,7 @@ from k8s_fake import FakeApiServer
 
 import relay.operators  # noqa: F401 - registers Airflow's Variable/Connection as the first source
 from relay.core import checkpoint_keys as keys_module
-from relay.core.checkpoint_keys import KEYS_VARIABLE, checkpoint_keys, ensure_key_file
+from relay.core.checkpoint_keys import KEYS_VARIABLE, checkpoint_keys, ensure_key_file, ring_for
 from relay.launchers import launch_record, launcher_from
 from relay.launchers.k8s.launcher import KubernetesLauncher
 from relay.launchers.k8s.objects import KEYS_MOUNT, KEYS_SECRET, AttemptKey
@@ -225,3 +225,17 @@ def test_kubernetes_pods_mount_the_secret_and_the_configmap_holds_no_key(
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env[ENV_CHECKPOINT_KEYS_FILE] == f"{KEYS_MOUNT}/{KEYRING_FILE}"
     assert LaunchConfig.read(root / LAUNCH_FILE).checkpoint_keys  # Airflow's side keeps it
+
+
+def test_the_warden_never_makes_a_new_key_for_an_attempt_launched_elsewhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new key could verify nothing the attempt signed: say what to provide instead."""
+    monkeypatch.setenv("RELAY_HOME", str(tmp_path))
+    monkeypatch.delenv(ENV_CHECKPOINT_KEYS_FILE, raising=False)
+    monkeypatch.setattr(keys_module, "_source", None)
+    blank = replace(_cfg(tmp_path / "try-1", KeyRing.generate()), checkpoint_keys={})
+    with pytest.raises(FileNotFoundError, match=f"set {ENV_CHECKPOINT_KEYS_FILE}"):
+        ring_for(blank)
+    assert not (tmp_path / KEYRING_FILE).exists()
+    made = checkpoint_keys()  # the segment task (and first use) makes it
+    assert ring_for(blank) == made

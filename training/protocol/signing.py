@@ -63,8 +63,9 @@ class KeyRing:
         try:
             keys = raw["keys"]
             if not isinstance(keys, Mapping) or not keys:
-                raise ValueError("field keys: expected an object {key id: secret}, found "
-                                 f"{type(keys).__name__} {'(empty)' if not keys else ''}")
+                found = "an empty one" if isinstance(keys, Mapping) else type(keys).__name__
+                raise ValueError(
+                    f"field keys: expected an object {{key id: secret}}, found {found}")
             return cls(write=str(raw["write"]), keys={str(k): str(v) for k, v in keys.items()})
         except KeyError as exc:
             raise ValueError(f"{where}: field {exc.args[0]} missing; expected "

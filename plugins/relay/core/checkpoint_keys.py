@@ -47,21 +47,32 @@ def default_key_file(home: Path | None = None) -> Path:
     return (home or settings.relay_home()) / KEYRING_FILE
 
 
-def checkpoint_keys() -> KeyRing:
-    """Return the deployment's key ring (see the module's docstring for the order)."""
+def checkpoint_keys(*, create: bool = True) -> KeyRing:
+    """Return the deployment's key ring (see the module's docstring for the order).
+
+    ``create=False``: never make the default file (a new key can verify nothing already
+    signed); raise ``FileNotFoundError`` saying what to provide instead.
+    """
     if _source is not None and (ring := _source()) is not None:
         return ring
     path = os.environ.get(ENV_CHECKPOINT_KEYS_FILE, "").strip()
     if path:
         return KeyRing.read(Path(path))
-    return ensure_key_file(default_key_file())
+    default = default_key_file()
+    if not create and not default.exists():
+        raise FileNotFoundError(
+            f"checkpoint key ring: expected the attempt's launch file, "
+            f"{ENV_CHECKPOINT_KEYS_FILE} or {default}; found none on this machine. Give "
+            f"this machine the deployment's key ring file and set {ENV_CHECKPOINT_KEYS_FILE}")
+    return ensure_key_file(default)
 
 
 def ring_for(cfg: LaunchConfig) -> KeyRing:
-    """Return the ring an attempt was launched with (its launch file's), else the deployment's."""
+    """Return the ring an attempt was launched with (its launch file's), else the deployment's
+    (never a new one: the attempt's checkpoints were signed with an existing key)."""
     if cfg.checkpoint_keys:
         return KeyRing.from_dict(cfg.checkpoint_keys, f"{cfg.root}: field checkpoint_keys")
-    return checkpoint_keys()
+    return checkpoint_keys(create=False)
 
 
 def ensure_key_file(path: Path) -> KeyRing:

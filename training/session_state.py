@@ -28,10 +28,12 @@ from relay_train.checkpoints.checkpointer import (
     snapshot_state,
 )
 from relay_train.checkpoints.fetch import fetch_resume
+from relay_train.errors import CorruptCheckpointError
 from relay_train.protocol.env import ENV_NODE
 from relay_train.protocol.heartbeat import HeartbeatWriter, Phase
 from relay_train.protocol.launch import LaunchConfig, ResumeFrom
 from relay_train.protocol.manifest import CheckpointRef
+from relay_train.protocol.signing import KeyRing, launch_ring, resume_problem
 from relay_train.rescue import DrainRequest, TrainingState
 from relay_train.timing import StartupClock
 
@@ -90,8 +92,19 @@ class SessionState:
         return state
 
     def _fetched_resume(self) -> ResumeFrom:
-        """Return the resume point as a verified copy on this node, fetched from MLflow."""
-        assert self.cfg.resume is not None
+        """Return the resume point as a verified copy on this node, fetched from MLflow.
+
+        Its manifest's signature is checked first: nothing is fetched, let alone
+        unpickled (a checkpoint file, or a DCP folder's ``.metadata``), before it holds.
+        """
+        resume = self.cfg.resume
+        assert resume is not None
+        problem = resume_problem(resume, self._keys())
+        if problem is not None:
+            raise CorruptCheckpointError(
+                f"checkpoint at step {resume.step} of run {resume.run_id}: {problem}. Not "
+                "loaded: Relay records it as corrupt and resumes from the previous checkpoint "
+                "on its next try.")
         cache = self.cfg.root / "resume" / os.environ.get(ENV_NODE, "node")  # node-local
         return fetch_resume(self.cfg.resume, self.cfg.tracking_uri, cache)
 
@@ -221,6 +234,13 @@ class SessionState:
         """Rescue: the tracked state after ``step`` steps (called under the update lock)."""
         return snapshot_state(self._tracked(), step)
 
+    def _keys(self) -> KeyRing:
+        """Return the deployment's checkpoint key ring (launch file, else a mounted file)."""
+        try:
+            return launch_ring(self.cfg.checkpoint_keys)
+        except ValueError as exc:
+            raise RuntimeError(f"relay_train: {exc}") from None
+
     def _publisher(self) -> Checkpointer:
         if self._checkpointer is None:
             from relay_train.checkpoints.publish import MlflowCheckpointSink  # rank 0 only
@@ -228,7 +248,7 @@ class SessionState:
             self._sink = MlflowCheckpointSink(self.cfg.tracking_uri, self.cfg.run_id)
             self._checkpointer = Checkpointer(
                 self._sink, self.cfg.root / "staging", job=self.cfg.job,
-                world_size=self.cfg.world_size, parent=self._parent)
+                world_size=self.cfg.world_size, parent=self._parent, keys=self._keys())
             self._checkpointer.submit(self._sink.connect)  # off the loop's thread
         return self._checkpointer
 

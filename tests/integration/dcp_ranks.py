@@ -20,10 +20,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from relay.core.checkpoint_keys import checkpoint_keys
 from relay_train.checkpoints.checkpointer import Checkpointer
 from relay_train.checkpoints.dcp import DcpCheckpointer, load_model
 from relay_train.errors import CorruptCheckpointError
 from relay_train.protocol.launch import ResumeFrom
+
+KEYS = checkpoint_keys()  # the test session's key ring ($RELAY_HOME's key file)
 
 WORLD_SIZE = 2
 JOB = "dcp-test"
@@ -85,7 +88,7 @@ def save_ranks(rank: int, port: int, work: str, tracking_uri: str, run_id: str) 
 
         sink = MlflowCheckpointSink(tracking_uri, run_id)
         publisher = Checkpointer(sink, out / "staging", job=JOB, world_size=WORLD_SIZE,
-                                 parent=None)
+                                 parent=None, keys=KEYS)
     saver = DcpCheckpointer(out / "staging", publisher)
     for step in range(1, 6):
         _train_step(model, optimizer, step)

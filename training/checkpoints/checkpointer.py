@@ -31,6 +31,7 @@ from relay_train.protocol.manifest import (
     files_digest,
     tree_sha256s,
 )
+from relay_train.protocol.signing import KeyRing, sign
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class Checkpointer:
         job: str,
         world_size: int,
         parent: CheckpointRef | None,
+        keys: KeyRing,
         asynchronous: bool = True,
         on_published: Callable[[CheckpointManifest], None] | None = None,
     ) -> None:
@@ -129,6 +131,7 @@ class Checkpointer:
         self._job = job
         self._world_size = world_size
         self._parent = parent
+        self._keys = keys  # every manifest is signed with its writing key
         self._async = asynchronous
         self._on_published = on_published
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
@@ -212,7 +215,8 @@ class Checkpointer:
         self.publish_written(path, step)
 
     def publish_written(self, path: Path, step: int) -> CheckpointManifest:
-        """Hash a checkpoint already written (a file or a DCP folder), then publish it.
+        """Hash a checkpoint already written (a file or a DCP folder), sign its manifest,
+        then publish it.
 
         Run it through :meth:`submit` so it stays in order with the other checkpoints.
         """
@@ -234,6 +238,7 @@ class Checkpointer:
             format=fmt,
             files=files,
         )
+        manifest = sign(manifest, self._keys)
         self._sink.publish(path, manifest)
         self._parent = manifest.ref
         self.published.append(manifest)

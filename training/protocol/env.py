@@ -42,6 +42,11 @@ ENV_TRACKING_URI = "RELAY_MLFLOW_TRACKING_URI"
 ENV_CHANNEL_TLS_CERT = "RELAY_CHANNEL_TLS_CERT"
 ENV_CHANNEL_TLS_KEY = "RELAY_CHANNEL_TLS_KEY"
 
+# The checkpoint key ring file (relay_train.protocol.signing), where the launch file does
+# not carry the ring: a Kubernetes Secret mounted into the pods, or a file an operator
+# gives Relay's processes (read by both sides).
+ENV_CHECKPOINT_KEYS_FILE = "RELAY_CHECKPOINT_KEYS_FILE"
+
 # Test hook only: shift a node's clock (heartbeats, its agent) by this many seconds, to
 # prove that Relay judges heartbeat ages on its own clock. A number applies to every node;
 # "node-b=30,node-c=-30" to the named nodes only (the node agent resolves it for its ranks).

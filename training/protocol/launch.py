@@ -67,6 +67,9 @@ class ResumeFrom:
     format: str = "torch"
     files: dict[str, str] = field(default_factory=dict, hash=False)
     artifact: str = ""  # the checkpoint's URI in MLflow's artifact store; ranks fetch it there
+    # The signed manifest (its JSON): every rank checks its signature, and that the fields
+    # above are its own, before fetching or loading anything (relay_train.protocol.signing).
+    manifest: str = ""
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,11 @@ class LaunchConfig:
     # launcher for each attempt; its agents sign and check every channel message with it.
     # Never logged, never in a launch record that travels (relay.launchers.launch_record).
     channel_secret: str = field(default="", repr=False)
+    # The deployment's checkpoint key ring ({"write": id, "keys": {id: secret}}), for the
+    # ranks to sign and verify manifests. Only in this 0600 file on the launching machine:
+    # left out of launch records and of a Kubernetes ConfigMap (pods mount a Secret, named
+    # by RELAY_CHECKPOINT_KEYS_FILE instead).
+    checkpoint_keys: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def fence_id(self) -> str:

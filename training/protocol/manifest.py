@@ -8,6 +8,9 @@ Two formats: ``torch`` (one ``checkpoint.pt``, its sha256 in ``sha256``) and
 ``dcp`` (a ``torch.distributed.checkpoint`` folder ``dcp/``, a sha256 per file in
 ``files`` and, in ``sha256``, the digest of that table, so a parent reference
 still names the checkpoint's exact bytes).
+
+Every manifest is signed (``key_id``, ``signature``; see :mod:`relay_train.protocol.signing`):
+an unsigned one, or one whose signature does not hold, is a corrupt checkpoint.
 """
 
 from __future__ import annotations
@@ -132,6 +135,9 @@ class CheckpointManifest:
     format: str = FORMAT_TORCH
     # dcp only: {path relative to the dcp folder: sha256}; sha256 above is files_digest(files)
     files: dict[str, str] = field(default_factory=dict, hash=False)
+    # The deployment key's id and the HMAC-SHA256 over every other field (signing.py).
+    key_id: str = ""
+    signature: str = ""
 
     @property
     def ref(self) -> CheckpointRef:
@@ -167,6 +173,8 @@ class CheckpointManifest:
                 created_at=float(raw["created_at"]),
                 version=int(raw.get("version", MANIFEST_VERSION)),
                 origin=str(raw.get("origin", "periodic")),
+                key_id=str(raw.get("key_id") or ""),
+                signature=str(raw.get("signature") or ""),
                 **_format_fields(raw),
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -14,11 +14,13 @@ they are the *launch record*, and it rides:
 
 ``launch.json`` in the attempt folder stays the ranks' copy on their node; Relay
 reads it only for a record that carries none (an attempt launched by an older
-Relay), and says so. The tracking URI is left out of the record: it may carry
-credentials, and the task state store is readable through Airflow's REST API.
-Whoever restores a record fills in the URI of its own settings (the same store). The
-channel secret is left out too: a launcher's channel reads it where the attempt's agents
-get it (the local launch file, written 0600; on Kubernetes, the API server).
+Relay), and says so. The tracking URI, the channel secret and the checkpoint key ring
+are left out of the record: the URI may carry credentials, the ring is the deployment's
+signing key, and the task state store is readable through Airflow's REST API. Whoever
+restores a record fills in the URI of its own settings (the same store), and the ring
+from the attempt's launch file where this machine has it (else the deployment's, see
+:func:`relay.core.checkpoint_keys.ring_for`). A launcher's channel reads the channel
+secret where the attempt's agents get it (the launch file, written 0600).
 """
 
 from __future__ import annotations
@@ -45,15 +47,25 @@ def build(cfg: LaunchConfig, launcher: Launcher) -> dict[str, Any]:
     launch = dataclasses.asdict(cfg)
     launch["tracking_uri"] = ""
     launch["channel_secret"] = ""  # the launcher finds it where the agents have it
+    launch["checkpoint_keys"] = {}
     return {"launch": launch, "handle": launcher.handle(Attempt(cfg.root))}
 
 
 def restore(record: Mapping[str, Any], launcher: Launcher, tracking_uri: str) -> LaunchConfig:
     """Return the record's launch config, and have ``launcher`` find the attempt by its handle."""
     cfg = LaunchConfig.from_dict({**record["launch"], "tracking_uri": tracking_uri})
+    cfg = dataclasses.replace(cfg, checkpoint_keys=_local_keys(cfg.root))
     launcher.attach(Attempt(cfg.root), dict(record.get("handle") or {}))
     _restored[cfg.root] = cfg
     return cfg
+
+
+def _local_keys(root: Path) -> dict[str, Any]:
+    """Return the key ring in the attempt's launch file on this machine ({} if none here)."""
+    try:
+        return LaunchConfig.read(root / LAUNCH_FILE).checkpoint_keys
+    except (OSError, ValueError, TypeError):
+        return {}
 
 
 def find(root: Path, launcher: Launcher, tracking_uri: str,

@@ -1,5 +1,7 @@
 """Checkpoints read back from MLflow: every manifest of a DAG run, the chain to step 0, and
-the latest one whose files still match (the resume point), fenced ones refused."""
+the latest one whose signature holds and whose files still match (the resume point),
+fenced ones refused. A manifest's signature is checked before any of its files is
+downloaded: an unsigned or forged checkpoint is corrupt, and never reaches a rank."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 
 from mlflow.store.artifact.artifact_repo import ArtifactRepository
 
+from relay.core.checkpoint_keys import checkpoint_keys
 from relay.lineage.tags import (
     TAG_FENCED_AT,
     TAG_FENCED_CHECKPOINTS,
@@ -30,6 +33,7 @@ from relay_train.protocol.manifest import (
     tree_mismatches,
     tree_sha256s,
 )
+from relay_train.protocol.signing import KeyRing, signature_problem
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +52,30 @@ class VerifiedCheckpoint:
         """Return the resume point a segment attempt's workers load."""
         m = self.manifest
         return ResumeFrom(path=str(self.path), sha256=m.sha256, run_id=m.run_id, step=m.step,
-                          format=m.format, files=dict(m.files), artifact=self.artifact_uri)
+                          format=m.format, files=dict(m.files), artifact=self.artifact_uri,
+                          manifest=m.to_json())
 
 
 @dataclass(frozen=True)
 class CorruptCheckpoint:
-    """A checkpoint whose file did not match its manifest."""
+    """A checkpoint whose signature did not hold, or whose file did not match its manifest."""
 
     manifest: CheckpointManifest
-    actual_sha256: str
-    detail: str = ""  # DCP: which files differ
+    actual_sha256: str  # "" when the signature failed: its files were never downloaded
+    detail: str = ""  # DCP: which files differ; a bad signature: why
+
+    @property
+    def forged(self) -> bool:
+        """Return whether the manifest itself was refused (unsigned or a bad signature)."""
+        return not self.actual_sha256
+
+    def describe(self) -> str:
+        """Return what is wrong with it, in one line."""
+        m = self.manifest
+        if self.forged:
+            return f"checkpoint at step {m.step} has no valid signature: {self.detail}"
+        return (f"checkpoint at step {m.step} has sha256 {self.actual_sha256[:12]}, its manifest "
+                f"says {m.sha256[:12]}" + (f" ({self.detail})" if self.detail else ""))
 
 
 class CheckpointReading:
@@ -153,17 +171,28 @@ class CheckpointReading:
             return None
 
     def latest_valid_checkpoint(
-        self, parent_run_id: str, download_dir: Path
+        self, parent_run_id: str, download_dir: Path, keys: KeyRing | None = None
     ) -> VerifiedCheckpoint | None:
-        """Download the newest checkpoint whose sha256 matches; skip corrupt ones."""
-        return self.resume_point(parent_run_id, download_dir)[0]
+        """Download the newest checkpoint whose signature and sha256 hold; skip corrupt ones."""
+        return self.resume_point(parent_run_id, download_dir, keys)[0]
 
     def resume_point(
-        self, parent_run_id: str, download_dir: Path
+        self, parent_run_id: str, download_dir: Path, keys: KeyRing | None = None
     ) -> tuple[VerifiedCheckpoint | None, list[CorruptCheckpoint]]:
-        """Return the newest verified checkpoint and the corrupt ones newer than it."""
+        """Return the newest verified checkpoint and the corrupt ones newer than it.
+
+        Verified: its manifest's signature holds under ``keys`` (default: the deployment's
+        ring), then its files match the manifest.
+        """
+        ring = keys or checkpoint_keys()
         corrupt: list[CorruptCheckpoint] = []
         for manifest in self.newest_first(parent_run_id):
+            problem = signature_problem(manifest, ring)
+            if problem is not None:
+                log.error("Refused checkpoint %s: %s; trying the previous one", manifest.ref,
+                          problem)
+                corrupt.append(CorruptCheckpoint(manifest, "", problem))
+                continue
             target = download_dir / f"step-{manifest.step:08d}"
             target.mkdir(parents=True, exist_ok=True)
             local, bad = self._download_verified(manifest, target)

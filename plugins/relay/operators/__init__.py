@@ -5,3 +5,8 @@
 recovery pipeline, succeed or raise for Airflow's retry). May import every role
 below it: ``relay.watch``, ``relay.recover`` and down.
 """
+
+from relay.core.checkpoint_keys import use_source
+from relay.operators.checkpoint_keys_airflow import airflow_ring
+
+use_source(airflow_ring)  # inside Airflow, its Variable or Connection holds the key ring first

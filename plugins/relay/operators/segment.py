@@ -23,6 +23,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskD
 
 from relay.core import testhooks
 from relay.core.attempt import Attempt, AttemptState
+from relay.core.checkpoint_keys import checkpoint_keys
 from relay.core.exceptions import ChaosConfError, IllegalTransitionError, NotEnoughNodesError
 from relay.core.faults import Fault
 from relay.launchers import Launcher, launch_record, launcher_for
@@ -91,7 +92,8 @@ class TrainSegmentOperator(RelayOperator):
         self._finish_interrupted(context, seg_dir, lineage, launcher)
         self._stop_leftovers(context, seg_dir, launcher, lineage, parent, index)
         folder = _fresh_folder(seg_dir / f"try-{try_number}")
-        latest, corrupt = lineage.resume_point(parent, folder / "resume")
+        keys = checkpoint_keys()  # Airflow's Variable or Connection, a key file, or the default
+        latest, corrupt = lineage.resume_point(parent, folder / "resume", keys)
         resume_step = latest.manifest.step if latest else 0
         continuity = launcher.continuity
         hands_over = continuity is not None and continuity.hands_over(spec)
@@ -129,6 +131,7 @@ class TrainSegmentOperator(RelayOperator):
             resume=latest.resume_from() if latest is not None else None, chaos=chaos,
             entrypoint=spec.launch_entrypoint(Path(self.spec_file)), backend=spec.backend,
             deterministic=spec.deterministic, boundaries=boundaries, run_on_to=run_on_to,
+            checkpoint_keys=keys.to_dict(),
         )
         launch_called = time.time()
         attempt = launcher.launch(cfg)

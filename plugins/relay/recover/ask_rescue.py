@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from relay.core.attempt import Attempt
+from relay.core.checkpoint_keys import ring_for
 from relay.core.exceptions import StaleAgentError
 from relay.core.faults import RESCUABLE, Fault, FaultKind
 from relay.launchers import Launcher, launcher_from
@@ -34,6 +35,7 @@ from relay_train.protocol.manifest import (
 )
 from relay_train.protocol.rescue_files import RescueResult
 from relay_train.protocol.routes import ACK, DONE, FAULT, RANK, STEP, Route
+from relay_train.protocol.signing import sign
 
 if TYPE_CHECKING:
     from relay.launchers.agent_client import AgentChannel
@@ -186,7 +188,8 @@ def _fetch_state(channel: AgentChannel, node: str, result: RescueResult, attempt
 def publish_rescue(
     result: RescueResult, cfg: LaunchConfig, fault: Fault, parent: CheckpointRef | None
 ) -> CheckpointManifest:
-    """Log the rescued checkpoint to the attempt's MLflow run; return its manifest."""
+    """Log the rescued checkpoint to the attempt's MLflow run, its manifest signed with the
+    attempt's key ring like the ranks' own; return the manifest."""
     from relay_train.checkpoints.publish import (
         MlflowCheckpointSink,  # MLflow: only once there is one
     )
@@ -197,5 +200,6 @@ def publish_rescue(
         world_size=cfg.world_size, job=cfg.job, run_id=cfg.run_id, parent=parent,
         created_at=time.time(), origin=f"rescued from rank {result.rank} after {fault.kind.value}",
     )
+    manifest = sign(manifest, ring_for(cfg))
     MlflowCheckpointSink(cfg.tracking_uri, cfg.run_id).publish(Path(result.path), manifest)
     return manifest

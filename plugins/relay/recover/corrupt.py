@@ -1,10 +1,10 @@
 """Corrupt checkpoints met on the way to a resume point: recorded, skipped, decided on.
 
 The segment task looks for the latest valid checkpoint before it launches; every
-newer one whose files do not match its manifest is a ``corrupt_checkpoint``
-fault. There is no workload to stop: each is rejected in MLflow (the chooser
-skips it from then on) and put to the policy, whose rule may give up on the
-segment.
+newer one whose manifest is unsigned or badly signed, or whose files do not match
+its manifest, is a ``corrupt_checkpoint`` fault. There is no workload to stop: each
+is rejected in MLflow (the chooser skips it from then on) and put to the policy,
+whose rule may give up on the segment.
 """
 
 from __future__ import annotations
@@ -28,10 +28,7 @@ def record_corrupt(lineage: Any, run_id: str, corrupt: list[Any],  # noqa: ANN40
     return why the segment fails for good, if a decision says so (None: go on)."""
     for bad in corrupt:
         fault = Fault(FaultKind.CORRUPT_CHECKPOINT, None, None, {
-            "summary": f"checkpoint at step {bad.manifest.step} has sha256 "
-            f"{bad.actual_sha256[:12]}, its manifest says {bad.manifest.sha256[:12]}"
-            + (f" ({bad.detail})" if bad.detail else ""),
-            "checkpoint": str(bad.manifest.ref)})
+            "summary": bad.describe(), "checkpoint": str(bad.manifest.ref)})
         decision = decide(fault, history, policy.policy, policy.sha256)
         lineage.reject_checkpoint(bad.manifest, f"corrupt: {fault.evidence['summary']}")
         lineage.log_json(run_id, f"corrupt-step-{bad.manifest.step:08d}.json",

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from relay.core.checkpoint_keys import ring_for
 from relay.core.faults import Fault
 from relay.policy.decide import Decision
 from relay.recover.ask_rescue import publish_rescue
@@ -22,7 +23,7 @@ def next_resume(lineage: Any, parent_run: Callable[[], str],  # noqa: ANN401
     """Return the step the retry resumes from (None where MLflow could not say), and the
     record of a rescued state published because it is newer than the latest checkpoint."""
     found = best_effort("find the resume point",
-                        lambda: resume_point(lineage, parent_run(), decision, fault))
+                        lambda: resume_point(lineage, parent_run(), decision, fault, cfg))
     latest = found[0] if found else None
     resumed = saved.drained_at if saved.drained_at is not None else (
         None if found is None else latest.manifest.step if latest else 0)
@@ -42,11 +43,13 @@ def next_resume(lineage: Any, parent_run: Callable[[], str],  # noqa: ANN401
 
 
 def resume_point(lineage: Any, parent: str, decision: Decision,  # noqa: ANN401
-                 fault: Fault) -> tuple[Any, list[Any]]:  # noqa: ANN401
-    """Return where the next attempt resumes, rolling back first if the decision says so."""
+                 fault: Fault, cfg: LaunchConfig) -> tuple[Any, list[Any]]:  # noqa: ANN401
+    """Return where the next attempt resumes, rolling back first if the decision says so
+    (checking signatures with the key ring the attempt was launched with)."""
+    keys = ring_for(cfg)
     with tempfile.TemporaryDirectory() as tmp:
-        latest, corrupt = lineage.resume_point(parent, Path(tmp))
+        latest, corrupt = lineage.resume_point(parent, Path(tmp), keys)
         if decision.rollback and latest is not None:
             lineage.reject_checkpoint(latest.manifest, f"rollback after {fault.describe()}")
-            latest, corrupt = lineage.resume_point(parent, Path(tmp))
+            latest, corrupt = lineage.resume_point(parent, Path(tmp), keys)
     return latest, corrupt

@@ -15,6 +15,7 @@ from agents import FrozenAgent, ServedAttempt
 from torch import nn
 
 from relay.core.attempt import Attempt
+from relay.core.checkpoint_keys import checkpoint_keys
 from relay.core.faults import Fault, FaultKind
 from relay.lineage.store import Lineage
 from relay.recover.ask_rescue import donor, kept_rescue, publish_rescue
@@ -40,6 +41,7 @@ def _cfg(tmp_path: Path, tracking_uri: str = "sqlite:///unused.db", run_id: str 
         checkpoint_every=10, nodes=["node-a", "node-b"], ranks_per_node=2,
         master_addr="127.0.0.1", master_port=1, tracking_uri=tracking_uri, run_id=run_id,
         attempt_dir=str(tmp_path), attempt=1, segment=0,
+        checkpoint_keys=checkpoint_keys().to_dict(),  # as the segment task launches it
     )
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from relay.core.checkpoint_keys import checkpoint_keys
 from relay_train.checkpoints.checkpointer import (
     Checkpointer,
     load_verified,
@@ -27,6 +28,8 @@ from relay_train.protocol.manifest import (
     file_sha256,
     step_dir,
 )
+
+KEYS = checkpoint_keys()  # the test session's key ring ($RELAY_HOME's key file)
 
 RUN_ID = "run-abc"
 ROOT_PARENT = CheckpointRef(run_id="run-earlier", step=0, sha256="0" * 64)
@@ -132,7 +135,7 @@ def test_publishes_every_checkpoint_in_order_with_a_parent_chain(
         tmp_path / "staging",
         job="demo",
         world_size=4,
-        parent=ROOT_PARENT,
+        parent=ROOT_PARENT, keys=KEYS,
         asynchronous=asynchronous,
         on_published=lambda m: seen.append(m.step),
     )
@@ -164,7 +167,8 @@ def test_first_checkpoint_without_parent_has_none(tmp_path: Path) -> None:
     model, optimizer = make_model()
     sink = FolderSink(tmp_path / "sink")
     checkpointer = Checkpointer(
-        sink, tmp_path / "staging", job="demo", world_size=1, parent=None, asynchronous=False
+        sink, tmp_path / "staging", job="demo", world_size=1, parent=None, keys=KEYS,
+        asynchronous=False
     )
     checkpointer.save(model, optimizer, 5, {})
     checkpointer.save(model, optimizer, 6, {})
@@ -178,7 +182,8 @@ def test_first_checkpoint_without_parent_has_none(tmp_path: Path) -> None:
 def test_submitted_work_runs_in_order_with_checkpoints(tmp_path: Path, closing: list) -> None:
     model, optimizer = make_model()
     sink = FolderSink(tmp_path / "sink")
-    checkpointer = Checkpointer(sink, tmp_path / "staging", job="j", world_size=1, parent=None)
+    checkpointer = Checkpointer(sink, tmp_path / "staging", job="j", world_size=1, parent=None,
+                                keys=KEYS)
     closing.append(checkpointer)
     order: list[str] = []
     checkpointer.save(model, optimizer, 1, {})
@@ -196,7 +201,8 @@ def test_async_snapshot_is_a_copy_of_the_live_state(tmp_path: Path, closing: lis
     # The sink holds the background thread inside publish(1), so checkpoint 2
     # is written to disk only after the test has changed the live weights.
     sink = FolderSink(tmp_path / "sink", gate_at_step=1, gate=gate)
-    checkpointer = Checkpointer(sink, tmp_path / "staging", job="j", world_size=1, parent=None)
+    checkpointer = Checkpointer(sink, tmp_path / "staging", job="j", world_size=1, parent=None,
+                                keys=KEYS)
     closing.append(checkpointer)
 
     checkpointer.save(model, optimizer, 1, {})
@@ -240,7 +246,8 @@ def test_failing_sink_surfaces_from_close_and_stops_later_publishes(
     model, optimizer = make_model()
     gate = threading.Event()
     sink = FolderSink(tmp_path / "sink", fail_at_step=2, gate_at_step=2, gate=gate)
-    checkpointer = Checkpointer(sink, tmp_path / "staging", job="j", world_size=1, parent=None)
+    checkpointer = Checkpointer(sink, tmp_path / "staging", job="j", world_size=1, parent=None,
+                                keys=KEYS)
     closing.append(checkpointer)
 
     checkpointer.save(model, optimizer, 1, {})
@@ -268,7 +275,8 @@ def test_sync_sink_failure_raises_from_save(tmp_path: Path) -> None:
     model, optimizer = make_model()
     sink = FolderSink(tmp_path / "sink", fail_at_step=1)
     checkpointer = Checkpointer(
-        sink, tmp_path / "staging", job="j", world_size=1, parent=None, asynchronous=False
+        sink, tmp_path / "staging", job="j", world_size=1, parent=None, keys=KEYS,
+        asynchronous=False
     )
     with pytest.raises(OSError, match="sink is full"):
         checkpointer.save(model, optimizer, 1, {})
@@ -279,7 +287,8 @@ def test_load_verified_round_trips_state(tmp_path: Path) -> None:
     model, optimizer = make_model()
     sink = FolderSink(tmp_path / "sink")
     checkpointer = Checkpointer(
-        sink, tmp_path / "staging", job="j", world_size=1, parent=None, asynchronous=False
+        sink, tmp_path / "staging", job="j", world_size=1, parent=None, keys=KEYS,
+        asynchronous=False
     )
     checkpointer.save(model, optimizer, 12, {"data": {"position": 12, "seed": 7}})
     path, manifest = sink.published[0]
@@ -302,7 +311,8 @@ def test_load_verified_rejects_a_flipped_byte(tmp_path: Path) -> None:
     model, optimizer = make_model()
     sink = FolderSink(tmp_path / "sink")
     checkpointer = Checkpointer(
-        sink, tmp_path / "staging", job="j", world_size=1, parent=None, asynchronous=False
+        sink, tmp_path / "staging", job="j", world_size=1, parent=None, keys=KEYS,
+        asynchronous=False
     )
     checkpointer.save(model, optimizer, 1, {})
     path, manifest = sink.published[0]
@@ -320,7 +330,8 @@ def test_restore_rng_replays_the_draws_after_the_snapshot(tmp_path: Path) -> Non
     model, optimizer = make_model()
     sink = FolderSink(tmp_path / "sink")
     checkpointer = Checkpointer(
-        sink, tmp_path / "staging", job="j", world_size=1, parent=None, asynchronous=False
+        sink, tmp_path / "staging", job="j", world_size=1, parent=None, keys=KEYS,
+        asynchronous=False
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1234)
@@ -416,7 +427,8 @@ def test_flush_waits_until_the_checkpoints_queued_so_far_are_published(
     model, optimizer = make_model()
     gate = threading.Event()
     sink = FolderSink(tmp_path / "sink", gate_at_step=30, gate=gate)
-    checkpointer = Checkpointer(sink, tmp_path / "staging", job="j", world_size=1, parent=None)
+    checkpointer = Checkpointer(sink, tmp_path / "staging", job="j", world_size=1, parent=None,
+                                keys=KEYS)
     closing.append(checkpointer)
     checkpointer.save(model, optimizer, 30, {})
     assert checkpointer.flush(0.3) is False  # the upload of step 30 still runs

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from relay.core.checkpoint_keys import checkpoint_keys
 from relay_train.checkpoints.checkpointer import Checkpointer, load_verified
 from relay_train.checkpoints.dcp import (
     DcpCheckpointer,
@@ -36,6 +37,8 @@ from relay_train.protocol.manifest import (
     tree_mismatches,
     tree_sha256s,
 )
+
+KEYS = checkpoint_keys()  # the test session's key ring ($RELAY_HOME's key file)
 
 OLD_MANIFEST = {  # as logged before manifests had a format
     "step": 10, "sha256": "ab" * 32, "size_bytes": 5, "world_size": 4, "job": "demo",
@@ -79,7 +82,8 @@ def published(tmp_path: Path) -> tuple[nn.Module, torch.optim.Optimizer, Path, C
     """A model saved as DCP at step 7 (one process, no process group) and published."""
     model, optimizer = _trained()
     sink = FolderSink(tmp_path / "sink")
-    publisher = Checkpointer(sink, tmp_path / "staging", job="j", world_size=1, parent=None)
+    publisher = Checkpointer(sink, tmp_path / "staging", job="j", world_size=1, parent=None,
+                             keys=KEYS)
     saver = DcpCheckpointer(tmp_path / "staging", publisher)
     stats = saver.save_model(model, optimizer, 7, {"position": torch.tensor(7)})
     assert stats.step == 7 and stats.stall_seconds >= 0

@@ -356,6 +356,7 @@ def test_spawned_rank_refuses_forced_nccl_on_cpu_with_the_fix_in_its_log(
     """
     from relay_train.agent import node as agent
     from relay_train.protocol.launch import LaunchConfig
+    from relay_train.protocol.signing import KeyRing
 
     monkeypatch.setattr(agent, "rank_start_method", lambda: "spawn")
     cfg = LaunchConfig(
@@ -364,6 +365,7 @@ def test_spawned_rank_refuses_forced_nccl_on_cpu_with_the_fix_in_its_log(
         master_port=1, tracking_uri=f"sqlite:///{tmp_path / 'x.db'}", run_id="r",
         attempt_dir=str(tmp_path),
         attempt=1, segment=0, backend="nccl",
+        checkpoint_keys=KeyRing.generate().to_dict(),  # as a launcher writes it
     )
     launch = tmp_path / "launch.json"
     cfg.write(launch)

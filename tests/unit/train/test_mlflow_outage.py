@@ -11,9 +11,11 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from tenacity import Retrying, stop_after_attempt, wait_none
 
+from relay.core.checkpoint_keys import checkpoint_keys
 from relay_train.checkpoints.checkpointer import Checkpointer
 from relay_train.checkpoints.publish import MlflowCheckpointSink
 
+KEYS = checkpoint_keys()  # the test session's key ring ($RELAY_HOME's key file)
 
 def no_wait(attempts: int) -> Retrying:
     return Retrying(stop=stop_after_attempt(attempts), wait=wait_none(), reraise=True)
@@ -41,7 +43,7 @@ def test_metrics_that_mlflow_refuses_are_dropped_and_checkpoints_still_publish(
     monkeypatch.setattr(MlflowClient, "log_batch", outage)
     sink = MlflowCheckpointSink(uri, run_id, retrying=no_wait(3), optional_retrying=no_wait(3))
     checkpointer = Checkpointer(sink, tmp_path / "staging", job="outage", world_size=1,
-                                parent=None, asynchronous=True)
+                                parent=None, keys=KEYS, asynchronous=True)
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING, logger="relay_train.checkpoints.publish"):

@@ -184,7 +184,8 @@ class KubernetesLauncher(KubernetesNodes):
         cfg.root.mkdir(parents=True, exist_ok=True)
         cfg.write(cfg.root / LAUNCH_FILE)  # for this worker's reports; the record travels
         pod_cfg = replace(cfg, attempt_dir=POD_ATTEMPT_DIR, master_addr=master_addr(key),
-                          master_port=RENDEZVOUS_PORT, attempt_id=attempt_id_of(cfg.root))
+                          master_port=RENDEZVOUS_PORT, attempt_id=attempt_id_of(cfg.root),
+                          checkpoint_keys={})  # not in a ConfigMap: the pods mount KEYS_SECRET
         _ = self.channel_tls  # no CA Secret, no pods: Relay could not talk to them
         held = NodePool().quarantines()
         self.enforce_quarantines(held)

@@ -27,12 +27,14 @@ from relay_train.protocol.env import (
     ENV_CHANNEL_SECRET,
     ENV_CHANNEL_TLS_CERT,
     ENV_CHANNEL_TLS_KEY,
+    ENV_CHECKPOINT_KEYS_FILE,
     ENV_HOST,
     ENV_NODE_INDEX,
     ENV_TRACKING_URI,
 )
 from relay_train.protocol.launch import LAUNCH_FILE
 from relay_train.protocol.routes import AGENT_PORT
+from relay_train.protocol.signing import KEYRING_FILE
 
 GROUP = "relay.dev"
 LABEL_ATTEMPT_ID = f"{GROUP}/attempt-id"
@@ -55,6 +57,10 @@ POD_HOME = "/relay/home"  # HOME: MLflow's ~/.config/mlflow, ~/.cache (torch hub
 SECRET_TRACKING_URI = "tracking-uri"
 SECRET_CHANNEL = "channel-secret"
 SECRET_ENV = {SECRET_TRACKING_URI: ENV_TRACKING_URI, SECRET_CHANNEL: ENV_CHANNEL_SECRET}
+# The deployment's checkpoint key ring: a Secret the operator creates (key KEYRING_FILE),
+# mounted read-only; the ranks sign and verify checkpoint manifests with it.
+KEYS_SECRET = "relay-checkpoint-key"
+KEYS_MOUNT = "/relay/keys"
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
@@ -184,14 +190,19 @@ def _writable_volumes() -> list[tuple[str, str, dict[str, Any]]]:
 
 
 def _mounts() -> list[dict[str, Any]]:
-    """Return the container's volume mounts: the launch file read-only, the rest writable."""
-    return [{"name": "launch", "mountPath": LAUNCH_MOUNT, "readOnly": True}] + [
+    """Return the container's volume mounts: the launch file and the checkpoint key ring
+    read-only, the rest writable."""
+    return [{"name": "launch", "mountPath": LAUNCH_MOUNT, "readOnly": True},
+            {"name": "checkpoint-keys", "mountPath": KEYS_MOUNT, "readOnly": True}] + [
         {"name": name, "mountPath": path} for name, path, _ in _writable_volumes()]
 
 
 def _volumes(key: AttemptKey) -> list[dict[str, Any]]:
     """Return the pod's volumes (see :func:`_mounts`)."""
-    return [{"name": "launch", "configMap": {"name": key.name}}] + [
+    keys = {"secretName": KEYS_SECRET, "defaultMode": 0o440,  # readable by the pod's fsGroup
+            "items": [{"key": KEYRING_FILE, "path": KEYRING_FILE}]}
+    return [{"name": "launch", "configMap": {"name": key.name}},
+            {"name": "checkpoint-keys", "secret": keys}] + [
         {"name": name, "emptyDir": empty} for name, _, empty in _writable_volumes()]
 
 
@@ -233,6 +244,7 @@ def _container(k8s: KubernetesSpec, key: AttemptKey, secret_keys: list[str]) -> 
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},  # the image is read-only
         {"name": "HOME", "value": POD_HOME},
+        {"name": ENV_CHECKPOINT_KEYS_FILE, "value": f"{KEYS_MOUNT}/{KEYRING_FILE}"},
         *_secret_env(key, secret_keys),
     ]
     container: dict[str, Any] = {
@@ -260,7 +272,7 @@ def add_channel_tls(pod_spec: dict[str, Any], secret: str | None) -> dict[str, A
     if secret is None:
         return pod_spec
     pod_spec["volumes"].append({"name": "channel-tls", "secret": {
-        "secretName": secret, "defaultMode": 0o444,
+        "secretName": secret, "defaultMode": 0o440,  # readable by the pod's fsGroup
         "items": [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]}})
     container = next(c for c in pod_spec["containers"] if c["name"] == AGENT_CONTAINER)
     container["volumeMounts"].append(

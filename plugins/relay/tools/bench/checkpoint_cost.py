@@ -31,6 +31,7 @@ from relay_train.checkpoints.checkpointer import Checkpointer
 from relay_train.checkpoints.publish import MlflowCheckpointSink
 from relay_train.examples.data import CharStream, load_corpus, mix_seed
 from relay_train.examples.transformer import ModelConfig, build_model
+from relay_train.protocol.signing import KeyRing
 
 
 @dataclass
@@ -114,7 +115,8 @@ def main(checkpoints: int = 8, d_model: int = 384, n_layers: int = 6, steps_betw
         for mode in ("sync", "async"):
             run_id = client.create_run(exp, run_name=mode).info.run_id
             ckpt = Checkpointer(MlflowCheckpointSink(uri, run_id), root / mode, job="bench",
-                                world_size=1, parent=None, asynchronous=(mode == "async"))
+                                world_size=1, parent=None, keys=KeyRing.generate(),
+                                asynchronous=(mode == "async"))
             blocks[mode] = run_block(trainer, ckpt, checkpoints, steps_between)
             size_mb = ckpt.published[-1].size_bytes / 1e6
     sync, asyn = blocks["sync"], blocks["async"]

@@ -12,6 +12,7 @@ from typing import Any
 from mlflow.tracking import MlflowClient
 
 from relay.core.attempt import Attempt
+from relay.core.checkpoint_keys import checkpoint_keys
 from relay.launchers.local.launcher import LocalLauncher, free_port
 from relay.policy.model import Detection
 from relay.watch.triggers import SegmentWatchTrigger
@@ -55,6 +56,7 @@ def launch_config(
         master_port=free_port(), tracking_uri=store.uri, run_id=store.new_run(),
         attempt_dir=str(attempt_dir), attempt=1, segment=0,
         heartbeat_interval_seconds=heartbeat_interval, chaos=chaos or [],
+        checkpoint_keys=checkpoint_keys().to_dict(),
     )
 
 

@@ -28,17 +28,18 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from relay.core.checkpoint_keys import checkpoint_keys
 from relay.launchers.local.launcher import free_port
 from relay.lineage.report import chaos_strikes, first_step_at
 from relay_train.inject import child_pids
 from relay_train.protocol import pids
 from relay_train.protocol.heartbeat import read_heartbeats
 from relay_train.protocol.injection import LASTING
-from relay_train.protocol.launch import LaunchConfig, ResumeFrom
+from relay_train.protocol.launch import LaunchConfig
 
 LIVE_GRACE_SECONDS = 3.0  # a healthy torchrun tears its ranks down and exits in ~2 s
 # Which mechanism ends a torchrun run after each injected fault kind (ENVIRONMENT.md).
@@ -208,8 +209,8 @@ def run_baseline(
             master_addr="127.0.0.1", master_port=free_port(), tracking_uri=lineage.tracking_uri,
             run_id=run_id, attempt_dir=str(attempt_dir), attempt=attempt, segment=0,
             collective_timeout_seconds=collective_timeout, chaos=schedule,
-            resume=ResumeFrom(str(latest.path), latest.manifest.sha256, latest.manifest.run_id,
-                              latest.manifest.step) if latest else None,
+            resume=replace(latest.resume_from(), artifact="") if latest else None,
+            checkpoint_keys=checkpoint_keys().to_dict(),
         )
         launch = attempt_dir / "launch.json"
         cfg.write(launch)

@@ -206,7 +206,8 @@ def test_kubernetes_pods_mount_the_secret_and_the_configmap_holds_no_key(
     monkeypatch.setenv("RELAY_NODES", "gpu-1")
     hook = KubernetesHook(conn_id=None, kubernetes_conn_id=None,
                           config_file=str(fake.kubeconfig(tmp_path / "kubeconfig")))
-    launcher = KubernetesLauncher(KubernetesSpec(image="registry.example.com/relay:0.1"),
+    launcher = KubernetesLauncher(KubernetesSpec(image="registry.example.com/relay:0.1",
+                                                 channel_tls_secret=None, channel_ca_secret=None),
                                   hook=hook, retry_wait_seconds=0)
     root = tmp_path / "runs" / "relay_k" / "run-1" / "segment-000" / "try-1"
     cfg = replace(_cfg(root, KeyRing(write="k1", keys={"k1": OLD})),

@@ -23,6 +23,7 @@ from k8s_pod_host import PodHost, can_host_pods
 
 from relay.launchers.k8s.access import split_launch
 from relay.launchers.k8s.objects import (
+    KEYS_SECRET,
     POD_ATTEMPT_DIR,
     RENDEZVOUS_PORT,
     WORKER_UID,
@@ -33,6 +34,7 @@ from relay.launchers.k8s.objects import (
 from relay.spec.sections import KubernetesSpec
 from relay_train.protocol.channel_auth import new_secret
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
+from relay_train.protocol.signing import KEYRING_FILE, KeyRing
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(bool(can_host_pods()), reason=can_host_pods() or "ok")]
@@ -80,7 +82,9 @@ def test_a_pod_trains_and_publishes_with_its_root_file_system_read_only(tmp_path
     launch.chmod(0o755)
     (launch / LAUNCH_FILE).chmod(0o644)
 
-    host = PodHost(job, 0, "node-a", tmp_path / "pod", secrets={key.name: secret},
+    ring = KeyRing.generate()  # the deployment's Secret relay-checkpoint-key: rank 0 signs
+    secrets = {key.name: secret, KEYS_SECRET: {KEYRING_FILE: json.dumps(ring.to_dict())}}
+    host = PodHost(job, 0, "node-a", tmp_path / "pod", secrets=secrets,
                    extra_binds={SERVER: server}, folders={"launch": launch})
     host.work.mkdir()
     done = host.run(timeout=480)

@@ -34,6 +34,7 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
 from relay.core.attempt import Attempt, AttemptState
+from relay.launchers import launch_record
 from relay.launchers.agent_client import AgentChannel
 from relay.launchers.base import LaunchStatus, overall_state
 from relay.launchers.k8s.access import network_policy_manifest, secret_manifest, split_launch
@@ -325,15 +326,15 @@ class KubernetesLauncher(KubernetesNodes):
         return self._channels[key.name]
 
     def channel_secret(self, attempt: Attempt) -> str:
-        """Return the channel secret the attempt's pods got, from the launch file this
-        launcher wrote under RELAY_HOME (0600; shared by Airflow's workers and triggerer on
-        a cluster); "" when it is not there (every agent refuses). The pods read it from the
-        attempt's Secret, which Relay never reads back."""
+        """Return the channel secret the attempt's pods got: from its launch record restored
+        in this process (unsealed with the deployment's key ring), else the launch file this
+        launcher wrote (0600); "" when there is neither (every agent refuses). The pods read
+        it from the attempt's Secret, which Relay never reads back."""
         try:
-            return LaunchConfig.read(attempt.runs_in / LAUNCH_FILE).channel_secret
+            return launch_record.config_of(attempt.runs_in).channel_secret
         except (OSError, ValueError, TypeError) as exc:
-            log.error("No channel secret for %s: expected it in %s, found none (%s); its agents "
-                      "will refuse this worker", attempt.runs_in.name,
+            log.error("No channel secret for %s: expected its launch record or %s, found "
+                      "neither (%s); its agents will refuse this worker", attempt.runs_in.name,
                       attempt.runs_in / LAUNCH_FILE, exc)
             return ""
 

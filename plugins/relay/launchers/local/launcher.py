@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from relay.core.attempt import Attempt, AttemptState
 from relay.core.exceptions import NotOursError
 from relay.core.proctree import group_members
+from relay.launchers import launch_record
 from relay.launchers.agent_client import MAX_PARALLEL, AgentChannel
 from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
 from relay.launchers.local.signals import LocalSignals
@@ -79,14 +80,14 @@ def free_port() -> int:
 
 
 def channel_secret(root: Path) -> str:
-    """Return the channel secret of the attempt at ``root``: its launch file's (written 0600
-    on this machine, where its agents run); "" when there is none (every agent refuses)."""
+    """Return the channel secret of the attempt at ``root``: from its launch record restored
+    in this process (the secret unsealed), else its launch file (0600, on the machine that
+    launched it); "" when there is neither (every agent refuses)."""
     try:
-        return LaunchConfig.read(root / LAUNCH_FILE).channel_secret
+        return launch_record.config_of(root).channel_secret
     except (OSError, ValueError, TypeError) as exc:
-        log.error("No channel secret for %s: expected %s with field channel_secret, found %s; "
-                  "its agents will refuse this worker (run it where the attempt was launched)",
-                  root, root / LAUNCH_FILE, exc)
+        log.error("No channel secret for %s: expected its launch record or %s, found neither "
+                  "(%s); its agents will refuse this worker", root, root / LAUNCH_FILE, exc)
         return ""
 
 

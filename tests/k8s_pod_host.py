@@ -122,6 +122,7 @@ class PodHost:
                 lines.append(f"mount -t tmpfs -o mode=1777 {mount['name']} {target}")
             else:  # a ConfigMap or Secret: its files, read-only
                 lines.append(f"mount --bind -o ro {self._folder(volume)} {target}")
+        lines += self._image_under_volumes(root, container)
         for inside, folder in self.extra_binds.items():
             lines += [f"mkdir -p {root}{inside}", f"mount --bind {folder} {root}{inside}"]
         lines += ["mount -o remount,ro " + str(root), "ip link set lo up"]
@@ -150,6 +151,20 @@ class PodHost:
                     "2>/dev/null | head -30" for m in container.get("volumeMounts", [])),
                   f"tail -n 40 {root}/relay/attempt/logs/* 2>/dev/null", "exit $rc"]
         return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _image_under_volumes(root: Path, container: dict[str, Any]) -> list[str]:
+        """Bind the project and its Python environment back, read-only, where a volume hides
+        them: in a real image they are the image's files, but a checkout under /tmp (CI
+        clones one there) is hidden by the pod's /tmp emptyDir."""
+        image = {Path(__file__).resolve().parents[1], Path(sys.prefix).resolve()}
+        mounts = [Path(m["mountPath"]) for m in container.get("volumeMounts", [])]
+        lines: list[str] = []
+        for path in sorted(image):
+            if any(path.is_relative_to(m) for m in mounts):
+                lines += [f"mkdir -p {root}{path}", f"mount --rbind {path} {root}{path}",
+                          f"mount -o remount,bind,ro {root}{path}"]
+        return lines
 
     def _folder(self, volume: dict[str, Any]) -> Path:
         """Return the host folder of a ConfigMap or Secret volume (a Secret's from

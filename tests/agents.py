@@ -46,13 +46,18 @@ class ServedNode:
         self.stop_reasons.append(reason)
 
 
-def attempt_secret(root: Path) -> str:
+def attempt_secret(root: Path, nodes: dict[str, list[int]]) -> str:
     """Return the channel secret of the attempt at ``root``: its launch file's, as a launcher
-    would have made it (one is made and written there if the file has none); a fresh one
-    when there is no launch file."""
+    would have made it (one is made and written there if the file has none, and a minimal
+    launch file is written where there is none: the launcher's channel reads it there)."""
     launch = root / LAUNCH_FILE
     if not launch.exists():
-        return new_secret()
+        root.mkdir(parents=True, exist_ok=True)
+        ranks = max((len(r) for r in nodes.values()), default=1)
+        LaunchConfig(job="served", seed=0, model={}, data={}, optimizer={}, start_step=0,
+                     end_step=1, checkpoint_every=1, nodes=list(nodes), ranks_per_node=ranks,
+                     tracking_uri="", run_id="", attempt_dir=str(root), attempt=0, segment=0,
+                     channel_secret=new_secret()).write(launch)
     cfg = LaunchConfig.read(launch)
     if not cfg.channel_secret:
         cfg = dataclasses.replace(cfg, channel_secret=new_secret())
@@ -68,7 +73,7 @@ class ServedAttempt:
         self.root = root
         served_id = attempt_id or attempt_id_of(root)
         self.nodes = {n: ServedNode(root, n, ranks, served_id) for n, ranks in nodes.items()}
-        self.secret = attempt_secret(root)
+        self.secret = attempt_secret(root, nodes)
         self.servers = {n: AgentServer(agent, "127.0.0.1", 0, secret=self.secret).start()
                         for n, agent in self.nodes.items()}
         self.addresses = {n: "http://{}:{}".format(*s.address) for n, s in self.servers.items()}

@@ -113,6 +113,7 @@ class Session(SessionState):
         self._injected = 0.0
         self._last_step = cfg.start_step
         self._loop_started: float | None = None
+        self._loop_ended = False  # steps() ran to its end (the segment's, or a drain's)
         self._closed = False
         self._chaos.at_startup()
         self._heartbeat.start()
@@ -132,6 +133,11 @@ class Session(SessionState):
     def end_step(self) -> int:
         """Return the step this segment ends at (exclusive)."""
         return self.cfg.end_step
+
+    @property
+    def total_steps(self) -> int:
+        """Return the job's last step (its ``total_steps``): the end of its last segment."""
+        return self.cfg.job_steps
 
     @property
     def world_size(self) -> int:
@@ -203,6 +209,7 @@ class Session(SessionState):
             resumed = time.perf_counter()
             self._bounds.poll()
             if step >= self._bounds.limit and not self._bounds.agree(step, self.device):
+                self._loop_ended = True
                 return
             self._follow_adoption(step)
             if self.rank == 0 and step in self.cfg.boundaries and step > self.start_step:
@@ -211,6 +218,7 @@ class Session(SessionState):
             stop_at = self._drain.stop_at()
             if stop_at is not None and step >= stop_at:
                 log.warning("rank %d drained at step %d", self.rank, step)
+                self._loop_ended = True
                 return
             self._chaos.before_step(step)
             self._heartbeat.enter(Phase.COMPUTE)

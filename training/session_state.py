@@ -61,6 +61,9 @@ class SessionState:
     _metrics: list[tuple[int, dict[str, float], int]]
     _stall: float
     _closed: bool
+    _last_step: int
+    _loop_ended: bool
+    _where: tuple[int, int]
     _await_owner: Callable[[int], None]
     start_step: int
     end_step: int
@@ -122,6 +125,7 @@ class SessionState:
         Rank 0 publishes (DDP replicas are identical); on other ranks this is a
         no-op. Asynchronous: the loop waits only for an in-memory copy.
         """
+        self._last_step = max(self._last_step, step)  # a script may save without report
         if self.rank != 0:
             return 0.0
         self._await_owner(step)
@@ -146,6 +150,7 @@ class SessionState:
                                         self._publisher() if self.rank == 0 else None)
         if self.rank == 0:
             self._await_owner(step)
+        self._last_step = max(self._last_step, step)
         self._heartbeat.enter(Phase.CHECKPOINT)
         return self._dcp.save(state, step).stall_seconds
 
@@ -174,6 +179,21 @@ class SessionState:
         return (step % self.cfg.checkpoint_every == 0
                 or step in (self.end_step, self._drain.last)
                 or step in self._bounds.checkpoint_steps())
+
+    def shortfall(self) -> tuple[int, int, int] | None:
+        """Return (step reached, step expected, segment) if the script ended early.
+
+        Not short: :meth:`steps` ran to its end (the segment's, a later one's after an
+        adoption, or a drain's stop), or the steps reported or saved reached it.
+        """
+        if self._loop_ended:
+            return None
+        reached = self._last_step
+        expected = self.end_step if reached < self.end_step else self._bounds.limit
+        stop_at = self._drain.stop_at()
+        if stop_at is not None:
+            expected = min(expected, stop_at)
+        return None if reached >= expected else (reached, expected, self._where[0])
 
     def finish_publishing(self, timeout_seconds: float = 3.0) -> None:
         """After a failure: let checkpoints already saved reach MLflow before the rank dies.

@@ -6,7 +6,9 @@ segment's bounds). The entrypoint is the user's script or module from the job
 spec, or the built-in example; it talks to Relay through ``relay_train`` only.
 An entrypoint that cannot be found or imported fails here, with its own error
 in the rank's log, which the agent reports and Relay classifies as a launch
-failure.
+failure. A script that returns cleanly before its segment's end fails too: the rank
+exits ``SHORT_SEGMENT_EXIT`` with ``short_segment_message`` as its log's last line,
+which Relay classifies as a ``short_segment`` fault.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ import traceback
 from pathlib import Path
 
 from relay_train.protocol.env import ENV_NODE
-from relay_train.protocol.launch import Entrypoint, LaunchConfig
+from relay_train.protocol.launch import (
+    SHORT_SEGMENT_EXIT,
+    Entrypoint,
+    LaunchConfig,
+    short_segment_message,
+)
 from relay_train.timing import StartupClock
 
 log = logging.getLogger("relay_train.worker")
@@ -72,10 +79,14 @@ def run_rank(launch_file: Path) -> int:
     from relay_train import api
 
     session = api.current()
+    short = session.shortfall() if session is not None and code == 0 else None
     if session is not None and code == 0:
         session.close()  # the script forgot to: still publish what it saved
     elif session is not None:
         session.finish_publishing()
+    if short is not None:  # a clean exit before the segment's end: the attempt fails
+        print(short_segment_message(rank, *short), file=sys.stderr, flush=True)
+        return SHORT_SEGMENT_EXIT
     return code
 
 

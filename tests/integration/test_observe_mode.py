@@ -52,6 +52,7 @@ rules:
   launch_failure:      {action: restart_elsewhere, quarantine: 15m}
   nan_loss:            {action: rollback}
   corrupt_checkpoint:  {action: rollback}
+  short_segment:       {action: abort}
 escalation:
   target: test-governance
   webhook: WEBHOOK

@@ -23,6 +23,7 @@ ENV_NODE_AGENT_PID = "RELAY_NODE_AGENT_PID"
 # The segment a rank trains, for the user's script (LaunchConfig.rank_environment).
 ENV_START_STEP = "RELAY_START_STEP"
 ENV_END_STEP = "RELAY_END_STEP"
+ENV_TOTAL_STEPS = "RELAY_TOTAL_STEPS"  # the job's last step (its total_steps)
 ENV_ATTEMPT_DIR = "RELAY_ATTEMPT_DIR"
 ENV_SEGMENT = "RELAY_SEGMENT"
 ENV_ATTEMPT = "RELAY_ATTEMPT"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from relay_train.protocol.env import (
     ENV_RESUME_PATH,
     ENV_SEGMENT,
     ENV_START_STEP,
+    ENV_TOTAL_STEPS,
     ENV_TRACKING_URI,
 )
 
@@ -30,6 +32,31 @@ RESULT_FILE = "result.json"  # written by rank 0 when the attempt ends: steps an
 ADOPT_FILE = "adopt.json"  # written by Relay: a later segment's task adopted this workload
 BOUNDARIES_FILE = "boundaries.jsonl"  # rank 0: what each segment boundary cost the loop
 BUILTIN_ENTRYPOINT = "relay_train.examples.charlm"  # what a spec without an entrypoint runs
+
+# A rank whose script returned (exit 0) before its segment's end: relay_train.worker exits
+# with this code (sysexits' EX_CONFIG) after writing short_segment_message() as the last line
+# of its log; Relay's watcher needs both (a script's own sys.exit(78) is a crash).
+SHORT_SEGMENT_EXIT = 78
+_SHORT_SEGMENT = re.compile(r"relay_train: short segment: rank (\d+) .* at step (\d+); "
+                            r"expected .* to step (\d+)")
+
+
+def short_segment_message(rank: int, reached: int, expected: int, segment: int) -> str:
+    """Return the line a rank that ended early writes last (:func:`parse_short_segment`)."""
+    return (f"relay_train: short segment: rank {rank} returned from the script at step "
+            f"{reached}; expected it to train to step {expected} (the end of segment "
+            f"{segment}). Relay does not retry this: fix the script's loop, e.g. `for step in "
+            "session.steps():` (it runs to session.end_step), and do not return or exit "
+            "before it ends")
+
+
+def parse_short_segment(log_tail: str) -> tuple[int, int, int] | None:
+    """Return (rank, step reached, step expected) from a rank's log tail, or None."""
+    found = _SHORT_SEGMENT.findall(log_tail)
+    if not found:
+        return None
+    rank, reached, expected = found[-1]
+    return int(rank), int(reached), int(expected)
 
 
 def attempt_id_of(attempt_dir: Path) -> str:
@@ -119,6 +146,14 @@ class LaunchConfig:
     # left out of launch records and of a Kubernetes ConfigMap (pods mount a Secret, named
     # by RELAY_CHECKPOINT_KEYS_FILE instead).
     checkpoint_keys: dict[str, Any] = field(default_factory=dict, repr=False)
+    # The job's total_steps (its last step), for the script (Session.total_steps); 0 in
+    # launch files from before it was written: the last segment end known, else end_step.
+    total_steps: int = 0
+
+    @property
+    def job_steps(self) -> int:
+        """Return the job's last step: ``total_steps``, else the last segment end known."""
+        return self.total_steps or max([self.end_step, *self.boundaries])
 
     @property
     def fence_id(self) -> str:
@@ -194,6 +229,7 @@ class LaunchConfig:
             "OMP_NUM_THREADS": "1",
             ENV_LAUNCH: str(self.root / LAUNCH_FILE),
             ENV_START_STEP: str(self.start_step), ENV_END_STEP: str(self.end_step),
+            ENV_TOTAL_STEPS: str(self.job_steps),
             ENV_ATTEMPT_DIR: str(self.root), ENV_SEGMENT: str(self.segment),
             ENV_ATTEMPT: str(self.attempt),
             ENV_RESUME_PATH: self.resume.path if self.resume else "",

@@ -26,11 +26,16 @@ class FaultKind(StrEnum):
     LAUNCH_FAILURE = "launch_failure"
     NAN_LOSS = "nan_loss"
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"
+    # A rank's script returned (exit 0) before its segment's end: the job's configuration or
+    # script is wrong, and the same launch would end the same way; never retried.
+    SHORT_SEGMENT = "short_segment"
 
 
 # After these the other ranks are healthy and merely waiting in a collective, holding
 # state complete up to the last finished step: Relay asks one for it (relay.recover.ask_rescue).
 RESCUABLE = frozenset({FaultKind.HANG, FaultKind.RANK_UNRESPONSIVE, FaultKind.NODE_UNRESPONSIVE})
+# Faults of the job's own configuration or script: a retry would meet them again.
+NOT_RETRYABLE = frozenset({FaultKind.SHORT_SEGMENT})
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ class TrainSegmentOperator(RelayOperator):
             resume=latest.resume_from() if latest is not None else None, chaos=chaos,
             entrypoint=spec.launch_entrypoint(Path(self.spec_file)), backend=spec.backend,
             deterministic=spec.deterministic, boundaries=boundaries, run_on_to=run_on_to,
-            checkpoint_keys=keys.to_dict(),
+            checkpoint_keys=keys.to_dict(), total_steps=spec.total_steps,
         )
         launch_called = time.time()
         attempt = launcher.launch(cfg)

@@ -54,6 +54,8 @@ def fault_sentence(kind: FaultKind, d: Detection) -> str:
         + ("" if d.nan_loss else ": not watched by this policy"),
         FaultKind.CORRUPT_CHECKPOINT: "a checkpoint does not match the sha256 recorded when it "
         "was saved (corrupt_checkpoint)",
+        FaultKind.SHORT_SEGMENT: "a rank's script returns before its segment's end "
+        "(short_segment): it exits cleanly at an earlier step than the segment's last",
     }[kind]
 
 

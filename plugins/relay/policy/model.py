@@ -154,6 +154,8 @@ FIXES = {
     "rules.throughput_degraded": "e.g. throughput_degraded: {action: checkpoint_and_migrate}",
     "rules.nan_loss": "e.g. nan_loss: {action: rollback, max_attempts: 2}",
     "rules.corrupt_checkpoint": "e.g. corrupt_checkpoint: {action: rollback}",
+    "rules.short_segment": "e.g. short_segment: {action: abort} (a retry would end as "
+    "early; only abort or escalate)",
     "escalation.timeout": "bound one delivery try to at most a minute, e.g. timeout: 10s",
 }
 

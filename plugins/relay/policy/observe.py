@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 OBSERVED_GLOB = "observed-*.json"
 # Faults whose processes are already gone: observing them cannot keep the job running.
-ENDS_ATTEMPT = frozenset({FaultKind.CRASH, FaultKind.LAUNCH_FAILURE})
+ENDS_ATTEMPT = frozenset({FaultKind.CRASH, FaultKind.LAUNCH_FAILURE, FaultKind.SHORT_SEGMENT})
 
 
 def record_observation(attempt_dir: Path, fault: Fault, decision: Decision,

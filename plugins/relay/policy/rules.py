@@ -29,7 +29,7 @@ from pydantic import (
     field_validator,
 )
 
-from relay.core.faults import FaultKind
+from relay.core.faults import NOT_RETRYABLE, FaultKind
 from relay.spec.yamlsource import (
     DURATION_JSON_SCHEMA,
     FROZEN,
@@ -202,6 +202,7 @@ class Rules(BaseModel):
     launch_failure: Rule
     nan_loss: Rule
     corrupt_checkpoint: Rule
+    short_segment: Rule
 
     @field_validator(*(k.value for k in FaultKind), mode="after")
     @classmethod
@@ -210,6 +211,12 @@ class Rules(BaseModel):
         kind = FaultKind(info.field_name)
         moves = rule.action in (Action.RESTART_ELSEWHERE, Action.CHECKPOINT_AND_MIGRATE)
         found = f"{kind.value}: action {rule.action.value}"
+        if kind in NOT_RETRYABLE and rule.action not in (Action.ABORT, Action.ESCALATE):
+            raise FieldValueError(
+                "abort or escalate", found,
+                f"a {kind.value} fault comes from the job's own script or configuration, and a "
+                "retry would end the same way; use action: abort (or escalate to tell someone)",
+            )
         if kind is FaultKind.CORRUPT_CHECKPOINT and moves:
             raise FieldValueError(
                 "rollback, escalate or abort", found,

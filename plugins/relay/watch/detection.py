@@ -92,7 +92,7 @@ class Detector:
         if self.cfg.derive_hang_timeout is not None:
             self._steps.observe(obs.heartbeats, self.cfg.derive_hang_timeout.warmup_steps)
         rules = (
-            ({FaultKind.CRASH, FaultKind.LAUNCH_FAILURE}, self._exits),
+            ({FaultKind.CRASH, FaultKind.LAUNCH_FAILURE, FaultKind.SHORT_SEGMENT}, self._exits),
             ({FaultKind.NAN_LOSS}, self._nan),
             ({FaultKind.LAUNCH_FAILURE}, self._startup),
             ({FaultKind.NODE_UNRESPONSIVE}, self._platform_unresponsive),
@@ -125,7 +125,7 @@ class Detector:
         if fault is None:
             return None
         fault = dataclasses.replace(fault, detected_at=obs.now)
-        if fault.culprit_rank is None:
+        if fault.culprit_rank is None or fault.kind is FaultKind.SHORT_SEGMENT:
             return fault
         beat = obs.heartbeats.get(fault.culprit_rank)
         if beat is None or beat.phase == Phase.STARTING.value:

@@ -1,6 +1,10 @@
 """A failed launch as a crash fault: which rank died first, and of what.
 
-The culprit is the rank that died of something other than its peers' death.
+The culprit is the rank that died of something other than its peers' death. A rank
+that ended cleanly before its segment's end (its worker's exit code
+``SHORT_SEGMENT_EXIT`` with the line ``short_segment_message`` last in its log, see
+:mod:`relay_train.worker`) is a ``short_segment`` fault instead: the step it reached,
+the step the job expected.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from typing import Any
 from relay.core.attempt import AttemptState
 from relay.core.faults import Fault, FaultKind
 from relay.launchers.base import LaunchStatus
+from relay_train.protocol.launch import SHORT_SEGMENT_EXIT, parse_short_segment
 from relay_train.protocol.routes import NodeState
 
 # How the peers of a dead rank end: gloo's "connection reset" (exit 1) or their agent's
@@ -51,9 +56,27 @@ def classify_exit(status: LaunchStatus, node_ranks: dict[str, list[int]]) -> Fau
         last = next((line for line in reversed(error.splitlines()) if line.strip()), "")
         evidence["summary"] = f"{summary}: {last.strip()}"
         evidence["log_tail"] = error
+    short = _short_segment(culprit_rank, failed, error or "")
+    if short is not None:
+        return Fault(FaultKind.SHORT_SEGMENT, culprit_rank, culprit_node,
+                     {**evidence, **short})
     return Fault(
         kind=FaultKind.CRASH,
         culprit_rank=culprit_rank,
         culprit_node=culprit_node,
         evidence=evidence,
     )
+
+
+def _short_segment(rank: int | None, failed: dict[int, int], log: str) -> dict[str, Any] | None:
+    """Return the evidence of a rank that ended cleanly before its segment's end, or None."""
+    if rank is None or failed.get(rank) != SHORT_SEGMENT_EXIT:
+        return None
+    parsed = parse_short_segment(log)
+    if parsed is None or parsed[0] != rank:
+        return None  # the script's own sys.exit(78): a crash like any other exit code
+    _, reached, expected = parsed
+    return {"summary": f"rank {rank}'s script returned cleanly at step {reached}; the job "
+            f"expected it to train to step {expected}, its segment's end. Fix the script's "
+            "loop (for step in session.steps()), then clear the segment task",
+            "step": reached, "expected_step": expected}

@@ -33,6 +33,7 @@ rules:
   launch_failure:      {action: restart_elsewhere, max_attempts: 2, quarantine: 15m}
   nan_loss:            {action: rollback, max_attempts: 2}
   corrupt_checkpoint:  {action: rollback, max_attempts: 2}
+  short_segment:       {action: abort}
 """
 
 

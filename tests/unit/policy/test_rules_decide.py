@@ -46,6 +46,7 @@ BASE_YAML = {
     "launch_failure": "{action: restart_elsewhere, max_attempts: 2, backoff: 5s, quarantine: 15m}",
     "nan_loss": "{action: rollback, max_attempts: 2}",
     "corrupt_checkpoint": "{action: rollback, max_attempts: 2}",
+    "short_segment": "{action: abort}",
 }
 
 # The same as Python data, for Policy.model_validate.
@@ -134,7 +135,8 @@ REJECTED_COMBINATIONS = [
              "use action: restart_elsewhere"],
             id=f"checkpoint_and_migrate-on-{k.value}",
         )
-        for k in NO_CHECKPOINT_KINDS if k is not FaultKind.CORRUPT_CHECKPOINT
+        for k in NO_CHECKPOINT_KINDS
+        if k not in (FaultKind.CORRUPT_CHECKPOINT, FaultKind.SHORT_SEGMENT)
     ],
     *[
         pytest.param(
@@ -144,7 +146,7 @@ REJECTED_COMBINATIONS = [
              "quarantine: 30m"],
             id=f"restart_elsewhere-without-quarantine-on-{k.value}",
         )
-        for k in CULPRIT_KINDS
+        for k in CULPRIT_KINDS if k is not FaultKind.SHORT_SEGMENT
     ],
     pytest.param("straggler", "{action: checkpoint_and_migrate}",
                  ["rules.straggler: expected a quarantine duration",
@@ -333,6 +335,8 @@ def _actions_for(kind: FaultKind) -> list[dict[str, Any]]:
         {"action": "escalate", "escalate_to": "ml-research-leads"},
         {"action": "abort"},
     ]
+    if kind is FaultKind.SHORT_SEGMENT:  # never retried (test_short_segment_rules)
+        return [r for r in rules if r["action"] in ("escalate", "abort")]
     if kind is not FaultKind.CORRUPT_CHECKPOINT:
         restart: dict[str, Any] = {"action": "restart_elsewhere", "backoff": "3s"}
         if kind in CULPRIT_KINDS:
@@ -495,7 +499,8 @@ def test_give_up_notifies_the_rules_own_escalation_target() -> None:
 
 @pytest.mark.parametrize(("earlier", "retry"), [(0, True), (1, True), (2, False), (5, False)])
 def test_max_attempts_per_segment_counts_every_kind(earlier: int, retry: bool) -> None:
-    rules = {k.value: {"action": "retry", "max_attempts": 10} for k in KINDS}
+    rules = {k.value: {"action": "retry", "max_attempts": 10} for k in KINDS
+             if k is not FaultKind.SHORT_SEGMENT}
     policy = make_policy(rules, max_attempts_per_segment=3)
     cycle = [FaultKind.HANG, FaultKind.CRASH, FaultKind.NAN_LOSS]
     history = [cycle[i % 3] for i in range(earlier)]

@@ -189,7 +189,7 @@ class NodeRules(BaseModel):
 
 
 class Rules(BaseModel):
-    """One rule per fault kind; every kind must be covered."""
+    """One rule per fault kind; every kind must be covered (short_segment defaults to abort)."""
 
     model_config = FROZEN
 
@@ -202,7 +202,9 @@ class Rules(BaseModel):
     launch_failure: Rule
     nan_loss: Rule
     corrupt_checkpoint: Rule
-    short_segment: Rule
+    # A kind added after policies were written: a policy without it still loads, and a
+    # short segment aborts (the only safe answer; `relay policy explain` shows it).
+    short_segment: Rule = Field(default_factory=lambda: Rule(action=Action.ABORT))
 
     @field_validator(*(k.value for k in FaultKind), mode="after")
     @classmethod

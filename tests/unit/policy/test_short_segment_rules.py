@@ -84,12 +84,13 @@ def test_a_rule_that_retries_a_short_segment_is_refused_at_its_line(
     assert "action: abort" in problem.fix
 
 
-def test_a_policy_without_a_short_segment_rule_says_what_to_add(tmp_path: Path) -> None:
+def test_a_policy_written_before_the_kind_existed_loads_and_aborts_it(tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text(RULES.replace("  short_segment:       RULE\n", ""))
-    error = load_error(path)
-    assert [p.field for p in error.problems] == ["rules.short_segment"]
-    assert "short_segment: {action: abort}" in error.problems[0].fix
+    loaded = load_policy(path)
+    fault = Fault(FaultKind.SHORT_SEGMENT, 1, "node-b", {"summary": "x"})
+    decision = decide(fault, [], loaded.policy, loaded.sha256)
+    assert (decision.action, decision.retry) == ("abort", False)
 
 
 @pytest.mark.parametrize("rule", ["{action: abort}", "{action: escalate}",

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from channel_harness import ATTEMPT_ID, Served, attempt_body, serve, signed
 
+from relay_train.agent.limits import standby_home
 from relay_train.protocol.routes import (
     DIRECTORY,
     LINGER,
@@ -63,3 +64,10 @@ def test_an_unbounded_ttl_or_linger_is_refused(served: Served, ttl: object, ling
     standby = served.agent.root.parent / "standby"
     assert _ask(served, str(standby), ttl, linger) == 400
     assert served.agent.standbys == []
+
+
+def test_the_home_is_the_dag_run_else_the_tries_folder_else_the_attempt(tmp_path: Path) -> None:
+    run = tmp_path / "relay_demo" / "manual__1"
+    assert standby_home(run / "segment-000" / "try-1") == run.resolve()
+    assert standby_home(tmp_path / "segment" / "try-1") == (tmp_path / "segment").resolve()
+    assert standby_home(tmp_path / "attempt") == (tmp_path / "attempt").resolve()

@@ -92,12 +92,15 @@ def bounded_seconds(value: object, name: str, most: float, *, positive: bool = F
 
 def standby_home(root: Path) -> Path:
     """Return the folder a standby of the agent of attempt ``root`` may be forked into (or
-    anywhere below): its DAG run's folder (``<dag>/<run>/segment-NNN/try-N``), else the
-    attempt's own folder (a pod's fixed one)."""
+    anywhere below): its DAG run's folder (``<dag>/<run>/segment-NNN/try-N``), else, for
+    any other ``.../try-N``, the folder its tries share (where the launcher keeps the
+    segment's standbys), else the attempt's own folder (a pod's fixed one)."""
     root = Path(os.path.realpath(root))
     parts = root.parts
     if len(parts) >= 5 and parts[-2].startswith("segment-") and parts[-1].startswith("try-"):
         return root.parents[1]
+    if len(parts) >= 3 and parts[-1].startswith("try-"):
+        return root.parent
     return root
 
 

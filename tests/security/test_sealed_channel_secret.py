@@ -8,6 +8,7 @@ files, real Fernet; "another machine" is the launch file deleted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -108,3 +109,14 @@ def test_a_ring_that_cannot_open_it_gives_no_secret_and_says_what_to_do(
     assert restored.channel_secret == ""
     assert "Give this machine the deployment's key ring" in caplog.text
     assert cfg.channel_secret not in caplog.text
+
+
+def test_the_secret_the_launcher_made_is_sealed_from_its_launch_file(
+    launched: tuple[LaunchConfig, KeyRing]
+) -> None:
+    cfg, _ring = launched  # the task's config has no secret: the launcher made one as it launched
+    record = launch_record.build(dataclasses.replace(cfg, channel_secret=""), LocalLauncher())
+    (cfg.root / LAUNCH_FILE).unlink()
+
+    assert launch_record.restore(record, LocalLauncher(), "").channel_secret == (
+        cfg.channel_secret)

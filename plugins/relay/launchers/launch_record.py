@@ -53,9 +53,11 @@ def build(cfg: LaunchConfig, launcher: Launcher) -> dict[str, Any]:
     launch["channel_secret"] = ""
     launch["checkpoint_keys"] = {}
     record: dict[str, Any] = {"launch": launch, "handle": launcher.handle(Attempt(cfg.root))}
-    if cfg.channel_secret:
+    # The launcher made the secret as it launched: its launch file has it on this machine.
+    secret = cfg.channel_secret or ((local := _local(cfg.root)) and local.channel_secret)
+    if secret:
         try:
-            record[SEALED_SECRET] = seal(cfg.channel_secret, ring_for(cfg))
+            record[SEALED_SECRET] = seal(secret, ring_for(cfg))
         except (OSError, ValueError) as exc:
             log.warning("The launch record of %s carries no channel secret (%s): only the "
                         "machine that launched it can talk to its agents", cfg.root, exc)

@@ -16,9 +16,11 @@ from airflow_runs import run_to_end
 from processes import workload_processes
 
 from relay.core import testhooks
+from relay.core.checkpoint_keys import default_key_file, ensure_key_file
 from relay.core.proctree import alive
 from relay.tools import services
 from relay.tools.airflow_api import AirflowApi
+from relay_train.protocol.env import ENV_CHECKPOINT_KEYS_FILE
 
 PAUSE_DIR = "test-pauses"  # under the deployment's home: see relay.core.testhooks
 
@@ -36,11 +38,17 @@ def deployment(relay_home: Path) -> Iterator[services.Deployment]:
     print(f"\nservices up in {time.monotonic() - began:.1f}s")
     saved = os.environ.get("RELAY_MLFLOW_TRACKING_URI")
     os.environ["RELAY_MLFLOW_TRACKING_URI"] = dep.mlflow_url
+    # This process reads the deployment's checkpoints too: it gets the deployment's key ring
+    # (made here if no component made it yet, as the first of them would).
+    keys = default_key_file(home)
+    ensure_key_file(keys)
+    os.environ[ENV_CHECKPOINT_KEYS_FILE] = str(keys)
     try:
         yield dep
     finally:
         stopped = services.down(home)
         os.environ.pop(testhooks.ENV, None)
+        os.environ.pop(ENV_CHECKPOINT_KEYS_FILE, None)
         if saved is None:
             os.environ.pop("RELAY_MLFLOW_TRACKING_URI", None)
         else:

@@ -17,7 +17,9 @@ from airflow_jobs import fault_records, prepare_jobs, run_job
 from relay.lineage.run_view import run_view
 from relay.lineage.store import Lineage
 
-pytestmark = pytest.mark.integration
+# ~20 s through `airflow dags test`: `make test-slow` (CI runs it); the mechanism itself is
+# tested in make test by test_short_segment_run.py and the policy tests.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SCRIPT = """\
 import sys

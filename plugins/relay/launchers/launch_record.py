@@ -72,12 +72,9 @@ def restore(record: Mapping[str, Any], launcher: Launcher, tracking_uri: str) ->
     """
     cfg = LaunchConfig.from_dict({**record["launch"], "tracking_uri": tracking_uri})
     local = _local(cfg.root)
-    if local is not None and local.channel_secret:
-        cfg = dataclasses.replace(cfg, checkpoint_keys=local.checkpoint_keys,
-                                  channel_secret=local.channel_secret)
-    else:
-        cfg = dataclasses.replace(cfg, checkpoint_keys=local.checkpoint_keys if local else {})
-        cfg = dataclasses.replace(cfg, channel_secret=_unsealed(record, cfg))
+    cfg = dataclasses.replace(cfg, checkpoint_keys=local.checkpoint_keys if local else {})
+    secret = local.channel_secret if local and local.channel_secret else _unsealed(record, cfg)
+    cfg = dataclasses.replace(cfg, channel_secret=secret)
     launcher.attach(Attempt(cfg.root), dict(record.get("handle") or {}))
     _restored[cfg.root] = cfg
     return cfg

@@ -64,6 +64,9 @@ def decide(
     escalation target, so the applying side records and notifies it instead of acting.
     """
     decision = _enforced(fault, history, policy, policy_sha256)
+    check = fault.evidence.get("culprit_check")  # relay.recover.culprit: stacks vs phases
+    if isinstance(check, dict) and check.get("note"):
+        decision = replace(decision, reason=f"{decision.reason}; culprit: {check['note']}")
     if rule_mode(policy, fault.kind) != Mode.OBSERVE:
         return decision
     rule = policy.rules.for_kind(fault.kind)

@@ -1,6 +1,7 @@
 """The recovery pipeline: one fault of one attempt, from the decision to its record.
 
-    decide -> claim -> save state -> stop -> fence -> quarantine -> record
+    decide -> claim -> save state -> stop -> (confirm the culprit) -> fence -> quarantine
+    -> record
 
 :func:`handle` runs it. The segment task's ``execute_complete`` runs it all the
 way, with the policy's decision; the attempt's warden (:mod:`relay.recover.warden`),
@@ -41,6 +42,7 @@ from relay.policy.model import STOP_GRACE_SECONDS
 from relay.policy.notify import escalate
 from relay.recover import claim, journal, observing, record
 from relay.recover.ask_rescue import silent
+from relay.recover.culprit import CULPRIT_CHECK, confirm_culprit
 from relay.recover.recovery import Outcome, Recovery, TaskSide
 from relay.recover.resume import next_resume
 from relay.recover.save_state import (
@@ -89,6 +91,7 @@ def handle(r: Recovery) -> Outcome:
     if t is None or decision is None:
         _publish_warden_record(r)
         return Outcome(AttemptState.HANDLING, message="stopped")
+    r, decision = _confirm(r, t, decision, saved)                          # (culprit)
     fence = f"replaced after {r.fault.kind.value} (try {r.cfg.attempt})"
     record.best_effort("fence the attempt",                                # fence
                        lambda: t.lineage.fence_attempt(r.cfg.run_id, fence))
@@ -105,6 +108,24 @@ def _decide(r: Recovery, t: TaskSide) -> Decision:
         host = r.launcher.host_of(r.attempt, decision.quarantine_node)
         decision = dataclasses.replace(decision, quarantine_node=host)
     return decision
+
+
+def _confirm(r: Recovery, t: TaskSide, decision: Decision,
+             saved: Saved) -> tuple[Recovery, Decision]:
+    """Confirm a hang's culprit against the ranks' stacks and collective trace (the phases
+    miss collectives outside the gradient hook); decide again on the confirmed fault."""
+    cfg = r.cfg
+    fault = confirm_culprit(r.fault, saved.evidence, list(range(cfg.world_size)),
+                            lambda rank: cfg.nodes[rank // cfg.ranks_per_node])
+    if fault is r.fault:
+        return r, decision
+    note = fault.evidence[CULPRIT_CHECK]["note"]
+    if fault.culprit_rank != r.fault.culprit_rank:
+        log.warning("Culprit of the %s fault: %s", fault.kind.value, note)
+    else:
+        log.info("Culprit of the %s fault: %s", fault.kind.value, note)
+    r = dataclasses.replace(r, fault=fault)
+    return r, _decide(r, t)
 
 
 def _begin(r: Recovery, t: TaskSide, decision: Decision) -> None:

@@ -8,6 +8,7 @@ A script written for ``torchrun`` runs under Relay with a few added lines::
     dist.init_process_group(session.backend)     # or session.init_process_group()
     model = DDP(model)
     model.register_comm_hook(None, session.comm_hook())   # hangs get a culprit
+    session.mark_collectives(model)              # DDP's buffer broadcast, FSDP2's all-gathers
     session.track(lambda: {"model": model.module.state_dict(),
                            "optimizer": optimizer.state_dict()})
     if (state := session.resume_state()) is not None:     # sha256-verified
@@ -47,6 +48,7 @@ import torch.distributed as dist
 
 from relay_train.boundary import PUBLISH_WAIT_SECONDS, BoundaryKeeper
 from relay_train.checkpoints.checkpointer import Checkpointer
+from relay_train.collectives import StepPhases, mark_collectives
 from relay_train.device import RankDevice, setup_rank_device, wait_for_compute
 from relay_train.errors import NotUnderRelayError
 from relay_train.inject import ChaosMonkey
@@ -92,6 +94,7 @@ class Session(SessionState):
                                   rank=rank, node=node, record_dir=cfg.root)
         self._heartbeat = HeartbeatWriter(cfg.heartbeat_dir, rank, node,
                                           cfg.heartbeat_interval_seconds, step=cfg.start_step)
+        self._phases = StepPhases(self._heartbeat)
         self._training = TrainingState(cfg.start_step)
         self._responder = RescueResponder(cfg.root, rank, self._training, self._snapshot)
         self._evidence = EvidenceResponder(cfg.root, rank, node)  # stacks + collective trace
@@ -221,7 +224,7 @@ class Session(SessionState):
                 self._loop_ended = True
                 return
             self._chaos.before_step(step)
-            self._heartbeat.enter(Phase.COMPUTE)
+            self._phases.compute()
             self._clock.clear()
             self._clock["started"] = time.perf_counter()
             self._injected = self._chaos.delay(step, self._natural.value or 0.0)
@@ -268,18 +271,27 @@ class Session(SessionState):
         """
         return comm_hook(self.enter_collective, ordered=ordered)
 
+    def mark_collectives(self, model: torch.nn.Module) -> None:
+        """Mark the collectives ``model``'s forward runs (DDP's buffer broadcast, FSDP2's
+        all-gathers) in the heartbeat: a rank waiting there is not taken for a stalled one."""
+        mark_collectives(model, self._phases.wait, self._phases.resume_compute)
+
     @contextlib.contextmanager
     def collective(self) -> Iterator[None]:
-        """Mark a collective outside DDP (``with session.collective(): dist.all_reduce(t)``)."""
+        """Mark a collective outside DDP (``with session.collective(): dist.all_reduce(t)``);
+        the phase is compute again after it."""
         self.enter_collective()
-        yield
+        try:
+            yield
+        finally:
+            self._phases.resume_compute()
 
     def enter_collective(self) -> None:
         """Mark the end of this step's local compute (once per step)."""
         if "compute_done" not in self._clock:
             wait_for_compute(self.device)  # on CUDA: queued kernels are compute, not collective
             self._clock["compute_done"] = time.perf_counter()
-            self._heartbeat.enter(Phase.COLLECTIVE)
+        self._phases.wait()
 
     @contextlib.contextmanager
     def update(self, step: int) -> Iterator[None]:

@@ -16,7 +16,8 @@ The rule, for a hang (:func:`confirm_culprit`):
 - it waits in a collective, or nobody was named: the one rank elsewhere (every
   other rank answered and waits in a collective) is the culprit; otherwise
   there is none, and nobody is quarantined;
-- the named rank sent no evidence: kept, marked unconfirmed (nothing contradicts it).
+- the named rank sent no evidence: kept, marked unconfirmed (nothing contradicts it);
+- a rank stuck saving a checkpoint (its own ``checkpoint_timeout``) is left as named.
 
 What was checked goes into the fault's evidence as ``culprit_check``; the decision's
 reason quotes its note (:mod:`relay.policy.decide`).
@@ -31,6 +32,7 @@ from typing import Any
 
 from relay.core.faults import Fault, FaultKind
 from relay.recover.evidence import Evidence
+from relay_train.protocol.heartbeat import Phase
 
 CULPRIT_CHECK = "culprit_check"  # the key in a fault's evidence
 COLLECTIVE, ELSEWHERE = "collective", "elsewhere"
@@ -96,6 +98,15 @@ def rank_places(evidence: Evidence) -> dict[int, tuple[str, str]]:
     return places
 
 
+def _saving(fault: Fault) -> bool:
+    """Return whether the hang is a rank stuck saving a checkpoint (its own timeout, and
+    a sharded save's wait in torch.distributed.checkpoint is no bystander's)."""
+    phases = fault.evidence.get("phases") or {}
+    rank = fault.culprit_rank
+    return rank is not None and Phase.CHECKPOINT.value in (phases.get(rank),
+                                                           phases.get(str(rank)))
+
+
 def confirm_culprit(fault: Fault, evidence: Evidence | None, ranks: list[int],
                     node_of: Callable[[int], str | None]) -> Fault:
     """Return ``fault`` with its culprit confirmed, replaced or withdrawn by ``evidence``.
@@ -104,7 +115,7 @@ def confirm_culprit(fault: Fault, evidence: Evidence | None, ranks: list[int],
     evidence at all, comes back unchanged.
     """
     if fault.kind is not FaultKind.HANG or evidence is None or not (
-            evidence.answers or evidence.fallback_stacks):
+            evidence.answers or evidence.fallback_stacks) or _saving(fault):
         return fault
     places = rank_places(evidence)
     named = fault.culprit_rank

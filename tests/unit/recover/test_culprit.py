@@ -207,3 +207,10 @@ def test_the_pipeline_decides_again_on_the_confirmed_culprit(tmp_path: Path) -> 
 
     unchanged, same = pipeline._confirm(r, task, first, Saved())  # no evidence: as decided
     assert unchanged is r and same is first
+
+
+@pytest.mark.parametrize("phases", [{2: "checkpoint"}, {"2": "checkpoint"}])  # JSON: str keys
+def test_a_rank_stuck_saving_a_checkpoint_is_left_as_named(phases: dict) -> None:
+    fault = Fault(FaultKind.HANG, 2, "node-2", {"summary": "stuck saving", "phases": phases})
+    seen = evidence({0: ALL_REDUCE, 1: STALLED, 2: ALL_REDUCE})
+    assert confirm_culprit(fault, seen, [0, 1, 2], node_of) is fault

@@ -305,6 +305,7 @@ def test_comm_hook_fences_compute_before_flipping_to_collective(
 
     from relay.launchers.local.launcher import free_port
     from relay_train import api
+    from relay_train.collectives import StepPhases
     from relay_train.device import RankDevice
     from relay_train.protocol.heartbeat import Phase
     from relay_train.protocol.launch import LaunchConfig
@@ -330,6 +331,7 @@ def test_comm_hook_fences_compute_before_flipping_to_collective(
     )
     session = api.Session(cfg, rank=1, node="node-a")  # rank != 0: no MLflow publisher
     session._heartbeat = Heartbeat()  # type: ignore[assignment]
+    session._phases = StepPhases(session._heartbeat)  # type: ignore[arg-type]
     session._placement = RankDevice("gloo", torch.device("cpu"), False, {})
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1, timeout=timedelta(seconds=30))

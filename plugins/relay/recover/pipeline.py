@@ -10,6 +10,10 @@ stop, with the step the policy named when the watch began, and leaves the rest t
 the task, which finds what the warden saved at its claim. Nothing here imports
 Airflow: the caller turns the :class:`Outcome` into Airflow's retry or failure.
 
+A hang's culprit is the watcher's reading of the heartbeat phases; after the stacks
+are in, it is confirmed against them (:mod:`relay.recover.culprit`) and, where they
+name another rank or none, decided again: only the quarantine and the reason change.
+
 The order matters. The pipeline decides, saves and stops before touching MLflow:
 a frozen rank may hold the tracking store's lock until its process is gone. It
 fences after the stop: whatever the attempt's nodes publish from then on (one the

@@ -60,6 +60,10 @@ def test_the_hang_fault_carries_the_culprits_stack_and_the_collective_trace(
     assert (fault["kind"], fault["culprit_rank"]) == ("hang", 1)
     evidence = fault["evidence"]
     assert evidence["stacks_missing_ranks"] == []
+    # The phases' culprit, confirmed by its stack before the decision (relay.recover.culprit).
+    check = evidence["culprit_check"]
+    assert (check["heartbeat_culprit"], check["culprit"]) == (1, 1), check
+    assert check["note"].startswith("rank 1 confirmed by its stack: in chaos_hang_forever")
 
     # The culprit's stack comes first and ends in the chaos hang loop.
     culprit = evidence["stacks"][0]

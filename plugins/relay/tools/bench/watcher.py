@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -169,16 +170,24 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _cpu_seconds(pid: int) -> float:
+    """Return the CPU time (user + system) process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def healthy(nodes: int, per_node: int, seconds: float, detection: Detection) -> dict[str, Any]:
     """Watch a fault-free job for ``seconds``: CPU, memory, poll latency, and any event."""
-    with simulated(nodes, per_node) as (root, _sim), PollTimer() as polls:
+    with simulated(nodes, per_node) as (root, sim), PollTimer() as polls:
         trigger = _trigger(root, nodes, per_node, detection)
-        cpu0, wall0 = time.process_time(), time.perf_counter()
+        cpu0, wall0, sim0 = time.process_time(), time.perf_counter(), _cpu_seconds(sim.pid)
         event = asyncio.run(_first_event(trigger, seconds))
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        sim_cpu = _cpu_seconds(sim.pid) - sim0
         rss = _rss_mb()
     lat = sorted(polls.seconds) or [float("nan")]
-    return {"cpu_share": cpu / wall, "rss_mb": rss, "polls": len(polls.seconds),
+    return {"cpu_share": cpu / wall, "sim_share": sim_cpu / wall, "rss_mb": rss,
+            "polls": len(polls.seconds),
             "poll_p50": statistics.median(lat),
             "poll_p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))], "event": event}
 
@@ -210,7 +219,8 @@ def measure(nodes: int, per_node: int, seconds: float, faults: bool = True) -> i
     h = healthy(nodes, per_node, seconds, detection)
     print(f"  {nodes:>5} nodes x {per_node} ranks: watcher CPU {h['cpu_share']:6.1%} of one core, "
           f"RSS {h['rss_mb']:.0f} MB, poll p50 {h['poll_p50'] * 1000:.0f} ms / p99 "
-          f"{h['poll_p99'] * 1000:.0f} ms ({h['polls']} polls in {seconds:g}s); fault-free "
+          f"{h['poll_p99'] * 1000:.0f} ms ({h['polls']} polls in {seconds:g}s; the simulator "
+          f"used {h['sim_share']:.0%} of one core); fault-free "
           f"events: {'none (correct)' if h['event'] is None else h['event']}", flush=True)
     bad = h["event"] is not None
     for trial in TRIALS if faults else ():

@@ -43,6 +43,7 @@ def test_watcher_smoke_stays_silent_on_healthy_ranks() -> None:
 
     assert "Compared with: one core" in text
     assert text.count("events: none (correct)") == 1
+    assert "per poll" in text
 
 
 @pytest.mark.slow  # three fault runs of ~10 s each: `make test-slow`

@@ -42,7 +42,19 @@ def test_watcher_smoke_stays_silent_on_healthy_ranks() -> None:
     text = _bench("watcher", "--smoke")
 
     assert "Compared with: one core" in text
-    assert text.count("events: none") == 2
+    assert text.count("events: none (correct)") == 1
+    assert "per poll" in text
+
+
+@pytest.mark.slow  # three fault runs of ~10 s each: `make test-slow`
+def test_watcher_bench_names_every_scripted_fault_and_its_culprit() -> None:
+    text = _bench("watcher", "--nodes", "8", "--seconds", "2")
+
+    assert "events: none (correct)" in text
+    for fault in ("frozen node", "hang", "straggler"):
+        assert f"{fault}" in text
+    assert "detected after" in text
+    assert "WRONG" not in text and "not detected" not in text
 
 
 @pytest.mark.slow  # two short runs through airflow dags test: `make test-slow`

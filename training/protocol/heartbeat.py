@@ -78,7 +78,11 @@ class Heartbeat:
     @classmethod
     def from_json(cls, text: str) -> Heartbeat:
         """Parse a record written by :meth:`to_json`, ignoring unknown keys."""
-        raw = json.loads(text)
+        return cls.from_record(json.loads(text))
+
+    @classmethod
+    def from_record(cls, raw: object) -> Heartbeat:
+        """Build a record from its parsed JSON object, ignoring unknown keys."""
         if not isinstance(raw, dict):
             raise ValueError("a heartbeat record is a JSON object")
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}

@@ -83,7 +83,7 @@ class NodeReport:
 
 def place_on_our_clock(record: dict[str, Any], received_at: float) -> Heartbeat:
     """Return a heartbeat reported with ages, its times moved to Relay's clock."""
-    beat = Heartbeat.from_json(json.dumps(record))
+    beat = Heartbeat.from_record(record)  # already parsed: no JSON round trip (8 per node)
     beat.wall_clock = received_at - float(record[AGE_SECONDS])
     beat.phase_started_at = received_at - float(record[PHASE_AGE_SECONDS])
     return beat

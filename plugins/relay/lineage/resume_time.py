@@ -153,11 +153,13 @@ def complete_previous(attempt_dir: Path) -> tuple[Path, dict[str, Any]] | None:
 
 
 def finish_previous(lineage: Any, attempt_dir: Path,  # noqa: ANN401
-                    run_id_of: Callable[[Attempt], str] | None = None) -> None:
+                    run_id_of: Callable[[Attempt], str] | None = None) -> Path | None:
     """Complete the breakdown of the recovery that started the attempt in ``attempt_dir``,
     and log it to the faulty attempt's MLflow run (``run_id_of``: how to find an attempt's
-    run, where a launcher's handovers move it; default: its launch file's). Never raises:
+    run, where a launcher's handovers move it; default: its launch file's). Return the
+    faulty attempt's folder once its breakdown is complete (else None). Never raises:
     a report must not fail the segment."""
+    previous = None
     try:
         done = complete_previous(attempt_dir)
         if done is not None:
@@ -168,6 +170,7 @@ def finish_previous(lineage: Any, attempt_dir: Path,  # noqa: ANN401
             log.info("Time to resume after %s: %.1fs", previous, result["total"])
     except Exception:  # noqa: BLE001 - a report must never fail the segment
         log.exception("Could not record the time to resume of the previous attempt")
+    return previous
 
 
 def log_to_mlflow(lineage: Any, run_id: str, result: dict[str, Any]) -> None:  # noqa: ANN401

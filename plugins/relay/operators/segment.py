@@ -27,7 +27,7 @@ from relay.core.checkpoint_keys import checkpoint_keys
 from relay.core.exceptions import ChaosConfError, IllegalTransitionError, NotEnoughNodesError
 from relay.core.faults import Fault
 from relay.launchers import Launcher, launch_record, launcher_for
-from relay.lineage import resume_time
+from relay.lineage import resume_time, traces
 from relay.lineage.interval import interval_for
 from relay.lineage.tags import TAG_FAILURE_REASON
 from relay.nodes.pool import NodePool, lease_holder
@@ -350,8 +350,10 @@ class TrainSegmentOperator(RelayOperator):
                            launcher: Launcher) -> None:
         """Finish the time-to-resume breakdown of the recovery that started this attempt."""
         continuity = launcher.continuity
-        resume_time.finish_previous(lineage, attempt.folder,
-                                    None if continuity is None else continuity.run_id_of)
+        faulty = resume_time.finish_previous(lineage, attempt.folder,
+                                             None if continuity is None else continuity.run_id_of)
+        if faulty is not None:  # the rest of the recovery's spans, and the recovery's own
+            traces.emit_resumed(faulty, background=True)
 
 
 def _watched(event: dict[str, Any]) -> AttemptState:

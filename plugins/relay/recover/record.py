@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from relay.core.attempt import AttemptState
 from relay.core.faults import Fault
+from relay.lineage import traces
 from relay.lineage.tags import (
     TAG_CULPRIT_NODE,
     TAG_CULPRIT_RANK,
@@ -103,3 +104,5 @@ def record_decision(entry: dict[str, Any], folder: Path, cfg: LaunchConfig,
     clock.mark("record", time.time())  # the retry's task completes the breakdown
     entry["time_to_resume"] = clock.to_dict()
     write_decision(folder, entry)
+    traces.emit_recovery(folder, entry, traces.DECISION_PARTS, background=True)  # the rest: the
+    # retry's task (resume_time.finish_previous)

@@ -47,7 +47,19 @@ def _cmd_bench_scheduled(args: argparse.Namespace) -> int:
 def _cmd_bench_watcher(args: argparse.Namespace) -> int:
     from relay.tools.bench.watcher import main as bench_main
 
-    return bench_main(ranks=args.ranks, seconds=args.seconds, smoke=args.smoke)
+    return bench_main(nodes=args.nodes, seconds=args.seconds, per_node=args.ranks_per_node,
+                      smoke=args.smoke)
+
+
+def _counts(text: str) -> list[int]:
+    """Parse ``128,256`` into node counts."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected node counts such as 128,256, found {text!r}")
+    return counts
 
 
 def add_commands(sub: Any) -> None:  # noqa: ANN401 - argparse's private subparsers action
@@ -76,9 +88,11 @@ def add_commands(sub: Any) -> None:  # noqa: ANN401 - argparse's private subpars
     overhead.add_argument("--steps", type=int, default=300)
     overhead.add_argument("--smoke", action="store_true", help="1 round of 40 steps: no figures")
     overhead.set_defaults(func=_cmd_bench_overhead)
-    watcher = bench.add_parser("watcher", help="watcher CPU with many simulated ranks")
-    watcher.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096])
-    watcher.add_argument("--smoke", action="store_true", help="64 and 256 ranks for 5 s")
+    watcher = bench.add_parser("watcher", help="watcher CPU and detection at many simulated nodes")
+    watcher.add_argument("--nodes", type=_counts, default=[128, 256, 512, 1024],
+                         help="node counts, comma-separated (default 128,256,512,1024)")
+    watcher.add_argument("--ranks-per-node", type=int, default=8)
+    watcher.add_argument("--smoke", action="store_true", help="8 nodes, 3 s fault-free")
     watcher.add_argument("--seconds", type=float, default=30.0)
     watcher.set_defaults(func=_cmd_bench_watcher)
     goodput = bench.add_parser("goodput", help="ETTR under faults: Relay vs a torchrun baseline")

@@ -1,0 +1,96 @@
+"""The agent simulator's model of a job and its scripted faults (relay.tools.bench.agent_sim)."""
+
+from __future__ import annotations
+
+import pytest
+
+from relay.tools.bench.agent_sim import HEARTBEAT_SECONDS, Cluster, SimFault
+from relay_train.protocol.heartbeat import Phase
+
+T0 = 1_000_000.0
+
+
+def cluster(*faults: SimFault) -> Cluster:
+    return Cluster(nodes=4, per_node=8, started_at=T0, faults=list(faults))
+
+
+def test_healthy_ranks_step_and_write_fresh_heartbeats() -> None:
+    job = cluster()
+    now = T0 + 10.0
+    beats = {r: job.heartbeat(r, now) for r in range(32)}
+    assert all(b is not None for b in beats.values())
+    assert all(0 <= now - b.wall_clock < HEARTBEAT_SECONDS for b in beats.values())  # type: ignore[union-attr]
+    assert all(b.step > 50 for b in beats.values())  # type: ignore[union-attr]
+    assert {b.phase for b in beats.values()} <= {Phase.COMPUTE.value, Phase.COLLECTIVE.value}  # type: ignore[union-attr]
+    assert all(job.answers(job.node_name(n), now) for n in range(4))
+    assert job.heartbeat(0, T0 - 1.0) is None  # nothing before the job started
+
+
+def test_stop_rank_silences_one_rank_but_not_its_agent() -> None:
+    job = cluster(SimFault("stop_rank", T0 + 5.0, rank=9))
+    now = T0 + 9.0
+    silent = job.heartbeat(9, now)
+    assert silent is not None and now - silent.wall_clock > 3.5
+    assert now - job.heartbeat(10, now).wall_clock < HEARTBEAT_SECONDS  # type: ignore[union-attr]
+    assert job.answers("node-1", now)
+    assert len(job.report("node-1", now)) == 8
+
+
+def test_stop_node_freezes_its_agent_and_every_rank_of_it() -> None:
+    job = cluster(SimFault("stop_node", T0 + 5.0, node="node-2"))
+    assert job.answers("node-2", T0 + 4.9)
+    assert not job.answers("node-2", T0 + 5.0)
+    now = T0 + 8.0
+    assert all(now - job.heartbeat(r, now).wall_clock > 2.5 for r in job.ranks_of("node-2"))  # type: ignore[union-attr]
+    assert job.answers("node-1", now)
+    assert now - job.heartbeat(8, now).wall_clock < HEARTBEAT_SECONDS  # type: ignore[union-attr]
+
+
+def test_partition_cuts_the_agent_off_until_it_heals_while_its_ranks_go_on() -> None:
+    job = cluster(SimFault("partition", T0 + 5.0, node="node-3", until=T0 + 7.0))
+    assert not job.answers("node-3", T0 + 6.0)
+    assert job.answers("node-3", T0 + 7.0)
+    now = T0 + 6.5
+    assert now - job.heartbeat(24, now).wall_clock < HEARTBEAT_SECONDS  # type: ignore[union-attr]
+    forever = cluster(SimFault("partition", T0 + 5.0, node="node-3"))
+    assert not forever.answers("node-3", T0 + 500.0)
+
+
+def test_hang_stops_every_rank_the_culprit_in_compute_the_rest_waiting() -> None:
+    job = cluster(SimFault("hang", T0 + 5.0, rank=3))
+    early, late = T0 + 7.0, T0 + 9.0
+    assert job.heartbeat(3, late).step == job.heartbeat(3, early).step  # type: ignore[union-attr]
+    culprit = job.heartbeat(3, late)
+    assert culprit is not None and culprit.phase == Phase.COMPUTE.value
+    assert culprit.phase_started_at == T0 + 5.0
+    waiting = [job.heartbeat(r, late) for r in range(32) if r != 3]
+    assert {b.phase for b in waiting} == {Phase.COLLECTIVE.value}  # type: ignore[union-attr]
+    assert late - culprit.wall_clock < HEARTBEAT_SECONDS  # its heartbeat thread lives on
+
+
+def test_straggler_computes_factor_times_longer_and_slows_the_job() -> None:
+    healthy = cluster()
+    job = cluster(SimFault("straggler", T0 + 5.0, rank=5, factor=2.0))
+    now = T0 + 15.0
+    slow, other = job.heartbeat(5, now), job.heartbeat(6, now)
+    assert slow is not None and other is not None
+    assert slow.compute_seconds / other.compute_seconds == pytest.approx(2.0, rel=0.1)  # type: ignore[operator]
+    assert slow.compute_total > other.compute_total  # type: ignore[operator]
+    assert other.step < healthy.heartbeat(6, now).step  # type: ignore[union-attr]
+    assert job.heartbeat(6, T0 + 4.0).step == healthy.heartbeat(6, T0 + 4.0).step  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("raw", [
+    {"kind": "crash", "at": 1.0, "rank": 1},  # not a simulated kind
+    {"kind": "stop_node", "at": 1.0, "rank": 1},  # a node fault without a node
+    {"kind": "hang", "at": 1.0},  # a rank fault without a rank
+    {"kind": "straggler", "at": 1.0, "rank": 1, "factor": 1.0},
+])
+def test_a_bad_script_line_is_refused(raw: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="agent_sim: expected|needs a"):
+        SimFault.from_dict(raw)
+
+
+def test_a_script_line_round_trips() -> None:
+    fault = SimFault.from_dict({"kind": "partition", "at": 3.0, "node": "node-1", "until": 4.0})
+    assert fault == SimFault("partition", 3.0, node="node-1", until=4.0)

@@ -109,6 +109,7 @@ class ThreadStack:
     shown: list[Frame]
     folded: list[Frame]
     raw: list[str] = field(default_factory=list)  # lines that did not parse, as recorded
+    culprit: bool = False  # a thread of the culprit rank (it may not have answered)
 
     @property
     def folded_label(self) -> str:
@@ -139,7 +140,8 @@ def fold(frames: list[Frame]) -> tuple[list[Frame], list[Frame]]:
 
 
 def thread_stack(title: str, lines: list[Any], innermost_last: bool = True,
-                 relay_modules: frozenset[str] | None = None) -> ThreadStack:
+                 relay_modules: frozenset[str] | None = None,
+                 culprit: bool = False) -> ThreadStack:
     """Return one thread's recorded lines as a :class:`ThreadStack`."""
     frames: list[Frame] = []
     raw: list[str] = []
@@ -152,7 +154,7 @@ def thread_stack(title: str, lines: list[Any], innermost_last: bool = True,
     if innermost_last:
         frames.reverse()
     shown, folded = fold(frames)
-    return ThreadStack(title, shown, folded, raw)
+    return ThreadStack(title, shown, folded, raw, culprit)
 
 
 def _rank_title(entry: dict[str, Any], thread: str) -> str:
@@ -165,12 +167,14 @@ def _rank_title(entry: dict[str, Any], thread: str) -> str:
 
 
 def _entry_stacks(entry: dict[str, Any], relay_modules: frozenset[str] | None) -> list[ThreadStack]:
+    culprit = entry.get("culprit") is True
     if isinstance(entry.get("threads"), dict):
-        return [thread_stack(_rank_title(entry, str(name)), list(lines), True, relay_modules)
+        return [thread_stack(_rank_title(entry, str(name)), list(lines), True, relay_modules,
+                             culprit)
                 for name, lines in entry["threads"].items() if isinstance(lines, list)]
     if isinstance(entry.get("faulthandler"), list):  # C-level dump: innermost first already
         return [thread_stack(_rank_title(entry, "every") + " (faulthandler, from C)",
-                             entry["faulthandler"], False, relay_modules)]
+                             entry["faulthandler"], False, relay_modules, culprit)]
     return []
 
 

@@ -78,6 +78,16 @@ def _explained(view: RunView) -> list[str]:
             or f"{term} {line}" in text or f"{term.capitalize()}: {line}" in text]
 
 
+def test_a_culprit_that_did_not_answer_is_said_so_above_the_first_stack_that_did() -> None:
+    view = _view()
+    fault = {**HANG, "evidence": {**HANG["evidence"], "stacks": HANG["evidence"]["stacks"][1:]}}
+    view.attempts[0] = replace(view.attempts[0], fault=fault)
+    text = _text(run_html(view, "n", "relay_demo"))
+    assert "Culprit's stack" not in text
+    assert "The culprit did not answer (stopped or frozen); the first stack that did: rank 0 " \
+        "on node-b, main thread" in text
+
+
 def test_every_figure_and_term_is_explained_beside_it() -> None:
     assert _explained(_view("running", None)) == list(GLOSSARY)
     assert _explained(_view()) == [t for t in GLOSSARY if t != "ETA"]  # ended: no ETA

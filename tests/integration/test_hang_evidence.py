@@ -14,6 +14,7 @@ import pytest
 from airflow_jobs import run_job, use_jobs
 
 from relay.lineage.store import TAG_OUTCOME, Lineage
+from relay.ui.stack_view import stacks_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # `make test-slow`
 
@@ -70,6 +71,12 @@ def test_the_hang_fault_carries_the_culprits_stack_and_the_collective_trace(
     assert (culprit["rank"], culprit["culprit"]) == (1, True)
     assert "chaos_hang_forever" in culprit["threads"]["main"][-1]
     assert evidence["where"].startswith("rank 1 in chaos_hang_forever")
+    # The Recovery page reads it innermost first: the user's loop (the built-in example's
+    # `for step in session.steps()`) shown, the chaos loop in Relay's code folded.
+    threads, as_text = stacks_of(evidence["stacks"])
+    assert as_text is None and threads[0].culprit
+    assert threads[0].shown[0].file.endswith("examples/charlm.py"), threads[0].shown
+    assert threads[0].folded[0].function == "chaos_hang_forever"
     assert sorted(s["rank"] for s in evidence["stacks"]) == [0, 1, 2, 3]
 
     # The others wait in the step's collective; the Flight Recorder says which one.

@@ -71,7 +71,8 @@ def _seed(tracking_uri: str, artifacts: Path) -> str:
         TAG_OUTCOME: payload("outcome")}).info.run_id
     for k, v in {"total_steps": "100", "policy_sha256": payload("policy")}.items():
         client.log_param(parent, k, v)
-    tries = [("faulted", payload("node_a")), ("completed", payload("node_b"))]
+    tries = [("faulted", payload("node_a")), ("faulted", payload("node_c")),
+             ("completed", payload("node_b"))]
     for try_number, (outcome, node) in enumerate(tries, start=1):
         child = client.create_run(exp, run_name=f"try-{try_number}", tags={
             TAG_PARENT: parent, TAG_SEGMENT: "0", TAG_TRY: str(try_number), TAG_JOB: JOB,
@@ -83,9 +84,7 @@ def _seed(tracking_uri: str, artifacts: Path) -> str:
             lineage.log_json(child, "decision.json", {
                 "fault": {"kind": payload("kind"), "culprit_rank": payload("rank"),
                           "culprit_node": payload("culprit_node"), "detected_at": time.time(),
-                          "evidence": {"summary": payload("summary"),
-                                       "stack": payload("stack"),
-                                       "detail": payload("evidence")}},
+                          "evidence": _evidence(try_number)},
                 "decision": {"action": payload("action"), "rule": payload("rule"),
                              "policy_sha256": payload("decision_sha"),
                              "reason": payload("reason"),
@@ -103,6 +102,21 @@ def _seed(tracking_uri: str, artifacts: Path) -> str:
     NodePool(nodes=[node]).quarantine(node, 3600, payload("quarantine_reason"),
                                       payload("quarantined_by"))
     return dag_run_id
+
+
+def _evidence(try_number: int) -> dict[str, object]:
+    """Return a fault's evidence: a stack as text (try 1) or as ranks' frames (try 2)."""
+    evidence: dict[str, object] = {"summary": payload("summary"), "detail": payload("evidence")}
+    if try_number == 1:
+        return {**evidence, "stack": payload("stack")}
+    frames = [f"{payload('frame_file')}:12 in train: {payload('frame_code')}",
+              f"/x/.venv/lib/python3.11/site-packages/torch/{payload('torch_file')}:3 in wait",
+              payload("frame_raw")]
+    return {**evidence, "where": payload("where"), "stacks": [
+        {"rank": payload("stack_rank"), "node": payload("stack_node"), "culprit": True,
+         "threads": {"main": frames, payload("thread"): frames}},
+        {"rank": 0, "culprit": False, "faulthandler": [
+            f'  File "{payload("fh_file")}", line 3 in wait', payload("fh_raw")]}]}
 
 
 def _serve(app: object) -> tuple[str, object, threading.Thread]:
@@ -185,8 +199,10 @@ def _nothing_ran(browser: Chromium) -> None:
 
 
 SHOWN = ("dag_id", "dag_run_id", "policy", "kind", "rank", "culprit_node", "summary", "stack",
-         "action", "rule", "reason", "quarantine_node", "node_a", "node_b", "quarantined",
-         "quarantine_reason", "quarantined_by")
+         "action", "rule", "reason", "quarantine_node", "node_a", "node_b", "node_c",
+         "quarantined", "quarantine_reason", "quarantined_by", "where", "frame_file",
+         "frame_code", "torch_file", "frame_raw", "stack_rank", "stack_node", "thread",
+         "fh_file", "fh_raw")
 
 
 def test_payloads_in_the_records_show_as_text_and_never_run(

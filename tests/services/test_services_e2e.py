@@ -65,7 +65,7 @@ def test_a_stalled_rank_is_retried_elsewhere_and_ends_bit_exact(
     assert same, detail
     # The pictures went to the DAG run's MLflow run; the experiment opens in the training view.
     logged = {a.path for a in lineage.client.list_artifacts(view.parent_run_id, "report")}
-    assert logged == {"report/timeline.png", "report/loss.png"}, logged
+    assert logged == {"report/timeline.png", "report/loss.png", "report/throughput.png"}, logged
     exp = lineage.client.get_experiment(lineage.experiment_id("demo"))
     assert exp.tags.get(TAG_EXPERIMENT_KIND) == "custom_model_development"
     # The faulty attempt logged its loss up to the fault, not only up to its last checkpoint.
@@ -91,8 +91,15 @@ def test_recovery_page_in_chromium(deployment: services.Deployment, api: Airflow
         assert f"culprit rank 1, node {fault['culprit_node']}" in text
         assert "restart_elsewhere" in text and "rules.hang" in text
         assert view.policy_sha256 in text
+        # Where it stopped, above the stack; the stack starts with the culprit's own frame
+        # (the demo's loop, relay_train.examples.charlm), Relay's and Python's folded.
+        assert "Where it stopped: rank 1 in " in text
+        first = browser.evaluate("document.querySelector('.stack ol.frames li').innerText")
+        assert "examples/charlm.py:" in first and "(Relay)" not in first, first
+        assert browser.evaluate("document.querySelector('.stack details.folded').open") is False
+        assert "Goodput so far" not in text and "ETA" not in text.split("Goodput")[0]
         widths = browser.images_loaded()
-        assert len(widths) == 2 and all(w > 0 for w in widths), widths
+        assert len(widths) == 3 and all(w > 0 for w in widths), widths
         picture = SCREENSHOT if os.environ.get("RELAY_UPDATE_SCREENSHOT") == "1" else (
             tmp_path / SCREENSHOT.name)
         browser.screenshot(picture)

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
 from relay.core.attempt import AttemptState
 from relay.lineage.report import format_fault_table
-from relay.lineage.run_view import RunView, find_parent, run_view
+from relay.lineage.run_view import AttemptView, RunView, find_parent, run_view
 from relay.lineage.store import Lineage
 
 log = logging.getLogger(__name__)
 
 TIMELINE_PNG = "timeline.png"
 LOSS_PNG = "loss.png"
+THROUGHPUT_PNG = "throughput.png"
+STEP_SECONDS = "step_seconds"  # rank 0's smoothed step time, logged with the loss
+HALF_WIDTH = (6.4, 3.8)  # inches: the loss and throughput pictures sit side by side
 TABLE_TXT = "faults.txt"
 REPORT_JSON = "report.json"
 MLFLOW_DIR = "report"
@@ -84,9 +88,15 @@ def _mark_fault(ax: Any, view: RunView, a: Any, row: dict[str, int],  # noqa: AN
     ax.axvspan(detected - (delay or 0.0), resumed, color="#d1495b", alpha=0.12, lw=0)
 
 
+def _label(a: AttemptView) -> tuple[str, str]:
+    """Return an attempt's legend label and line style (a faulty one dashed)."""
+    label = f"segment {a.segment} try {a.try_number}"
+    return (label + f" ({a.fault['kind']})", "--") if a.fault is not None else (label, "-")
+
+
 def plot_loss(view: RunView, lineage: Lineage, path: Path) -> Path:
     """Draw the loss against the step, one line per attempt; faulty attempts dashed."""
-    fig = _figure(10, 4)
+    fig = _figure(*HALF_WIDTH)
     ax = fig.subplots()
     for a in view.attempts:
         history = sorted((m.step, m.value) for m in
@@ -94,23 +104,64 @@ def plot_loss(view: RunView, lineage: Lineage, path: Path) -> Path:
         if not history:
             continue
         steps, values = zip(*history, strict=True)
-        label = f"segment {a.segment} try {a.try_number}"
-        style = "-"
-        if a.fault is not None:
-            label += f" ({a.fault['kind']})"
-            style = "--"
+        label, style = _label(a)
         ax.plot(steps, values, style, marker="." if len(steps) < 40 else None, label=label)
         if a.fault is not None:
             ax.plot(steps[-1], values[-1], marker="x", color="black", markersize=9, mew=2)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(f"{view.dag_id} / {view.dag_run_id}: loss across attempts", fontsize=9)
+    ax.set_title(f"{view.dag_run_id}: loss across attempts", fontsize=9)
+    _finish(fig, ax, path)
+    return path
+
+
+def steps_per_second(points: list[tuple[float, float]], t0: float) -> list[tuple[float, float]]:
+    """Return (seconds since ``t0``, steps/s) from (Unix time, ``step_seconds``) points,
+    oldest first; a point without a positive, finite step time is left out."""
+    return [(at - t0, 1.0 / sec) for at, sec in sorted(points)
+            if math.isfinite(sec) and sec > 0]
+
+
+def throughput_series(view: RunView, lineage: Lineage) -> dict[str, list[tuple[float, float]]]:
+    """Return each attempt's throughput over the run's time (rank 0's ``step_seconds``)."""
+    series = {}
+    for a in view.attempts:
+        history = lineage.client.get_metric_history(a.run_id, STEP_SECONDS)
+        points = steps_per_second([(m.timestamp / 1000, m.value) for m in history],
+                                  view.started_at)
+        if points:
+            series[a.run_id] = points
+    return series
+
+
+def plot_throughput(view: RunView, lineage: Lineage, path: Path) -> Path:
+    """Draw steps/s against the run's time, one line per attempt; faulty attempts dashed."""
+    fig = _figure(*HALF_WIDTH)
+    ax = fig.subplots()
+    series = throughput_series(view, lineage)
+    for a in view.attempts:
+        if a.run_id not in series:
+            continue
+        seconds, rates = zip(*series[a.run_id], strict=True)
+        label, style = _label(a)
+        ax.plot(seconds, rates, style, marker="." if len(seconds) < 40 else None, label=label)
+        if a.fault is not None:
+            ax.plot(seconds[-1], rates[-1], marker="x", color="black", markersize=9, mew=2)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("seconds since the DAG run started")
+    ax.set_ylabel("steps/s")
+    ax.set_title(f"{view.dag_run_id}: throughput per attempt", fontsize=9)
+    _finish(fig, ax, path)
+    return path
+
+
+def _finish(fig: Any, ax: Any, path: Path) -> None:  # noqa: ANN401 - matplotlib objects
     ax.grid(alpha=0.3)
     if ax.lines:
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    return path
 
 
 def summary_text(view: RunView) -> str:
@@ -145,7 +196,8 @@ def checkpoint_lines(view: RunView) -> list[str]:
 def render(view: RunView, lineage: Lineage, out: Path) -> list[Path]:
     """Write the PNGs, the text table and the JSON of one run into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    written = [plot_timeline(view, out / TIMELINE_PNG), plot_loss(view, lineage, out / LOSS_PNG)]
+    written = [plot_timeline(view, out / TIMELINE_PNG), plot_loss(view, lineage, out / LOSS_PNG),
+               plot_throughput(view, lineage, out / THROUGHPUT_PNG)]
     (out / TABLE_TXT).write_text(summary_text(view))
     (out / REPORT_JSON).write_text(json.dumps(view.to_dict(), indent=2, default=str))
     return [*written, out / TABLE_TXT, out / REPORT_JSON]

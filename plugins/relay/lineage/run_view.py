@@ -16,6 +16,7 @@ from typing import Any
 from relay.core.attempt import AttemptState
 from relay.lineage.report import FaultRow, _json_artifact, fault_rows, first_step_at, step_field
 from relay.lineage.store import TAG_DAG_RUN, TAG_OUTCOME, TAG_SEGMENT, TAG_TRY, Lineage
+from relay.lineage.tags import TAG_ADOPTED_AT, TAG_HANDED_OVER_AT
 from relay.nodes.pool import NodePool
 from relay_train.protocol.heartbeat import read_heartbeats
 
@@ -41,6 +42,10 @@ class AttemptView:
     next_resume_step: int | None = None
     checkpoint_every: int | None = None  # the interval this attempt checkpointed at
     checkpoint_every_reason: str | None = None  # how it was chosen (checkpoint_every: auto)
+    attempt_dir: str = ""  # the try's folder (on Relay's side)
+    handed_over_at: int | None = None  # left its workload training at this step, for the next
+    adopted_at: int | None = None  # took over an earlier attempt's workload at this step
+    adopted_workload: str | None = None  # the folder of the attempt whose workload it took
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,18 @@ def _attempt(lineage: Lineage, child: Any) -> AttemptView:  # noqa: ANN401 - an 
         next_resume_step=step_field(record, "next_resume_step", info.run_id),
         checkpoint_every=int(params["checkpoint_every"]) if "checkpoint_every" in params else None,
         checkpoint_every_reason=params.get("checkpoint_every_reason"),
+        attempt_dir=params.get("attempt_dir", ""),
+        handed_over_at=_int_or_none(tags.get(TAG_HANDED_OVER_AT)),
+        adopted_at=_int_or_none(tags.get(TAG_ADOPTED_AT)),
+        adopted_workload=params.get("adopted_workload"),
     )
+
+
+def _int_or_none(value: str | None) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except ValueError:  # a tag anyone may write: not a step reads as unknown
+        return None
 
 
 def goodput(attempts: list[AttemptView], faults: list[FaultRow], started: float,

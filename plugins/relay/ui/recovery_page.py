@@ -9,8 +9,9 @@ Anyone who can write to MLflow writes what this page shows, and anyone can send 
 a link: pages render through autoescaping templates (``relay.ui.page_html``),
 error responses carry fixed texts (never the request's input, never the MLflow
 tracking URI, which may hold database credentials), every response carries a
-Content-Security-Policy that allows no script at all, and no route writes to
-MLflow (no get-or-create: a job without records reads as "no runs").
+Content-Security-Policy that allows no script at all (a running run's page reloads
+by a meta refresh), and no route writes to MLflow (no get-or-create: a job without
+records reads as "no runs").
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relay.core import settings
 from relay.core.attempt import AttemptState
-from relay.ui.page_html import error_html, index_html, run_html
+from relay.ui.page_html import (
+    PICTURE_NAMES,
+    REFRESH_SECONDS,
+    error_html,
+    index_html,
+    run_html,
+)
 
 if TYPE_CHECKING:
     from relay.lineage.run_view import RunView
@@ -41,8 +48,7 @@ if TYPE_CHECKING:
 # by the routes that read a run, when a request comes, not here (~1.6 s of CPU).
 
 log = logging.getLogger(__name__)
-PICTURES = ("timeline.png", "loss.png")
-REFRESH_RUNNING_SECONDS = 10.0
+PICTURES = tuple(f"{name}.png" for name in PICTURE_NAMES)
 # Airflow's default `allowed_run_id_pattern`: a run id outside it was never recorded, and
 # the rest is safe inside an MLflow filter string's quotes.
 RUN_ID = re.compile(r"[A-Za-z0-9_.~:+-]{1,250}")
@@ -180,10 +186,10 @@ def _ensure_pictures(lineage: Lineage, view: RunView) -> None:
     from relay.lineage.report_files import render
 
     out = pictures_dir(view.parent_run_id)
-    stamp = out / "timeline.png"
+    stamp = out / PICTURES[-1]  # the last one render() writes
     finished = view.outcome != AttemptState.RUNNING
     fresh = stamp.exists() and (
-        finished or time.time() - stamp.stat().st_mtime < REFRESH_RUNNING_SECONDS)
+        finished or time.time() - stamp.stat().st_mtime < REFRESH_SECONDS)
     if not fresh:
         render(view, lineage, out)
 

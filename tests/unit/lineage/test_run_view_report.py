@@ -6,10 +6,17 @@ import json
 from pathlib import Path
 
 from relay.lineage.report import FaultRow
-from relay.lineage.report_files import plot_timeline, render, summary_text
+from relay.lineage.report_files import (
+    plot_timeline,
+    render,
+    steps_per_second,
+    summary_text,
+    throughput_series,
+)
 from relay.lineage.run_view import AttemptView, RunView, _progress, find_parent, goodput, run_view
 from relay.lineage.store import TAG_EXPERIMENT_KIND, Lineage
 from relay.lineage.summary import lineage_record
+from relay.lineage.tags import TAG_ADOPTED_AT, TAG_HANDED_OVER_AT
 from relay_train.protocol.manifest import CheckpointManifest, CheckpointRef
 
 T0 = 1_000.0
@@ -64,6 +71,12 @@ def test_timeline_png_and_summary(tmp_path: Path) -> None:
     assert "hang" in text and "rank 1, node-a" in text and "ETA 40s" in text
 
 
+def test_steps_per_second_is_the_inverse_step_time_against_the_runs_time() -> None:
+    points = [(T0 + 12, 0.5), (T0 + 11, 0.25), (T0 + 13, float("nan")), (T0 + 14, -1.0)]
+    assert steps_per_second(points, T0) == [(11.0, 4.0), (12.0, 2.0)]
+    assert steps_per_second([], T0) == []
+
+
 def _lineage(tmp_path: Path) -> Lineage:
     return Lineage(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
 
@@ -81,8 +94,13 @@ def test_lineage_json_has_machine_readable_fields_and_the_report_reads_the_store
     first = lineage.attempt_run(parent, 0, 1, {"nodes": "node-a", "resume_step": 0,
                                                "end_step": 20})
     lineage.client.log_metric(first, "loss", 3.5, step=10)
+    for step, seconds, at in ((9, 0.5, T0 + 10), (10, 0.25, T0 + 11), (11, 0.0, T0 + 12)):
+        lineage.client.log_metric(first, "step_seconds", seconds, step=step,
+                                  timestamp=int(at * 1000))
+    lineage.client.set_tag(first, TAG_HANDED_OVER_AT, "20")
     second = lineage.attempt_run(parent, 1, 2, {"nodes": "node-b", "resume_step": 20,
                                                 "end_step": 40})
+    lineage.client.set_tag(second, TAG_ADOPTED_AT, "not a step")  # anyone's to write
     older = CheckpointManifest(20, "a" * 64, 10, 4, "demo", first, None, T0)
     newer = CheckpointManifest(40, "b" * 64, 10, 4, "demo", second,
                                CheckpointRef(first, 20, "a" * 64), T0 + 1,
@@ -101,7 +119,12 @@ def test_lineage_json_has_machine_readable_fields_and_the_report_reads_the_store
     view = run_view(lineage, parent)
     assert [(a.segment, a.try_number, a.nodes) for a in view.attempts] == [
         (0, 1, ["node-a"]), (1, 2, ["node-b"])]
+    assert [(a.handed_over_at, a.adopted_at) for a in view.attempts] == [(20, None), (None, None)]
+    # Throughput: rank 0's step times as steps/s over the run's time; a zero is left out.
+    started = view.started_at
+    assert throughput_series(view, lineage) == {
+        first: [(T0 + 10 - started, 2.0), (T0 + 11 - started, 4.0)]}
     written = render(view, lineage, tmp_path / "out")
     assert sorted(p.name for p in written) == ["faults.txt", "loss.png", "report.json",
-                                               "timeline.png"]
+                                               "throughput.png", "timeline.png"]
     assert json.loads((tmp_path / "out" / "report.json").read_text())["parent_run_id"] == parent

@@ -37,6 +37,14 @@ class FaultRow:
     decision: str
     lost_steps: int | None
     time_to_resume: float | None
+    try_number: int = 0
+    rank: int | None = None
+    node: str | None = None
+    rule: str = ""
+    retry: bool = False  # the policy retries (else it gave up: escalate, abort)
+    step: int | None = None  # the furthest step a rank reported
+    resume_step: int | None = None
+    retry_nodes: list[str] | None = None  # where the retry runs (None: not launched yet)
 
 
 def newest_parent(lineage: Lineage, job: str, dag_id: str, since: float = 0.0) -> str | None:
@@ -124,7 +132,8 @@ def fault_rows(lineage: Lineage, parent: str) -> list[FaultRow]:
             continue
         fault, decision = record["fault"], record["decision"]
         segment, tried = child.data.tags[TAG_SEGMENT], int(child.data.tags[TAG_TRY])
-        resumed = _resumed(record, child, by_key.get((segment, str(tried + 1))))
+        retry = by_key.get((segment, str(tried + 1)))
+        resumed = _resumed(record, child, retry)
         who = ", ".join(
             x for x in (
                 f"rank {fault['culprit_rank']}" if fault["culprit_rank"] is not None else "",
@@ -134,9 +143,15 @@ def fault_rows(lineage: Lineage, parent: str) -> list[FaultRow]:
         action = decision["action"]
         if decision.get("quarantine_node"):
             action += f" ({decision['quarantine_node']} out)"
-        rows.append(FaultRow(int(segment), fault["kind"], who, resumed.detect, action,
-                             step_field(record, "lost_steps", child.info.run_id),
-                             resumed.total))
+        rows.append(FaultRow(
+            int(segment), fault["kind"], who, resumed.detect, action,
+            step_field(record, "lost_steps", child.info.run_id), resumed.total,
+            try_number=tried, rank=fault["culprit_rank"], node=fault["culprit_node"],
+            rule=str(decision.get("rule", "")), retry=bool(decision.get("retry")),
+            step=step_field(record, "progress_step", child.info.run_id),
+            resume_step=step_field(record, "next_resume_step", child.info.run_id),
+            retry_nodes=None if retry is None else [
+                n for n in retry.data.params.get("nodes", "").split(",") if n]))
     return rows
 
 

@@ -225,7 +225,6 @@ def _record(r: Recovery, t: TaskSide, decision: Decision, saved: Saved, survivor
     lost = None if resumed is None else max(progress - resumed, 0)
     line = record.decision_line(t.segment, r.fault, decision, step=progress, resumed=resumed,
                                 lost=lost)
-    log.error("%s", line)  # the one line: the record and its details follow
     entry = {"fault": r.fault.to_event()["fault"], "decision": decision.to_dict(),
              "progress_step": progress, "next_resume_step": resumed, "lost_steps": lost,
              "drained_at_step": saved.drained_at, "rescued": rescue_record,
@@ -245,7 +244,8 @@ def _record(r: Recovery, t: TaskSide, decision: Decision, saved: Saved, survivor
                                                                        r.attempt.folder))
     journal.write(t.context, r.attempt.segment_dir, AttemptState.RECORDED,
                   attempt_dir=str(r.attempt.runs_in), record_dir=str(r.attempt.folder))
-    # The evidence is summarised (where it stopped) once recorded.
+    # The one line per fault, then its details (the evidence is summarised by now).
+    log.error("%s", line)
     log.info("Details of the decision above:\n%s", record.decision_details(
         entry["fault"], decision, r.attempt.folder, r.attempt.runs_in / "logs"))
     return Outcome(AttemptState.RECORDED, decision, line, retry=decision.retry)

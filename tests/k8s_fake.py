@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import kubernetes_validate
+from local_http import send_json
 
 SCHEMA_VERSION = "1.37"
 INDEX = "batch.kubernetes.io/job-completion-index"
@@ -362,12 +363,7 @@ class FakeApiServer:
                 return
 
             def _send(self, code: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, code, body)
 
             def _body(self) -> dict[str, Any]:
                 length = int(self.headers.get("Content-Length") or 0)

@@ -90,4 +90,4 @@ def test_the_hang_fault_carries_the_culprits_stack_and_the_collective_trace(
     # The raw files are in the run too, for the stacks of every thread and torch's analyzer.
     listed = {a.path for a in lineage.client.list_artifacts(run_id, "evidence")}
     assert {"evidence/rank-1.json", "evidence/fr-rank-0.json", "evidence/fr"} <= listed
-    assert "Where it stopped: rank 1 in chaos_hang_forever" in log
+    assert "where it stopped: rank 1 in chaos_hang_forever" in log

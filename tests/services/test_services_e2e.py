@@ -71,6 +71,13 @@ def test_a_stalled_rank_is_retried_elsewhere_and_ends_bit_exact(
     # The faulty attempt logged its loss up to the fault, not only up to its last checkpoint.
     losses = lineage.client.get_metric_history(faulty.run_id, "loss")
     assert max(m.step for m in losses) >= HANG["step"] - 5
+    # Airflow tells the story: Relay's notes on the DAG run and on the retried task only.
+    note = api.dag_run(DAG_ID, faulty_run)["note"]
+    assert note is not None and note.startswith("Relay: 1 fault (hang); "), note
+    notes = {t["task_id"]: t["note"] for t in api.task_instances(DAG_ID, faulty_run)}
+    assert notes["segment_000"].startswith(f"Recovered: hang of rank 1 on {culprit_node} "), notes
+    assert f"restarted on {', '.join(retry.nodes)} from step" in notes["segment_000"], notes
+    assert notes["segment_001"] is None and api.dag_run(DAG_ID, clean_run)["note"] is None
 
 
 def test_recovery_page_in_chromium(deployment: services.Deployment, api: AirflowApi,

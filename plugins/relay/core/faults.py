@@ -48,15 +48,20 @@ class Fault:
     evidence: dict[str, Any] = field(default_factory=dict)
     detected_at: float = field(default_factory=time.time)
 
-    def describe(self) -> str:
-        """Return one line for the task log and the failure message."""
+    @property
+    def culprit(self) -> str:
+        """Return who faulted, e.g. ``node node-b, rank 3`` (``job-wide``: no one in particular)."""
         who = []
         if self.culprit_node is not None:
             who.append(f"node {self.culprit_node}")
         if self.culprit_rank is not None:
             who.append(f"rank {self.culprit_rank}")
-        culprit = ", ".join(who) or "job-wide"
-        return f"{self.kind.value} ({culprit}): {self.evidence.get('summary', '')}".rstrip(": ")
+        return ", ".join(who) or "job-wide"
+
+    def describe(self) -> str:
+        """Return the fault and its evidence's summary, on one line."""
+        summary = self.evidence.get("summary", "")
+        return f"{self.kind.value} ({self.culprit}): {summary}".rstrip(": ")
 
     def to_event(self) -> dict[str, Any]:
         """Return the trigger-event payload."""

@@ -10,6 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from relay.core.attempt import AttemptState
+from relay.lineage.resume_time import (
+    KEY,
+    TimeToResume,
+    fault_onset,
+    from_breakdown,
+    time_to_resume,
+)
 from relay.lineage.store import TAG_DAG_ID, TAG_OUTCOME, TAG_SEGMENT, TAG_TRY, Lineage
 from relay_train.protocol.injection import CHAOS_LOG
 from relay_train.protocol.launch import FIRST_STEP_FILE
@@ -19,7 +26,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FaultRow:
-    """One fault of a DAG run and what recovering from it cost."""
+    """One fault of a DAG run and what recovering from it cost (``detected_after`` and
+    ``time_to_resume``: :func:`relay.lineage.resume_time.time_to_resume`'s detection part
+    and total, onset to the retry's first productive step)."""
 
     segment: int
     kind: str
@@ -28,6 +37,14 @@ class FaultRow:
     decision: str
     lost_steps: int | None
     time_to_resume: float | None
+    try_number: int = 0
+    rank: int | None = None
+    node: str | None = None
+    rule: str = ""
+    retry: bool = False  # the policy retries (else it gave up: escalate, abort)
+    step: int | None = None  # the furthest step a rank reported
+    resume_step: int | None = None
+    retry_nodes: list[str] | None = None  # where the retry runs (None: not launched yet)
 
 
 def newest_parent(lineage: Lineage, job: str, dag_id: str, since: float = 0.0) -> str | None:
@@ -86,6 +103,22 @@ def first_step_at(attempt_dir: Path) -> float | None:
     return float(json.loads(path.read_text())["at"]) if path.exists() else None
 
 
+def _resumed(record: dict[str, Any], child: Any, retry: Any) -> TimeToResume:  # noqa: ANN401
+    """Return a fault's time to resume: as its decision.json's complete breakdown has it (what
+    MLflow logged), else from the attempt folders on this machine."""
+    found = record.get(KEY)
+    if isinstance(found, dict) and found.get("complete"):
+        try:
+            return from_breakdown(found["marks"], found["onset"] != "unknown")
+        except (KeyError, TypeError):  # anyone who can write to MLflow writes that file
+            log.warning("decision.json of MLflow run %s: unreadable %s breakdown; read from "
+                        "the attempt folders instead", child.info.run_id, KEY)
+    onset = fault_onset(Path(child.data.params.get("attempt_dir", "/nonexistent")))
+    first = None if retry is None else first_step_at(
+        Path(retry.data.params.get("attempt_dir", "/nonexistent")))
+    return time_to_resume(onset, record["fault"]["detected_at"], first)
+
+
 def fault_rows(lineage: Lineage, parent: str) -> list[FaultRow]:
     """Return one row per fault in a DAG run, oldest first."""
     children = lineage.child_runs(parent)
@@ -98,16 +131,9 @@ def fault_rows(lineage: Lineage, parent: str) -> list[FaultRow]:
         if record is None:
             continue
         fault, decision = record["fault"], record["decision"]
-        attempt_dir = Path(child.data.params.get("attempt_dir", "/nonexistent"))
-        strikes = chaos_strikes(attempt_dir)
-        detected_after = (fault["detected_at"] - min(s["at"] for s in strikes)) if strikes else None
         segment, tried = child.data.tags[TAG_SEGMENT], int(child.data.tags[TAG_TRY])
-        resumed = None
-        nxt = by_key.get((segment, str(tried + 1)))
-        if nxt is not None:
-            first = first_step_at(Path(nxt.data.params.get("attempt_dir", "/nonexistent")))
-            if first is not None:
-                resumed = first - fault["detected_at"]
+        retry = by_key.get((segment, str(tried + 1)))
+        resumed = _resumed(record, child, retry)
         who = ", ".join(
             x for x in (
                 f"rank {fault['culprit_rank']}" if fault["culprit_rank"] is not None else "",
@@ -117,8 +143,15 @@ def fault_rows(lineage: Lineage, parent: str) -> list[FaultRow]:
         action = decision["action"]
         if decision.get("quarantine_node"):
             action += f" ({decision['quarantine_node']} out)"
-        rows.append(FaultRow(int(segment), fault["kind"], who, detected_after, action,
-                             step_field(record, "lost_steps", child.info.run_id), resumed))
+        rows.append(FaultRow(
+            int(segment), fault["kind"], who, resumed.detect, action,
+            step_field(record, "lost_steps", child.info.run_id), resumed.total,
+            try_number=tried, rank=fault["culprit_rank"], node=fault["culprit_node"],
+            rule=str(decision.get("rule", "")), retry=bool(decision.get("retry")),
+            step=step_field(record, "progress_step", child.info.run_id),
+            resume_step=step_field(record, "next_resume_step", child.info.run_id),
+            retry_nodes=None if retry is None else [
+                n for n in retry.data.params.get("nodes", "").split(",") if n]))
     return rows
 
 

@@ -1,5 +1,12 @@
 """Where a recovery's time goes: from the fault to the retry's first productive step.
 
+**Time to resume** has one definition, :func:`time_to_resume`: from the fault's onset to
+the retry's first productive step, with detection (onset -> the watcher's event) shown as
+its own part. The task log, ``decision.json``, MLflow (``time_to_resume.total``), the
+Recovery page and ``relay report`` all take it from there. Where the onset is unknown (a
+real fault: only an injected one records when it struck), the figure starts at detection
+and says so (``detect`` is None).
+
 Every recovery is a chain of wall-clock marks, each closing one part:
 
 - ``detect``: the fault began -> the watcher fired (only when the onset is known:
@@ -33,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +57,50 @@ PARTS = ("detect", "wake", "decide", "rescue", "stop", "record", "retry_scheduli
          "agent_start", "rendezvous", "first_step")
 TASK_FILE = "task.json"  # written by the segment task: when it started, when it launched
 KEY = "time_to_resume"
+
+
+@dataclass(frozen=True)
+class TimeToResume:
+    """One fault's time to resume, in seconds: ``total`` = ``detect`` + ``after_detection``.
+
+    ``detect``: onset -> the watcher's event (None: onset unknown);
+    ``after_detection``: the event -> the retry's first productive step (None: not yet);
+    ``total``: onset -> that first step (from the event when the onset is unknown).
+    """
+
+    detect: float | None
+    after_detection: float | None
+
+    @property
+    def total(self) -> float | None:
+        """Return onset -> first productive step (None before that step)."""
+        if self.after_detection is None:
+            return None
+        return round((self.detect or 0.0) + self.after_detection, 3)
+
+    def describe(self) -> str:
+        """Return e.g. ``5.6s (detection 2.0s + 3.6s to the first step)``."""
+        total = self.total
+        if total is None:
+            return "not resumed yet"
+        if self.detect is None:
+            return f"{total:.1f}s from detection (onset unknown)"
+        return f"{total:.1f}s (detection {self.detect:.1f}s + {self.after_detection:.1f}s)"
+
+
+def time_to_resume(onset: float | None, detected_at: float,
+                   first_step_at: float | None) -> TimeToResume:
+    """Return a fault's time to resume: its onset (None: unknown), the watcher's event, and
+    the retry's first productive step (None: not reached yet)."""
+    detect = None if onset is None else round(detected_at - onset, 3)
+    after = None if first_step_at is None else round(first_step_at - detected_at, 3)
+    return TimeToResume(detect, after)
+
+
+def from_breakdown(marks: dict[str, float], onset_known: bool) -> TimeToResume:
+    """Return the time to resume of a breakdown's marks (as in decision.json)."""
+    return time_to_resume(marks["onset"] if onset_known else None, marks["detect"],
+                          marks.get("first_step"))
 
 
 def fault_onset(attempt_dir: Path) -> float | None:
@@ -91,7 +143,7 @@ def breakdown(marks: dict[str, float], onset_known: bool, **extra: Any) -> dict[
     if not onset_known:
         parts["detect"] = None  # onset unknown: the breakdown starts at detection
     complete = all(p in marks for p in PARTS)
-    total = round(marks["first_step"] - marks["onset"], 3) if complete else None
+    total = from_breakdown(marks, onset_known).total if complete else None
     return {"marks": marks, "onset": "injected fault's strike" if onset_known else "unknown",
             "parts": parts, "total": total, "complete": complete, **extra}
 
@@ -167,7 +219,8 @@ def finish_previous(lineage: Any, attempt_dir: Path,  # noqa: ANN401
             run_id = (run_id_of(Attempt(previous)) if run_id_of is not None
                       else LaunchConfig.read(previous / LAUNCH_FILE).run_id)
             log_to_mlflow(lineage, run_id, result)
-            log.info("Time to resume after %s: %.1fs", previous, result["total"])
+            found = from_breakdown(result["marks"], result["onset"] != "unknown")
+            log.info("Time to resume after %s: %s", previous, found.describe())
     except Exception:  # noqa: BLE001 - a report must never fail the segment
         log.exception("Could not record the time to resume of the previous attempt")
     return previous

@@ -72,6 +72,28 @@ class RunView:
         """Return a JSON-ready dict (times as Unix seconds)."""
         return asdict(self)
 
+    def summary(self) -> RunSummary:
+        """Return the run's figures at a glance (the Recovery index, the DAG run's note)."""
+        lost = [f.lost_steps for f in self.faults]
+        return RunSummary(
+            outcome=self.outcome, faults=len(self.faults),
+            lost_steps=None if None in lost else sum(x or 0 for x in lost),
+            time_lost_seconds=round(sum(self.goodput["lost_seconds_by_fault"].values()), 3),
+            ettr=self.goodput["ettr"])
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """A DAG run's figures at a glance (``lost_steps`` None: a fault's count is unknown;
+    ``time_lost_seconds``: :func:`goodput`'s, every fault's, still growing while a retry
+    has not reached its first step)."""
+
+    outcome: str
+    faults: int
+    lost_steps: int | None
+    time_lost_seconds: float
+    ettr: float
+
 
 def _attempt(lineage: Lineage, child: Any) -> AttemptView:  # noqa: ANN401 - an MLflow Run
     params, tags, info = child.data.params, child.data.tags, child.info

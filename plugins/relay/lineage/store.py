@@ -207,16 +207,21 @@ class Lineage(CheckpointReading):
         rescued state). Fencing twice keeps the first time and list. Return the accepted.
         """
         tags = self._call(self.client.get_run, run_id).data.tags
-        if TAG_FENCED_CHECKPOINTS in tags:
+        again = TAG_FENCED_CHECKPOINTS in tags
+        if again:
             accepted = [d for d in tags[TAG_FENCED_CHECKPOINTS].split(",") if d]
         else:
             accepted = self._published_dirs(run_id)
             self._call(self.client.set_tag, run_id, TAG_FENCED_AT, f"{time.time():.3f}")
             self._call(self.client.set_tag, run_id, TAG_FENCED_REASON, reason[:4000])
+        added = sorted(set(accept) - set(accepted))
         accepted = sorted(set(accepted) | set(accept))
         self._call(self.client.set_tag, run_id, TAG_FENCED_CHECKPOINTS, ",".join(accepted))
-        log.info("Fenced attempt run %s (%s): checkpoints %s count, any later one is refused",
-                 run_id, reason, accepted or "none")
+        if not again:
+            log.info("Fenced attempt run %s (%s): checkpoints %s count, any later one is "
+                     "refused", run_id, reason, accepted or "none")
+        elif added:  # said once per fence: only what this call adds
+            log.info("Fenced attempt run %s also accepts %s (published by Relay)", run_id, added)
         return accepted
 
     def _published_dirs(self, run_id: str) -> list[str]:

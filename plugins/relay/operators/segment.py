@@ -32,6 +32,7 @@ from relay.lineage.interval import interval_for
 from relay.lineage.tags import TAG_FAILURE_REASON
 from relay.nodes.pool import NodePool, lease_holder
 from relay.operators import handover
+from relay.operators.airflow_notes import write_notes
 from relay.operators.base import RelayOperator, attempt_params, lineage_store, segment_dir
 from relay.operators.retry import SegmentFaultError
 from relay.policy.model import LoadedPolicy
@@ -141,6 +142,8 @@ class TrainSegmentOperator(RelayOperator):
         resume_time.note_launch(folder, task_started, launch_called)
         log.info("Segment %d try %d: steps [%d, %d) on %s; MLflow child run %s; attempt folder %s",
                  index, try_number, resume_step, end, ", ".join(nodes), run_id, folder)
+        if try_number > 1:  # "restarted on these nodes": the notes of the fault before
+            write_notes(context, lineage, lambda: parent, index)
         self._watch(context, attempt, cfg, policy, launcher,
                     boundary=handover.boundary(launcher, cfg, cfg))
         return None
@@ -295,6 +298,9 @@ class TrainSegmentOperator(RelayOperator):
         if launcher.continuity is not None:
             launcher.continuity.note_boundary(attempt, event.get("at"), woke)
         self.finish_resume_time(attempt, lineage, launcher)
+        if int(context["ti"].try_number) > 1:  # the recovery's time to resume is known now
+            write_notes(context, lineage, lambda: lineage.parent_run(
+                spec.job, spec.dag_id, context["dag_run"].run_id), self.segment)
         log.info("Segment %d trained steps [%d, %d) in %.1fs", self.segment, cfg.start_step,
                  cfg.end_step, time.time() - launcher.started_at(attempt))
         return self._result(cfg)
@@ -323,6 +329,8 @@ class TrainSegmentOperator(RelayOperator):
             refused=list(refused or []))))
         if outcome.state is AttemptState.RECORDED and not outcome.decision.observe:
             self.finish_resume_time(attempt, lineage, launcher)  # off the critical path
+            write_notes(context, lineage, lambda: lineage.parent_run(spec.job, spec.dag_id,
+                                                                     run_id), self.segment)
         if not act:
             return outcome
         if outcome.state is AttemptState.RUNNING:  # observe mode: watch the other kinds

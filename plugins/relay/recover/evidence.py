@@ -309,7 +309,8 @@ def attach_evidence(fault_record: dict[str, Any], evidence: Evidence,
         summary = {"evidence_error": f"unreadable rank record ({exc!r}); see {EVIDENCE_DIR}/"}
     fault_record["evidence"].update(summary)
     answered = len(evidence.answers) + len(evidence.fallback_stacks)
-    log.warning("Where it stopped: %s (evidence from %d of %d ranks in %.2fs)",
+    # The task log shows "where it stopped" once, in the decision's details (pipeline).
+    log.debug("Where it stopped: %s (evidence from %d of %d ranks in %.2fs)",
                 summary.get("where", "unknown"), answered, answered + len(evidence.missing),
                 evidence.seconds)
     try:  # everything the ranks wrote, under evidence/ in the attempt's run

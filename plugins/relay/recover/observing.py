@@ -18,8 +18,8 @@ from relay.recover.recovery import Outcome, Recovery, TaskSide
 
 def observe(r: Recovery, t: TaskSide, decision: Decision) -> Outcome:
     """Record and notify ``decision`` without applying it; say whether to watch on."""
-    message = "OBSERVE MODE (not applied): " + record.fault_message(t.segment, r.fault,
-                                                                     decision, None)
+    message = "OBSERVE MODE (not applied): " + record.decision_line(t.segment, r.fault,
+                                                                     decision, applied=False)
     folder = r.attempt.folder
     entry = record_observation(folder, r.fault, decision, t.policy, message)
     journal.note_observation(t.context, folder, entry)

@@ -248,22 +248,29 @@ def _record(r: Recovery, t: TaskSide, decision: Decision, saved: Saved, survivor
     resumed, rescue_record = next_resume(t.lineage, t.parent_run, decision, r.fault, r.cfg,
                                          saved, fence)
     lost = None if resumed is None else max(progress - resumed, 0)
-    message = record.fault_message(t.segment, r.fault, decision, lost)
-    delivery = None
-    if decision.notify:
-        delivery = escalate(decision.notify, message, t.policy.policy.escalation,
-                            {"decision": decision.to_dict()}).to_dict()
+    line = record.decision_line(t.segment, r.fault, decision, step=progress, resumed=resumed,
+                                lost=lost)
     entry = {"fault": r.fault.to_event()["fault"], "decision": decision.to_dict(),
              "progress_step": progress, "next_resume_step": resumed, "lost_steps": lost,
              "drained_at_step": saved.drained_at, "rescued": rescue_record,
-             "survivors": survivors, "notification": delivery,
+             "survivors": survivors, "notification": None,
              "refused": t.refused + r.launcher.channel(r.attempt).refused,
-             "time_to_resume": clock.to_dict(), "policy_file": str(t.policy.path)}
+             "time_to_resume": clock.to_dict(), "policy_file": str(t.policy.path),
+             "decision_line": line}
+    if decision.notify:
+        details = record.decision_details(entry["fault"], decision, r.attempt.folder,
+                                          r.attempt.runs_in / "logs")
+        entry["notification"] = escalate(decision.notify, f"{line}\n{details}",
+                                         t.policy.policy.escalation,
+                                         {"decision": decision.to_dict()}).to_dict()
     journal.note_fault(t.context, r.attempt.folder, r.fault.kind)  # before MLflow: may hang
     record.record_decision(entry, r.attempt.folder, r.cfg, t.lineage, r.fault, decision,
                            saved.evidence, clock, journal.observations(t.context,
                                                                        r.attempt.folder))
     journal.write(t.context, r.attempt.segment_dir, AttemptState.RECORDED,
                   attempt_dir=str(r.attempt.runs_in), record_dir=str(r.attempt.folder))
-    log.error("%s Logs: %s", message, r.attempt.runs_in / "logs")
-    return Outcome(AttemptState.RECORDED, decision, message, retry=decision.retry)
+    # The one line per fault, then its details (the evidence is summarised by now).
+    log.error("%s", line)
+    log.info("Details of the decision above:\n%s", record.decision_details(
+        entry["fault"], decision, r.attempt.folder, r.attempt.runs_in / "logs"))
+    return Outcome(AttemptState.RECORDED, decision, line, retry=decision.retry)

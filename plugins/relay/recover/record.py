@@ -9,6 +9,7 @@ policy's decision into Airflow's default retry.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -65,15 +66,59 @@ def record_fault(lineage: Any, run_id: str, attempt_dir: Path,  # noqa: ANN401
                 lambda: lineage.finish_run(run_id, AttemptState.RECORDED, tags))
 
 
-def fault_message(segment: int, fault: Fault, decision: Decision, lost: int | None) -> str:
-    """Return the task log's and the escalation's one message about a fault."""
-    lost_text = "unknown" if lost is None else str(lost)
-    return (
-        f"Segment {segment} fault: {fault.describe()} "
-        f"(evidence: {json.dumps(fault.evidence, default=str)}). "
-        f"Decision by {decision.rule} (policy sha256 {decision.policy_sha256[:12]}): "
-        f"{decision.action} - {decision.reason}. Lost steps: {lost_text}."
-    )
+LINE_LIMIT = 200  # the decision line: short enough to read whole in Airflow's log view
+NAME_LIMITS = (24, 12)  # node and rule names shown up to this long, shorter if still too long
+
+
+def _short(name: object, limit: int) -> str:
+    text = str(name)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def decision_line(segment: int, fault: Fault, decision: Decision, *, step: int | None = None,
+                  resumed: int | None = None, lost: int | None = None,
+                  applied: bool = True) -> str:
+    """Return the one line a fault gets in the task log (and the failure's message): kind,
+    culprit, decision, resume step, lost steps, under :data:`LINE_LIMIT` characters. The
+    evidence and the policy's reasoning follow it (:func:`decision_details`).
+
+    ``step``: the furthest step a rank reported; ``applied``: False in observe mode (the line
+    ends at the decision: nothing resumes, nothing is lost).
+    """
+    ending = ""
+    if applied:
+        then = (f"resumes at step {'unknown' if resumed is None else resumed}"
+                if decision.retry else "no retry")
+        ending = f"; {then}, {'lost steps unknown' if lost is None else f'{lost} steps lost'}"
+    line = ""
+    for limit in NAME_LIMITS:
+        node = None if fault.culprit_node is None else _short(fault.culprit_node, limit)
+        culprit = dataclasses.replace(fault, culprit_node=node).culprit
+        at = "" if step is None else f" at step {step}"
+        out = decision.quarantine_node and (
+            ", its node out" if decision.quarantine_node == fault.culprit_node
+            else f", {_short(decision.quarantine_node, limit)} out")
+        line = (f"Segment {segment} fault: {fault.kind.value} ({culprit}){at} -> "
+                f"{decision.action} by {_short(decision.rule, limit)}{out or ''}{ending}")
+        if len(line) < LINE_LIMIT:
+            break
+    return line
+
+
+def decision_details(fault: Mapping[str, Any], decision: Decision, folder: Path,
+                     logs: Path | None = None) -> str:
+    """Return what follows the decision line in the task log: the evidence's summary, where
+    it stopped, the policy's reasoning, and where the full record is (``fault``: the
+    recorded fault, its evidence summarised by then)."""
+    evidence = fault.get("evidence") or {}
+    lines = [f"  evidence: {evidence.get('summary') or '-'} (all of it: fault.json in MLflow, "
+             f"{folder / 'decision.json'})"]
+    if evidence.get("where"):
+        lines.append(f"  where it stopped: {evidence['where']}")
+    lines.append(f"  why: {decision.reason} (policy sha256 {decision.policy_sha256[:12]})")
+    if logs is not None:
+        lines.append(f"  logs: {logs}")
+    return "\n".join(lines)
 
 
 def fault_tags(fault: Fault, decision: Decision, **extra: str) -> dict[str, str]:

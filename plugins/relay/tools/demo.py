@@ -318,7 +318,8 @@ def main(spec_file: Path, inject_fault: bool) -> int:
         return 1
     where_to_look(spec.job, faulty)
     print("\nFaults and recovery (detected after: from the fault to the watcher's event;")
-    print("time to resume: from the event to the first productive step after it)")
+    print("time to resume: from the fault to the retry's first productive step, detection "
+          "included)")
     print(format_fault_table(fault_rows(lineage, faulty)))
     with tempfile.TemporaryDirectory() as tmp:
         a = final_state(lineage, reference, Path(tmp) / "reference")

@@ -34,6 +34,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from relay.core import settings
+from relay.core.airflow_api import NOTES_CONNECTION, AirflowApi
 from relay.core.attempt import Attempt
 from relay.core.exceptions import ServiceError
 from relay.core.proctree import stop_pids
@@ -41,7 +42,6 @@ from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher, free_port
 from relay.launchers.local.prestart import residents_dir
 from relay.launchers.local.warm_agents import release, release_run
 from relay.tools import pgcluster
-from relay.tools.airflow_api import AirflowApi
 from relay.tools.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
 from relay.tools.deployment import (
     Deployment,
@@ -57,6 +57,7 @@ from relay_train.protocol.pids import boot_id, start_time
 log = logging.getLogger(__name__)
 
 ADMIN_USER = "admin"
+NOTES_USER = "relay"  # role "user": may edit DAG runs and task instances, their notes
 AIRFLOW_COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 
 
@@ -104,6 +105,17 @@ def _secret(path: Path) -> str:
     return path.read_text().strip()
 
 
+def _notes_password(path: Path) -> str:
+    """Return the notes user's password, added to the simple auth manager's passwords file
+    before the API server starts (it keeps the passwords it finds, makes the others)."""
+    found = json.loads(path.read_text()) if path.exists() and path.read_text().strip() else {}
+    if NOTES_USER not in found:
+        found[NOTES_USER] = secrets.token_urlsafe(16)
+        path.write_text(json.dumps(found) + "\n")
+        path.chmod(0o600)
+    return str(found[NOTES_USER])
+
+
 def services_env(home: Path, ports: Ports) -> dict[str, str]:
     """Return the environment every component (and so every task) runs with."""
     sdir = services_dir(home)
@@ -122,7 +134,11 @@ def services_env(home: Path, ports: Ports) -> dict[str, str]:
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
         "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(ports.worker_logs),
         "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(ports.trigger_logs),
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN_USER}:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN_USER}:admin,{NOTES_USER}:user",
+        # The segment tasks write Relay's notes through the REST API as this user.
+        f"AIRFLOW_CONN_{NOTES_CONNECTION.upper()}": json.dumps({
+            "conn_type": "http", "host": "127.0.0.1", "port": ports.api, "login": NOTES_USER,
+            "password": _notes_password(sdir / "passwords.json")}),
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(sdir / "passwords.json"),
         # One secret for every component: the scheduler signs task tokens the API checks.
         "AIRFLOW__API_AUTH__JWT_SECRET": _secret(sdir / "jwt_secret"),

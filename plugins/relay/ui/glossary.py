@@ -19,8 +19,9 @@ GLOSSARY: dict[str, str] = {
                   "thrown away and trained again.",
     "detected after": "from when the fault struck (the culprit's last sign of progress) to "
                       "when Relay's watcher declared it.",
-    "time to resume": "from Relay detecting the fault to the retry's first training step "
-                      "(stopping, placing, starting, loading the checkpoint).",
+    "time to resume": "from when the fault struck to the retry's first training step: "
+                      "detection first, then stopping, placing, starting and loading the "
+                      "checkpoint.",
     "culprit": "the rank, and its node, that Relay holds responsible; the other ranks "
                "usually just wait for it.",
     "quarantined": "a node Relay keeps out of new attempts until the time shown, because a "

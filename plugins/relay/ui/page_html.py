@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from relay.ui.glossary import GLOSSARY
 from relay.ui.stack_view import stacks_of
 
 if TYPE_CHECKING:  # run_view imports MLflow: the plugin loads this module in every component
-    from relay.lineage.run_view import AttemptView, RunView
+    from relay.lineage.run_view import AttemptView, RunSummary, RunView
 
 TEMPLATES = Path(__file__).with_name("templates")
 PICTURE_NAMES = ("timeline", "loss", "throughput")
@@ -65,17 +66,21 @@ def error_html(status: int, text: str, nonce: str) -> str:
                    text=text)
 
 
-def index_html(listing: dict[str, list[Any]], nonce: str) -> str:
-    """Return the list of jobs and their newest DAG runs."""
+def index_html(listing: dict[str, list[Any]], summaries: Mapping[str, RunSummary | None],
+               nonce: str) -> str:
+    """Return the list of jobs and their newest DAG runs, each with its figures at a glance
+    (``summaries`` by MLflow run id; None: not readable); runs with faults stand out."""
     jobs = {}
     for job, runs in listing.items():
         rows = []
         for run in runs:
             tags = run.data.tags
             dag_run = tags.get("relay.dag_run_id", "")
+            summary = summaries.get(run.info.run_id)
             rows.append({"link": run_link("relay_" + job, dag_run), "dag_run": dag_run,
                          "outcome": AttemptState.from_outcome(tags.get("relay.outcome")).value,
-                         "started": run.info.start_time / 1000})
+                         "started": run.info.start_time / 1000, "summary": summary,
+                         "cls": "faulted" if summary is not None and summary.faults else ""})
         jobs[job] = rows
     return _render("index.html", nonce, title="Relay recovery", listing=jobs)
 

@@ -16,11 +16,13 @@ records reads as "no runs").
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -38,9 +40,10 @@ from relay.ui.page_html import (
     index_html,
     run_html,
 )
+from relay_train.protocol.heartbeat import write_atomically
 
 if TYPE_CHECKING:
-    from relay.lineage.run_view import RunView
+    from relay.lineage.run_view import RunSummary, RunView
     from relay.lineage.store import Lineage
 
 # Airflow imports its plugins (this page) in every component and in every `airflow dags
@@ -49,6 +52,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PICTURES = tuple(f"{name}.png" for name in PICTURE_NAMES)
+INDEX_RUNS = 20  # the newest DAG runs of each job the index lists, with their figures
+SUMMARY_FILE = "summary.json"  # an ended run's figures, beside its pictures
 # Airflow's default `allowed_run_id_pattern`: a run id outside it was never recorded, and
 # the rest is safe inside an MLflow filter string's quotes.
 RUN_ID = re.compile(r"[A-Za-z0-9_.~:+-]{1,250}")
@@ -194,6 +199,32 @@ def _ensure_pictures(lineage: Lineage, view: RunView) -> None:
         render(view, lineage, out)
 
 
+def _summary(lineage: Lineage | None, run: Any) -> RunSummary | None:  # noqa: ANN401 - a Run
+    """Return a DAG run's figures at a glance; kept beside its pictures once the run has
+    ended (an ended run's figures do not change unless it runs again: its end time is the
+    key). None: its record is not readable (the run's page says why)."""
+    from relay.lineage.run_view import RunSummary, run_view
+
+    key = f"{run.info.status}:{run.info.end_time}"
+    kept = pictures_dir(run.info.run_id) / SUMMARY_FILE
+    try:
+        found = json.loads(kept.read_text()) if kept.exists() else {}
+        if found.get("key") == key:
+            return RunSummary(**found["summary"])
+    except (OSError, ValueError, TypeError, KeyError):
+        pass  # computed again below
+    try:
+        view = run_view(lineage, run.info.run_id)
+    except Exception:  # noqa: BLE001 - one unreadable run must not hide the others
+        log.exception("Recovery index: could not read MLflow run %s", run.info.run_id)
+        return None
+    summary = view.summary()
+    if run.info.end_time:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(kept, json.dumps({"key": key, "summary": asdict(summary)}))
+    return summary
+
+
 def create_app() -> FastAPI:
     """Build the Recovery page's app (mounted at ``/relay``)."""
     app = FastAPI(title="Relay recovery", docs_url=None, redoc_url=None, openapi_url=None)
@@ -207,13 +238,16 @@ def create_app() -> FastAPI:
         lineage = _lineage()
         jobs = sorted(p.stem for p in settings.jobs_dir().glob("*.yaml"))
         listing: dict[str, list[Any]] = {}
+        summaries: dict[str, RunSummary | None] = {}
         for job in jobs:
             try:
                 _may_read_runs(user, f"relay_{job}")
             except HTTPException:
                 continue  # not this user's to see
-            listing[job] = [] if lineage is None else dag_runs(lineage, job)
-        return index_html(listing, _nonce(request))
+            listing[job] = [] if lineage is None else dag_runs(lineage, job, INDEX_RUNS)
+            for run in listing[job]:
+                summaries[run.info.run_id] = _summary(lineage, run)
+        return index_html(listing, summaries, _nonce(request))
 
     @app.get("/run", response_class=HTMLResponse)
     def run_page(request: Request, user: UserDep, dag_id: Annotated[str, Query()],

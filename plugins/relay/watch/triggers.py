@@ -20,7 +20,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from relay.core.attempt import Attempt, AttemptState
-from relay.core.faults import FaultKind
+from relay.core.faults import Fault, FaultKind
 from relay.launchers import Launcher, launcher_from
 from relay.policy.model import Detection
 from relay.recover.warden import start_warden
@@ -54,8 +54,27 @@ def observe_attempt(
     )
 
 
+class WatchEvent(TriggerEvent):
+    """A watcher's event. Airflow's triggerer logs every event at INFO, into the task's log,
+    by its repr: this one says what happened in a few words, never the launch record it
+    carries back to the task (``execute_complete`` gets the whole payload)."""
+
+    def __repr__(self) -> str:
+        payload = self.payload if isinstance(self.payload, dict) else {}
+        what = ""
+        if isinstance(payload.get("fault"), dict):
+            try:
+                fault = Fault.from_event(payload["fault"])
+                what = f": {fault.kind.value} ({fault.culprit})"
+            except (TypeError, ValueError):
+                what = ": a fault"
+        elif payload.get("message"):
+            what = f": {str(payload['message'])[:200]}"
+        return f"WatchEvent<{payload.get('status')}{what}>"
+
+
 def _error_event(where: str, exc: BaseException) -> TriggerEvent:
-    return TriggerEvent(
+    return WatchEvent(
         {
             "status": AttemptState.FAILED.value,
             "attempt_dir": where,
@@ -200,7 +219,7 @@ class SegmentWatchTrigger(BaseTrigger):
                     else {}
                 if obs.launch is not None and obs.launch.state is AttemptState.COMPLETED:
                     late = detector.at_completion(obs)
-                    yield TriggerEvent(
+                    yield WatchEvent(
                         {**late.to_event(), "attempt_dir": self.attempt_dir, **refused,
                          **carried} if late
                         else {"status": AttemptState.COMPLETED.value,
@@ -208,7 +227,7 @@ class SegmentWatchTrigger(BaseTrigger):
                     )
                     return
                 if self.passed_boundary(obs):  # this segment's steps are done; later ones
-                    yield TriggerEvent({"status": AttemptState.COMPLETED.value,
+                    yield WatchEvent({"status": AttemptState.COMPLETED.value,
                                         "attempt_dir": self.attempt_dir,
                                         "boundary_step": self.boundary_step, "at": obs.now,
                                         **carried})
@@ -223,7 +242,7 @@ class SegmentWatchTrigger(BaseTrigger):
                     if step is not None:  # should no one resume the task (scheduler down)
                         await asyncio.to_thread(start_warden, root, event, step,
                                                 self.detection, self.launcher)
-                    yield TriggerEvent(event)
+                    yield WatchEvent(event)
                     return
                 if finishing_since is None and finishing(obs):
                     finishing_since = time.monotonic()
@@ -232,7 +251,7 @@ class SegmentWatchTrigger(BaseTrigger):
                                                time.monotonic(),
                                                None if due is None else due - time.time()))
         except Exception as exc:  # an error event, never a dead trigger
-            yield TriggerEvent({**_error_event(self.attempt_dir, exc).payload, **carried})
+            yield WatchEvent({**_error_event(self.attempt_dir, exc).payload, **carried})
 
 
 # What a sensor can see without a launcher: no exit codes, no agents.
@@ -310,7 +329,7 @@ class HeartbeatWatchTrigger(BaseTrigger):
                     b.phase == Phase.DONE.value for b in beats.values()
                 ):
                     late = detector.at_completion(obs)
-                    yield TriggerEvent(
+                    yield WatchEvent(
                         {**late.to_event(), "attempt_dir": self.heartbeat_dir} if late
                         else {"status": AttemptState.COMPLETED.value,
                               "attempt_dir": self.heartbeat_dir}
@@ -318,11 +337,11 @@ class HeartbeatWatchTrigger(BaseTrigger):
                     return
                 fault = detector.check(obs)
                 if fault is not None:
-                    yield TriggerEvent({**fault.to_event(), "attempt_dir": self.heartbeat_dir})
+                    yield WatchEvent({**fault.to_event(), "attempt_dir": self.heartbeat_dir})
                     return
                 silent = self.silent_ranks(obs, detector.cfg.heartbeat_timeout)
                 if silent is not None:
-                    yield TriggerEvent({"status": AttemptState.FAILED.value,
+                    yield WatchEvent({"status": AttemptState.FAILED.value,
                                         "attempt_dir": self.heartbeat_dir,
                                         "message": f"the job ended, but ranks {silent} never "
                                         "reported done (their heartbeats stopped)"})

@@ -18,6 +18,7 @@ from relay.lineage.resume_time import (
     complete_previous,
     fault_onset,
     note_launch,
+    time_to_resume,
 )
 from relay_train.protocol.launch import FIRST_STEP_FILE
 
@@ -152,3 +153,48 @@ def test_the_worker_api_leaves_what_the_retry_marks_are_read_from(
     assert marks["rendezvous"] == pytest.approx(T0 + first["startup"]["rendezvous"])
     assert marks["first_step"] == first["at"] >= marks["rendezvous"]
     assert marks["agent_start_kind"] == "agent start"  # no launcher handle: not a standby
+
+
+# -- the one definition ---------------------------------------------------------------
+
+
+def test_time_to_resume_runs_from_the_onset_with_detection_as_its_own_part() -> None:
+    found = time_to_resume(T0, T0 + 2.0, T0 + 5.6)
+
+    assert (found.detect, found.after_detection) == (pytest.approx(2.0), pytest.approx(3.6))
+    assert found.total == pytest.approx(5.6)  # not 3.6: detection is part of it
+    assert found.describe() == "5.6s (detection 2.0s + 3.6s)"
+
+
+def test_an_unknown_onset_or_no_first_step_yet_says_so() -> None:
+    unknown = time_to_resume(None, T0 + 2.0, T0 + 5.6)
+    assert unknown.detect is None and unknown.total == pytest.approx(3.6)
+    assert "onset unknown" in unknown.describe()
+    pending = time_to_resume(T0, T0 + 2.0, None)
+    assert pending.detect == pytest.approx(2.0) and pending.total is None
+    assert pending.describe() == "not resumed yet"
+
+
+def test_the_breakdown_mlflow_logs_and_the_report_rows_agree(tmp_path: Path) -> None:
+    """decision.json's total (what MLflow logs) is the one definition's, and so is the row
+    `relay report` and the Recovery page show, read from the record or from the folders."""
+    from types import SimpleNamespace
+
+    from relay.lineage.report import _resumed
+
+    faulty = _faulty_attempt(tmp_path, injected=True)
+    retry = _retry_attempt(tmp_path, standby=False)
+    done = complete_previous(retry)
+    assert done is not None
+    record = json.loads((faulty / "decision.json").read_text())
+    record["fault"] = {"detected_at": T0 + 3.5}
+    child = SimpleNamespace(info=SimpleNamespace(run_id="r1"),
+                            data=SimpleNamespace(params={"attempt_dir": str(faulty)}))
+    nxt = SimpleNamespace(data=SimpleNamespace(params={"attempt_dir": str(retry)}))
+
+    from_record = _resumed(record, child, nxt)
+    from_folders = _resumed({"fault": record["fault"]}, child, nxt)
+
+    assert done[1]["total"] == from_record.total == from_folders.total
+    assert from_record.total == pytest.approx(11.5 - 0.2)
+    assert from_record.detect == from_folders.detect == pytest.approx(3.3)

@@ -40,3 +40,24 @@ def test_down_and_restart_without_a_deployment(tmp_path: Path) -> None:
     assert services.down(tmp_path) == []
     with pytest.raises(ServiceError, match="no running scheduler recorded"):
         services.restart("scheduler", tmp_path)
+
+
+def test_the_tasks_write_notes_as_a_user_whose_password_airflow_keeps(tmp_path: Path) -> None:
+    """The notes user's password is in the simple auth manager's file before the API server
+    starts (it keeps what it finds there), and in the connection every task reads."""
+    import json
+
+    sdir = services.services_dir(tmp_path)
+    sdir.mkdir(parents=True)
+    (sdir / "passwords.json").write_text(json.dumps({"admin": "kept"}))
+    ports = services.choose_ports()
+
+    env = services.services_env(tmp_path, ports)
+
+    assert "relay:user" in env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS"].split(",")
+    conn = json.loads(env["AIRFLOW_CONN_RELAY_AIRFLOW_API"])
+    saved = json.loads((sdir / "passwords.json").read_text())
+    assert saved == {"admin": "kept", "relay": conn["password"]}
+    assert (conn["host"], conn["port"], conn["login"]) == ("127.0.0.1", ports.api, "relay")
+    again = json.loads(services.services_env(tmp_path, ports)["AIRFLOW_CONN_RELAY_AIRFLOW_API"])
+    assert again["password"] == conn["password"]

@@ -405,3 +405,23 @@ def test_run_polls_faster_once_every_rank_reported_its_loop_done(
 
     assert event.payload["status"] == "completed"
     assert pauses and set(pauses) == {FINISHING_POLL_SECONDS}
+
+
+def test_the_event_airflow_logs_at_info_says_what_happened_not_the_launch_record() -> None:
+    """Airflow's triggerer logs each event by its repr into the task's log; it still travels
+    whole, through the triggerer's own messages, to execute_complete."""
+    from airflow.jobs.triggerer_job_runner import TriggerEventEntry, messages
+
+    from relay.core.faults import Fault, FaultKind
+    from relay.watch.triggers import WatchEvent
+
+    fault = Fault(FaultKind.HANG, 1, "node-a", {"summary": "stalled"}, 100.0)
+    record = {"launch": {"attempt_dir": "/x", "nodes": ["node-a"] * 50}, "handle": {"k": "v"}}
+    event = WatchEvent({**fault.to_event(), "attempt_dir": "/x", "launch_record": record})
+
+    assert repr(event) == "WatchEvent<faulted: hang (node node-a, rank 1)>"
+    assert repr(WatchEvent({"status": "completed", "launch_record": record})) == \
+        "WatchEvent<completed>"
+    sent = messages.TriggerStateChanges(events=[TriggerEventEntry(7, event, None)])
+    back = messages.TriggerStateChanges.model_validate_json(sent.model_dump_json())
+    assert back.events is not None and back.events[0].event.payload == event.payload

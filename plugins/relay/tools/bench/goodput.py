@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from relay.lineage.report import first_step_at
-from relay.lineage.resume_time import KEY, fault_onset, preflight_started_at
+from relay.lineage.resume_time import KEY, fault_onset, preflight_started_at, time_to_resume
 from relay.lineage.store import Lineage
 from relay.tools.airflow_env import airflow_env, ensure_airflow_db
 from relay.tools.bench.boundary_time import boundaries, format_row
@@ -129,12 +129,12 @@ def relay_faults(attempts: list[Path]) -> list[dict[str, Any]]:
         record = json.loads(decision.read_text())
         onset = fault_onset(attempt)
         breakdown = record.get(KEY, {})
-        resume = breakdown.get("total") if breakdown.get("complete") else None
-        if resume is None and onset is not None:
-            nxt = attempt.with_name(f"try-{int(attempt.name.split('-')[1]) + 1}")
-            first = first_step_at(nxt) if nxt.exists() else None
-            resume = first - onset if first else None
-        detected = record["fault"]["detected_at"] - onset if onset is not None else None
+        nxt = attempt.with_name(f"try-{int(attempt.name.split('-')[1]) + 1}")
+        found = time_to_resume(onset, record["fault"]["detected_at"],
+                               first_step_at(nxt) if nxt.exists() else None)
+        resume = breakdown.get("total") if breakdown.get("complete") else (
+            found.total if onset is not None else None)  # no onset: a false alarm
+        detected = found.detect
         rows.append({"kind": record["fault"]["kind"], "lost_steps": record.get("lost_steps"),
                      "detected_after": detected, "fault_to_resume": resume,
                      "ended_by": "Relay's watcher" if onset is not None

@@ -31,10 +31,10 @@ from typing import Any
 import requests
 
 from relay.core import settings
+from relay.core.airflow_api import AirflowApi
 from relay.core.exceptions import ServiceError
 from relay.core.paths import safe_name
 from relay.tools import services
-from relay.tools.airflow_api import AirflowApi
 from relay.tools.bench.goodput import (
     NODE_POOL,
     SMOKE,

@@ -50,9 +50,11 @@ def _print(bed: Any) -> None:  # noqa: ANN401 - a TestBed; imported lazily (root
               f"  (run: nsenter -t {host.init} -n -u -m -p -- CMD)")
 
 
-def _load() -> Any:  # noqa: ANN401 - a TestBed or None
+def _load(state_file: str | None = None) -> Any:  # noqa: ANN401 - a TestBed or None
     from relay.tools.testbed.hosts import TestBed
 
+    if state_file:
+        return TestBed.load(Path(state_file))
     if not _pointer().exists():
         return None
     state = Path(json.loads(_pointer().read_text())["state"])
@@ -66,7 +68,7 @@ def _load() -> Any:  # noqa: ANN401 - a TestBed or None
 def _cmd_down(args: argparse.Namespace) -> int:
     from relay.tools.testbed import TestBedError, hosts
 
-    bed = _load()
+    bed = _load(args.state)
     if bed is None:
         print("No test bed is up")
         return 0
@@ -76,7 +78,8 @@ def _cmd_down(args: argparse.Namespace) -> int:
     except TestBedError as err:
         print(f"cluster-down failed: {err}", file=sys.stderr)
         return 1
-    _pointer().unlink()
+    if not args.state:
+        _pointer().unlink()
     print(f"Test bed {bed.name} down in {time.monotonic() - began:.1f} s: {', '.join(removed)}")
     return 0
 
@@ -101,5 +104,8 @@ def add_commands(sub: Any) -> None:  # noqa: ANN401 - argparse's private subpars
     up.add_argument("--no-slurm", action="store_true", help="hosts only")
     up.add_argument("--timeout", type=float, default=30.0, help="seconds for Slurm to come up")
     up.set_defaults(func=_cmd_up)
-    bed_sub.add_parser("down", help="remove exactly what `up` made").set_defaults(func=_cmd_down)
+    down = bed_sub.add_parser("down", help="remove exactly what `up` made")
+    down.add_argument("--state", help="a test bed's state.json (e.g. one a killed test left; "
+                      "default: the one `up` made)")
+    down.set_defaults(func=_cmd_down)
     bed_sub.add_parser("status", help="the recorded hosts").set_defaults(func=_cmd_status)

@@ -163,8 +163,11 @@ def _make_bridge(bed: TestBed) -> None:
     taken = procs.run(["ip", "-o", "-4", "addr", "show", "to", f"{SUBNET}.0/24"], "check the range")
     if taken.strip():
         holder = taken.split()[1]
+        states = sorted(Path(tempfile.gettempdir()).glob(f"relay-testbed-{holder}-*/state.json"))
+        how = (f"`relay testbed down --state {states[0]}`" if states
+               else "`make cluster-down`, or remove it by hand")
         raise RuntimeError(f"expected {SUBNET}.0/24 free in the root namespace; found it on "
-                           f"{holder} (another test bed?). Stop it (`make cluster-down`) first")
+                           f"{holder} (another test bed?). Stop it first: {how}")
     if Path(f"/sys/class/net/{bed.name}").exists():
         raise RuntimeError(f"expected no link named {bed.name}; found one (not ours: left alone)")
     bed.bridge = True

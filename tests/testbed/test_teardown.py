@@ -53,3 +53,20 @@ def test_a_setup_that_fails_halfway_removes_what_it_made() -> None:
     with pytest.raises(TestBedError, match="host node1 did not start"):
         hosts.up(["node1", "node2"], hide=["/nonexistent/relay-testbed-folder"])
     assert _ours() == before
+
+
+def test_slurm_that_does_not_come_up_removes_the_hosts_it_ran_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if slurm.can_run_slurm():
+        pytest.skip(slurm.can_run_slurm())
+    before = _ours()
+    folders = set(Path("/tmp").glob("relay-testbed-*"))
+
+    def never_idle(bed: object, names: list[str], timeout: float) -> None:
+        raise TestBedError("Slurm did not come up (simulated)")
+
+    monkeypatch.setattr(slurm, "wait_idle", never_idle)
+    with pytest.raises(TestBedError, match="simulated"):
+        slurm.up(2)
+    assert _ours() == before
+    assert set(Path("/tmp").glob("relay-testbed-*")) == folders

@@ -38,6 +38,10 @@ def test_each_host_has_its_own_name_home_and_hosts_file(testbed: TestBed, relay_
         assert shown.splitlines()[:2] == [name, host.home]
         assert f"{host.address} {name}" in shown and "198.18.0.1 relay-root" in shown
         assert host.run(["sh", "-c", f"echo mine > {host.home}/own.txt"]).returncode == 0
+        # On the bridge's subnet only: no default route, nothing forwarded.
+        routes = host.run(["ip", "route"]).stdout.strip()
+        assert routes == f"198.18.0.0/24 dev eth0 proto kernel scope link src {host.address}"
+        assert host.run(["cat", "/proc/sys/net/ipv4/ip_forward"]).stdout == "0\n"
         # Relay's RELAY_HOME is an empty tmpfs on the host.
         assert host.run(["ls", "-A", str(relay_home)]).stdout == ""
     for name in NODES:
@@ -98,7 +102,9 @@ def test_scancel_ends_a_job(testbed: TestBed) -> None:
 
     _until(lambda: state() == "RUNNING", 30, f"job {job} running")
     node = _slurm(testbed, "squeue", "--noheader", "-j", job, "-o", "%N").stdout.strip()
-    assert "sleep 600" in testbed.host(node).run(["ps", "-eo", "args"]).stdout
+    # RUNNING in squeue comes before slurmstepd has started the script on the node.
+    _until(lambda: "sleep 600" in testbed.host(node).run(["ps", "-eo", "args"]).stdout, 30,
+           f"job {job}'s sleep started on {node}")
     _slurm(testbed, "scancel", job)
     _until(lambda: state() == "", 30, f"job {job} gone from squeue")
     _until(lambda: "sleep 600" not in testbed.host(node).run(["ps", "-eo", "args"]).stdout, 30,

@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.relay-installed
 export RELAY_HOME ?= $(CURDIR)/.relay
 
-.PHONY: venv demo test lint bench clean up down test-slow test-services test-postgres
+.PHONY: venv demo test lint bench clean up down test-slow test-services test-postgres \
+	cluster-up cluster-down test-cluster
 
 # This machine's pip config names local indexes that may not exist; pip warns about each.
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
@@ -58,6 +59,20 @@ test-services: $(STAMP)
 test-postgres: $(STAMP)
 	bash scripts/system-deps.sh
 	$(BIN)/python -m pytest -q --tb=short -m postgres tests/services
+
+# Namespace hosts on a private bridge (198.18.0.0/24) with a real Slurm cluster (root only):
+# slurmctld on host slurmctl, slurmd on node1..node3. `cluster-down` removes exactly what was made.
+cluster-up: $(STAMP)
+	bash scripts/system-deps.sh slurm
+	$(BIN)/relay testbed up
+
+cluster-down: $(STAMP)
+	$(BIN)/relay testbed down
+
+# The test bed's own tests (marked cluster_ns; each brings hosts + Slurm up and down).
+test-cluster: $(STAMP)
+	bash scripts/system-deps.sh slurm
+	$(BIN)/python -m pytest -q --tb=short -m cluster_ns tests/testbed
 
 bench: $(STAMP)
 	$(BIN)/relay bench checkpoint

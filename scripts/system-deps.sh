@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Debian packages the service tests need: headless Chromium (the Recovery page test) and
-# PostgreSQL (`RELAY_METADATA_DB=postgres`). Installs only what is missing; needs root.
-# Arguments name a subset: `system-deps.sh chromium` (what tests/security's browser test needs).
+# Debian packages the service tests need: headless Chromium (the Recovery page test),
+# PostgreSQL (`RELAY_METADATA_DB=postgres`) and, only when named, Slurm 22.05 + MUNGE (the
+# namespace-host test bed of `make test-cluster`). Installs only what is missing; needs root.
+# Arguments name a subset: `system-deps.sh chromium` (what tests/security's browser test needs),
+# `system-deps.sh slurm` (slurmctld, slurmd, slurm-client, munge; without recommends).
 set -euo pipefail
 [ $# -gt 0 ] || set -- chromium postgresql
 missing=()
@@ -9,7 +11,10 @@ for name in "$@"; do
     case "$name" in
         chromium) command -v chromium >/dev/null 2>&1 || missing+=(chromium) ;;
         postgresql) compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql) ;;
-        *) echo "system-deps: expected chromium or postgresql; found '$name'." >&2; exit 2 ;;
+        slurm) for tool in slurmctld slurmd srun munged; do
+                   command -v "$tool" >/dev/null 2>&1 || { missing+=(slurmctld slurmd slurm-client munge); break; }
+               done ;;
+        *) echo "system-deps: expected chromium, postgresql or slurm; found '$name'." >&2; exit 2 ;;
     esac
 done
 if [ ${#missing[@]} -eq 0 ]; then
@@ -22,4 +27,6 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 echo "system-deps: installing ${missing[*]} (Debian packages)..."
 apt-get update -qq
-DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+# Slurm's recommends pull in a mail server and more; the test bed needs none of them.
+[[ " ${missing[*]} " == *" slurmd "* ]] && recommends=--no-install-recommends || recommends=
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $recommends "${missing[@]}" >/dev/null

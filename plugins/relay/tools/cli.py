@@ -11,7 +11,7 @@ from typing import Any
 
 from relay.core import settings
 from relay.core.exceptions import ConfigError, PoolStoreError
-from relay.tools import cli_bench, cli_services
+from relay.tools import cli_bench, cli_services, cli_testbed
 
 DEMO_SPEC = settings.jobs_dir() / "demo.yaml"
 
@@ -296,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_bench.add_commands(sub)
     cli_services.add_commands(sub)
+    cli_testbed.add_commands(sub)
     return parser
 
 

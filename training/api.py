@@ -404,8 +404,12 @@ def init(*, total_steps: int | None = None, epochs: int | None = None,
                                     checkpoint_dir=checkpoint_dir, seed=seed,
                                     checkpoint_every=checkpoint_every or DEFAULT_CHECKPOINT_EVERY)
             return _SESSION
-        _SESSION = Session(LaunchConfig.read(Path(launch)), int(os.environ["RANK"]),
-                           os.environ[ENV_NODE])
+        cfg = LaunchConfig.read(Path(launch))
+        asked = total_steps or (epochs * cfg.steps_per_epoch if epochs else 0)
+        if asked and asked != cfg.job_steps:
+            log.warning("relay_train.init: the script asks for %d steps, the job spec for %d; "
+                        "under Relay the spec decides", asked, cfg.job_steps)
+        _SESSION = Session(cfg, int(os.environ["RANK"]), os.environ[ENV_NODE])
     return _SESSION
 
 

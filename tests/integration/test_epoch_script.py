@@ -69,7 +69,11 @@ def test_epoch_script_resumes_inside_epochs_bit_for_bit(
     records = fault_records(lineage, faulty, tmp_path)
     assert sorted(records) == ["0", "1"], records
     hang, crash = records["0"], records["1"]
-    assert (hang["fault"]["kind"], crash["fault"]["kind"]) == ("hang", "crash")
+    # What this test is about is the data, not detection: on a machine loaded far beyond its
+    # cores (load average 12 on 2) the stalled rank's node once also went silent for the
+    # watcher, and the fault was node_unresponsive; the rescue and resume were the same.
+    assert hang["fault"]["kind"] in ("hang", "node_unresponsive"), hang["fault"]
+    assert crash["fault"]["kind"] == "crash", crash["fault"]
     # Both retries resume inside an epoch: the rescued step 17 (or checkpoint 10), and
     # checkpoint 40 (or the segment start 30, an epoch's start).
     assert hang["next_resume_step"] in (17, 10), hang

@@ -145,6 +145,9 @@ class LocalSession(PlacedRank):
         """Return the DDP comm hook Relay's session gives (the rank-order sum, no phase)."""
         return comm_hook(lambda: None, ordered=ordered)
 
+    def mark_collectives(self, model: torch.nn.Module) -> None:
+        """Nothing to mark outside Relay (no heartbeat)."""
+
     @contextlib.contextmanager
     def collective(self) -> Iterator[None]:
         """Nothing to mark outside Relay."""

@@ -9,8 +9,9 @@ The package, by role: ``protocol/`` (heartbeat, launch file, manifests, process
 identity, the channel's routes and node states, environment variable names,
 injected faults, the rescue and stacks files; standard library only), ``agent/``
 (a node's agent and its HTTP server, standby and resident agents), the session
-modules a rank runs (``api``, ``session_state``, ``checkpoint``, ``dcp``, ``fetch``,
-``publish``, ``rescue``, ``stacks``, ``inject``, ``boundary``, ``device``, ...),
+modules a rank runs (``api``, ``session_state``, ``batches``, ``local``, ``checkpoint``,
+``dcp``, ``fetch``, ``publish``, ``rescue``, ``stacks``, ``inject``, ``boundary``,
+``device``, ...),
 ``examples/`` and ``baselines/``.
 """
 

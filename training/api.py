@@ -4,7 +4,8 @@ A script written for ``torchrun`` runs under Relay with a few added lines::
 
     import relay_train
 
-    session = relay_train.init()                 # under Relay: this segment's steps
+    session = relay_train.init(total_steps=1000) # under Relay: this segment's steps;
+                                                 # without: a local session (relay_train.local)
     dist.init_process_group(session.backend)     # or session.init_process_group()
     model = DDP(model)
     model.register_comm_hook(None, session.comm_hook())   # hangs get a culprit
@@ -20,6 +21,10 @@ A script written for ``torchrun`` runs under Relay with a few added lines::
             optimizer.step()
         session.report(step, loss=loss.item(), samples=batch_size)  # heartbeat, checkpoints
     session.close()
+
+An epoch loop over a ``DataLoader`` reads ``for epoch, index, batch in
+session.batches(loader):`` instead (:mod:`relay_train.batches`); ``update()`` and
+``report()`` then default to the loop's step.
 
 ``report`` checkpoints the tracked state on the job's schedule (asynchronously:
 the loop blocks only for an in-memory copy), and answers Relay's rescue and
@@ -46,12 +51,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from relay_train.batches import epoch_batches
 from relay_train.boundary import PUBLISH_WAIT_SECONDS, BoundaryKeeper
 from relay_train.checkpoints.checkpointer import Checkpointer
 from relay_train.collectives import StepPhases, mark_collectives
-from relay_train.device import RankDevice, setup_rank_device, wait_for_compute
-from relay_train.errors import NotUnderRelayError
+from relay_train.device import PlacedRank, RankDevice, setup_rank_device, wait_for_compute
 from relay_train.inject import ChaosMonkey
+from relay_train.local import DEFAULT_CHECKPOINT_EVERY, LocalSession
 from relay_train.protocol.env import ENV_LAUNCH, ENV_NODE
 from relay_train.protocol.heartbeat import HeartbeatWriter, Phase
 from relay_train.protocol.launch import (
@@ -79,7 +85,7 @@ WARMUP_STEPS = 2
 METRICS_EVERY = 5
 
 
-class Session(SessionState):
+class Session(SessionState, PlacedRank):
     """This rank's view of one segment attempt; made by :func:`init`."""
 
     def __init__(self, cfg: LaunchConfig, rank: int, node: str) -> None:
@@ -115,6 +121,7 @@ class Session(SessionState):
         self._step_time = Ewma()  # logged as step_seconds: checkpoint_every auto's pace
         self._injected = 0.0
         self._last_step = cfg.start_step
+        self.step = cfg.start_step  # the step the loop is on (report and update's default)
         self._loop_started: float | None = None
         self._loop_ended = False  # steps() ran to its end (the segment's, or a drain's)
         self._closed = False
@@ -166,21 +173,6 @@ class Session(SessionState):
                 local_world_size=self.cfg.ranks_per_node, deterministic=self.cfg.deterministic)
         return self._placement
 
-    @property
-    def backend(self) -> str:
-        """Return the process-group backend to use: ``nccl`` on GPUs, ``gloo`` on CPUs."""
-        return self.placement.backend
-
-    @property
-    def device(self) -> torch.device:
-        """Return this rank's device: ``cuda:LOCAL_RANK`` with NCCL, else the CPU."""
-        return self.placement.device
-
-    @property
-    def ddp_kwargs(self) -> dict[str, Any]:
-        """Return the DDP arguments for this rank's device (``device_ids`` on CUDA)."""
-        return dict(self.placement.ddp_kwargs)
-
     def init_process_group(self) -> None:
         """Join the job's process group (env://, the spec's backend and collective timeout).
 
@@ -228,8 +220,18 @@ class Session(SessionState):
             self._clock.clear()
             self._clock["started"] = time.perf_counter()
             self._injected = self._chaos.delay(step, self._natural.value or 0.0)
+            self.step = step
             yield step
             step += 1
+
+    def batches(self, loader: Any) -> Iterator[tuple[int, int, Any]]:  # noqa: ANN401
+        """Yield (epoch, batch index, batch) for this attempt's steps: one batch a step.
+
+        The epoch is ``step // len(loader)``; the sampler gets ``set_epoch``; a resume
+        inside an epoch skips the trained batches by index (see :mod:`relay_train.batches`).
+        """
+        return epoch_batches(loader, self.steps(), seed=self.seed,
+                             expected_per_epoch=self.cfg.steps_per_epoch)
 
     def _await_published(self, step: int) -> float:
         """Rank 0, at a boundary: wait (bounded) until its checkpoint is in MLflow; return
@@ -294,14 +296,18 @@ class Session(SessionState):
         self._phases.wait()
 
     @contextlib.contextmanager
-    def update(self, step: int) -> Iterator[None]:
-        """Hold the rescue lock around the weight update of ``step``."""
+    def update(self, step: int | None = None) -> Iterator[None]:
+        """Hold the rescue lock around the weight update of ``step`` (default: the loop's)."""
+        step = self.step if step is None else step
         with self._training.lock:
             yield
             self._training.completed = step + 1
 
-    def report(self, step: int, *, loss: float | None = None, samples: int = 0) -> None:
-        """Report ``step`` done: heartbeat, metrics, and a checkpoint when one is due."""
+    def report(self, step: int | None = None, *, loss: float | None = None,
+               samples: int = 0) -> None:
+        """Report ``step`` (default: the loop's) done: heartbeat, metrics, and a checkpoint
+        when one is due."""
+        step = self.step if step is None else step
         if loss is not None:
             corrupted = float(self._chaos.corrupt_loss(step, loss))
             if math.isfinite(loss) and not math.isfinite(corrupted):
@@ -376,25 +382,38 @@ class Session(SessionState):
 
 
 
-_SESSION: Session | None = None
+_SESSION: Session | LocalSession | None = None
 
 
-def init() -> Session:
-    """Return this rank's session (made once per process from Relay's environment)."""
+def init(*, total_steps: int | None = None, epochs: int | None = None,
+         checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None,
+         seed: int = 0) -> Session | LocalSession:
+    """Return this rank's session (made once per process).
+
+    Under Relay (``RELAY_LAUNCH`` set by its node agent) a :class:`Session` of the
+    job's segment, and the arguments are not used: the job spec decides. Otherwise a
+    :class:`~relay_train.local.LocalSession` (plain ``torchrun``, or one process): the
+    run's length from ``total_steps`` (or ``epochs`` x ``len(loader)``), checkpoints
+    in ``checkpoint_dir`` every ``checkpoint_every`` steps, resumed from the newest.
+    """
     global _SESSION
     if _SESSION is None:
         launch = os.environ.get(ENV_LAUNCH)
         if not launch:
-            raise NotUnderRelayError(
-                f"relay_train: expected the {ENV_LAUNCH} environment variable a Relay node "
-                "agent sets; found none. Run this script through a Relay job spec "
-                "(entrypoint: {script: ...}), or run the plain script with torchrun.")
-        _SESSION = Session(LaunchConfig.read(Path(launch)), int(os.environ["RANK"]),
-                           os.environ[ENV_NODE])
+            _SESSION = LocalSession(total_steps=total_steps, epochs=epochs,
+                                    checkpoint_dir=checkpoint_dir, seed=seed,
+                                    checkpoint_every=checkpoint_every or DEFAULT_CHECKPOINT_EVERY)
+            return _SESSION
+        cfg = LaunchConfig.read(Path(launch))
+        asked = total_steps or (epochs * cfg.steps_per_epoch if epochs else 0)
+        if asked and asked != cfg.job_steps:
+            log.warning("relay_train.init: the script asks for %d steps, the job spec for %d; "
+                        "under Relay the spec decides", asked, cfg.job_steps)
+        _SESSION = Session(cfg, int(os.environ["RANK"]), os.environ[ENV_NODE])
     return _SESSION
 
 
-def current() -> Session | None:
+def current() -> Session | LocalSession | None:
     """Return the session :func:`init` made in this process, if any."""
     return _SESSION
 

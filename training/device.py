@@ -72,6 +72,27 @@ class RankDevice:
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+class PlacedRank:
+    """``backend``, ``device`` and ``ddp_kwargs`` of a session, from its ``placement``."""
+
+    placement: RankDevice  # a property of the session: set up once, after the fork
+
+    @property
+    def backend(self) -> str:
+        """Return the process-group backend to use: ``nccl`` on GPUs, ``gloo`` on CPUs."""
+        return self.placement.backend
+
+    @property
+    def device(self) -> torch.device:
+        """Return this rank's device: ``cuda:LOCAL_RANK`` with NCCL, else the CPU."""
+        return self.placement.device
+
+    @property
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """Return the DDP arguments for this rank's device (``device_ids`` on CUDA)."""
+        return dict(self.placement.ddp_kwargs)
+
+
 def nccl_usable(local_world_size: int) -> tuple[bool, str]:
     """Return whether NCCL can give each of ``local_world_size`` ranks its own GPU, and why."""
     if not torch.cuda.is_available():

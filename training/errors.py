@@ -4,7 +4,7 @@ Each keeps the built-in base a script or a caller already catches it by::
 
     Exception
      +-- RuntimeError
-     |    +-- NotUnderRelayError      relay_train.init() without Relay's environment
+     |    +-- NotUnderRelayError      (no longer raised: init() without Relay is local)
      |    +-- DeviceError             this node cannot run the ranks the way the spec asks
      +-- CorruptCheckpointError       a checkpoint does not match its manifest
 
@@ -18,7 +18,11 @@ __all__ = ["CorruptCheckpointError", "DeviceError", "NotUnderRelayError"]
 
 
 class NotUnderRelayError(RuntimeError):
-    """The script was started without Relay's environment."""
+    """The script was started without Relay's environment.
+
+    ``relay_train.init()`` no longer raises it (outside Relay it returns a local
+    session, :mod:`relay_train.local`); kept so that scripts catching it still import.
+    """
 
 
 class DeviceError(RuntimeError):

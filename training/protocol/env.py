@@ -28,6 +28,9 @@ ENV_ATTEMPT_DIR = "RELAY_ATTEMPT_DIR"
 ENV_SEGMENT = "RELAY_SEGMENT"
 ENV_ATTEMPT = "RELAY_ATTEMPT"
 ENV_RESUME_PATH = "RELAY_RESUME_PATH"
+# Read by a script run outside Relay (relay_train.local): its local checkpoint folder;
+# ENV_TOTAL_STEPS above gives its length there.
+ENV_LOCAL_CHECKPOINT_DIR = "RELAY_CHECKPOINT_DIR"
 
 # Set by the Kubernetes launcher in each pod: the pod's completion index (the agent's
 # ``--node-index``) and the machine it landed on.

@@ -149,6 +149,8 @@ class LaunchConfig:
     # The job's total_steps (its last step), for the script (Session.total_steps); 0 in
     # launch files from before it was written: the last segment end known, else end_step.
     total_steps: int = 0
+    # The spec's steps_per_epoch (0: not given): session.batches(loader) checks len(loader).
+    steps_per_epoch: int = 0
 
     @property
     def job_steps(self) -> int:

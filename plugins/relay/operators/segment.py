@@ -133,6 +133,7 @@ class TrainSegmentOperator(RelayOperator):
             entrypoint=spec.launch_entrypoint(Path(self.spec_file)), backend=spec.backend,
             deterministic=spec.deterministic, boundaries=boundaries, run_on_to=run_on_to,
             checkpoint_keys=keys.to_dict(), total_steps=spec.total_steps,
+            steps_per_epoch=spec.steps_per_epoch or 0,
         )
         launch_called = time.time()
         attempt = launcher.launch(cfg)

@@ -50,7 +50,11 @@ class JobSpec(BaseModel):
     job: str = Field(strict=True, pattern=JOB_NAME_PATTERN)
     description: str = Field("", strict=True)
     seed: int = Field(0, strict=True, ge=0)
-    total_steps: int = Field(strict=True, gt=0)
+    # epochs x steps_per_epoch stands in for total_steps (a step is one batch of the
+    # script's DataLoader: steps_per_epoch is len(loader), checked by session.batches).
+    epochs: int | None = Field(None, strict=True, gt=0)
+    steps_per_epoch: int | None = Field(None, strict=True, gt=0, validate_default=True)
+    total_steps: int = Field(None, strict=True, gt=0, validate_default=True)  # type: ignore[assignment]
     steps_per_segment: int = Field(strict=True, gt=0)
     checkpoint_every: CheckpointEvery  # steps, or auto (relay.lineage.interval)
     nodes: int = Field(2, strict=True, ge=1)
@@ -72,6 +76,39 @@ class JobSpec(BaseModel):
     # it (relay.launchers.local.adopt); restart: every segment launches a fresh workload.
     segment_boundary: Literal["adopt", "restart"] = "adopt"
     kubernetes: KubernetesSpec | None = Field(None, validate_default=True)
+
+    @field_validator("steps_per_epoch")
+    @classmethod
+    def _epoch_length(cls, value: int | None, info: ValidationInfo) -> int | None:
+        """Require steps_per_epoch with epochs: Relay cannot open the script's DataLoader."""
+        if value is None and info.data.get("epochs") is not None:
+            raise FieldValueError(
+                "steps_per_epoch (batches per epoch: len(loader) on each rank) with epochs",
+                None, "add steps_per_epoch: the number of batches of one epoch of the "
+                "script's DataLoader on each rank, e.g. steps_per_epoch: 50 (or replace "
+                "epochs with total_steps)", shown="nothing")
+        return value
+
+    @field_validator("total_steps", mode="before")
+    @classmethod
+    def _total_or_epochs(cls, value: object, info: ValidationInfo) -> object:
+        """Derive total_steps from epochs x steps_per_epoch; refuse a count that disagrees."""
+        if "epochs" not in info.data or "steps_per_epoch" not in info.data:
+            # epochs or steps_per_epoch is wrong, and reported on its own line; the spec is
+            # refused anyway, so a missing total_steps adds no second, misleading problem.
+            return 1 if value is None else value
+        epochs, per_epoch = info.data["epochs"], info.data["steps_per_epoch"]
+        if epochs is None:
+            if value is None:
+                raise FieldValueError("this field to be set (or epochs with steps_per_epoch)",
+                                      None, FIXES["total_steps"], shown="nothing")
+            return value
+        derived = epochs * per_epoch
+        if value is not None and value != derived:
+            raise FieldValueError(
+                f"epochs x steps_per_epoch = {epochs} x {per_epoch} = {derived} steps", value,
+                f"remove total_steps (epochs decides it), or set total_steps: {derived}")
+        return derived
 
     @field_validator("retry_delay", "collective_timeout", "heartbeat_interval", mode="before")
     @classmethod
@@ -185,7 +222,13 @@ FIXES: dict[str, str] = {
     ),
     "description": 'set description to text in quotes, e.g. description: "Nightly char model"',
     "seed": "set seed to a whole number >= 0, e.g. seed: 1234",
-    "total_steps": "set total_steps to a whole number of steps > 0, e.g. total_steps: 240",
+    "total_steps": "set total_steps to a whole number of steps > 0, e.g. total_steps: 240, "
+    "or give epochs and steps_per_epoch instead (e.g. epochs: 4 / steps_per_epoch: 60)",
+    "epochs": "set epochs to a whole number of passes over the data > 0, with "
+    "steps_per_epoch, e.g. epochs: 4",
+    "steps_per_epoch": "set steps_per_epoch to the number of batches in one epoch of the "
+    "script's DataLoader on each rank (len(loader)), a whole number > 0, e.g. "
+    "steps_per_epoch: 60",
     "steps_per_segment": (
         "set steps_per_segment to a whole number of steps > 0, e.g. steps_per_segment: 60"
     ),

@@ -21,7 +21,7 @@ already trained in the epoch, as on any resume.
 node agent sets, and Accelerate uses the process group the callback joined.
 The gradient sum is the backend's all-reduce (Relay's rank-ordered comm hook
 needs the DDP wrapper, which the trainer keeps to itself): a resumed run is
-close to, not bit for bit, an uninterrupted one. Needs ``pip install relay[callbacks]``.
+close to, not bit for bit, an uninterrupted one. Needs ``pip install relay-training[callbacks]``.
 """
 
 from __future__ import annotations

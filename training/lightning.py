@@ -21,7 +21,7 @@ Lightning uses the process group the callback joined (it skips its own
 environment, which Relay's node agent sets; ``devices`` and ``num_nodes`` must
 match the spec's ``ranks_per_node`` and ``nodes``. As with any Lightning
 mid-epoch checkpoint, a plain ``DataLoader`` restarts its epoch on resume (a
-stateful loader continues). Needs ``pip install relay[callbacks]``.
+stateful loader continues). Needs ``pip install relay-training[callbacks]``.
 """
 
 from __future__ import annotations

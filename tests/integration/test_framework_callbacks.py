@@ -53,7 +53,7 @@ rules:
   hang:                {action: restart_elsewhere, max_attempts: 3, quarantine: 30m}
   rank_unresponsive:   {action: restart_elsewhere, max_attempts: 3, quarantine: 30m}
   node_unresponsive:   {action: restart_elsewhere, max_attempts: 3, quarantine: 1h}
-  straggler:           {action: checkpoint_and_migrate}
+  straggler:           {action: checkpoint_and_migrate, quarantine: 30m}
   throughput_degraded: {action: checkpoint_and_migrate}
   crash:               {action: retry}
   launch_failure:      {action: restart_elsewhere, quarantine: 15m}

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from relay_train.protocol.env import ENV_NODE
+from relay_train.protocol.heartbeat import Phase
 
 log = logging.getLogger("relay_train")
 
@@ -93,6 +94,22 @@ class DrivenLoop:
         self._expect(framework_step, step + 1, "reached")
         self.session.report(step, loss=loss, samples=samples)
         return self._advance()
+
+    def between_steps(self) -> None:
+        """Mark the trainer's work before its next step's compute as collective.
+
+        The ``Trainer`` gathers every rank's token count before a step's forward pass
+        (``average_tokens_across_devices``) and its logged loss after one: ranks waiting
+        there for a stalled peer must not look like computing ones. A stall in Relay's
+        own checks (an injected hang) happens before this, in the compute phase.
+        """
+        if self._step is not None:
+            self.session.enter_phase(Phase.COLLECTIVE)
+
+    def step_begins(self) -> None:
+        """Mark the step's own compute (after :meth:`between_steps`)."""
+        if self._step is not None:
+            self.session.enter_phase(Phase.COMPUTE)
 
     def close(self) -> None:
         """Release the lock if a step failed while holding it; close the session."""

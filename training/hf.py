@@ -80,6 +80,7 @@ class RelayCallback(TrainerCallback):
         self.session.track(self._state)
         if not self._loop.start(state.global_step):
             control.should_training_stop = True
+        self._loop.between_steps()
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState,
                               control: TrainerControl, **kwargs: Any) -> None:  # noqa: ANN401
@@ -93,6 +94,12 @@ class RelayCallback(TrainerCallback):
         loss, self._loss = self._loss, None
         if not self._loop.step_done(state.global_step, loss=loss, samples=samples):
             control.should_training_stop = True
+        self._loop.between_steps()  # the trainer's loss and token-count gathers come next
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState,
+                      control: TrainerControl, **kwargs: Any) -> None:  # noqa: ANN401
+        """The step's forward pass is next: the rank computes."""
+        self._loop.step_begins()
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> None:  # noqa: ANN401

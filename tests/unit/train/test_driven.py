@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from relay_train.driven import DrivenLoop, mark_collective_on_grads
+from relay_train.protocol.heartbeat import Phase
 
 
 class FakeSession:
@@ -21,6 +22,7 @@ class FakeSession:
         self.completed = start
         self.reported: list[int] = []
         self.collectives = 0
+        self.phases: list[Phase] = []
         self.closed = False
 
     def steps(self) -> Iterator[int]:
@@ -38,6 +40,9 @@ class FakeSession:
 
     def enter_collective(self) -> None:
         self.collectives += 1
+
+    def enter_phase(self, phase: Phase) -> None:
+        self.phases.append(phase)
 
     def close(self) -> None:
         self.closed = True
@@ -91,3 +96,14 @@ def test_the_first_gradient_of_a_step_marks_the_collective() -> None:
     assert session.collectives == 4  # one per parameter; the session keeps the first
     for handle in handles:
         handle.remove()
+
+
+def test_the_trainers_work_between_steps_is_collective_and_its_step_compute() -> None:
+    session = FakeSession(0, 1)
+    loop = DrivenLoop(session, "hf")
+    loop.start(0)
+    loop.between_steps()  # e.g. the Trainer's all_gather of token counts: peers wait there
+    loop.step_begins()
+    loop.step_done(1)  # the segment's end: nothing to mark any more
+    loop.between_steps()
+    assert session.phases == [Phase.COLLECTIVE, Phase.COMPUTE]

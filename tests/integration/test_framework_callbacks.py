@@ -5,13 +5,16 @@ script plus :mod:`relay_train.lightning` or :mod:`relay_train.hf`'s callback (th
 lines). Each trains a 2-layer GPT-2 built from a config (nothing downloaded) on
 random tokens, through `airflow dags test` with real MLflow and 4-rank DDP over gloo,
 and recovers from a stalled rank and from a frozen node: the culprit named, the
-state rescued from a healthy rank (0 lost steps), the job finished.
+state rescued from a healthy rank (0 lost steps), the job finished. The plain scripts
+the worker API page diffs against run under ``torchrun``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,3 +113,17 @@ def test_callback_script_recovers_from_a_stalled_rank_and_a_frozen_node(
              else json.loads(state["trainer_state"])["global_step"])
     assert steps == 60  # the trainer's own step counter went along with Relay's
     assert workload_processes(relay_home) == {}
+
+
+@pytest.mark.parametrize(("script", "args"), [
+    ("lightning_gpt2_plain.py", ["--devices", "2"]), ("hf_gpt2_plain.py", []),
+])
+def test_plain_script_runs_under_torchrun(script: str, args: list[str], tmp_path: Path) -> None:
+    """The 'before' scripts of the worker API page's diffs are real torchrun scripts."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(EXAMPLES / script), "--steps", "6", *args],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]

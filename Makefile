@@ -14,12 +14,14 @@ export RELAY_HOME ?= $(CURDIR)/.relay
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 QUIET_PIP := 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 
-$(STAMP): requirements.lock pyproject.toml
+$(STAMP): requirements.lock requirements-callbacks.lock pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "Installing pinned dependencies into $(VENV) (first run takes a few minutes)..."
 	@# torch first: the pinned CPU build, so nothing can pull a multi-GB CUDA build.
 	$(PIP) torch==2.13.0 $(QUIET_PIP)
 	$(PIP) -r requirements.lock $(QUIET_PIP)
+	@# The `callbacks` extra (Lightning, transformers): optional for users, run by CI.
+	$(PIP) -r requirements-callbacks.lock $(QUIET_PIP)
 	$(PIP) --no-deps --no-build-isolation -e . $(QUIET_PIP)
 	@touch $(STAMP)
 

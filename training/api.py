@@ -288,6 +288,11 @@ class Session(SessionState, PlacedRank):
         finally:
             self._phases.resume_compute()
 
+    def enter_phase(self, phase: Phase) -> None:
+        """Say what this rank is doing, for a loop that Relay does not drive step by step
+        (a trainer's own collectives between two steps; see :mod:`relay_train.driven`)."""
+        self._heartbeat.enter(phase)
+
     def enter_collective(self) -> None:
         """Mark the end of this step's local compute (once per step)."""
         if "compute_done" not in self._clock:

@@ -1,0 +1,38 @@
+"""The ``Trainer`` script ``hf_gpt2_plain.py`` with the lines Relay needs, and no others.
+
+Run by a job spec with ``entrypoint: {script: .../hf_gpt2.py}``. Relay decides the
+steps (the spec's ``total_steps``, segment bounds, resume point), so ``--steps`` is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+from tiny_gpt2 import RandomTokens, tiny_gpt2
+from transformers import Trainer, TrainingArguments, set_seed
+
+from relay_train.hf import RelayCallback
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch-size", type=int, default=8)
+    args = parser.parse_args()
+    relay = RelayCallback()
+    torch.set_num_threads(1)
+    set_seed(0)
+    training = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="hf-gpt2-"), max_steps=relay.total_steps,
+        per_device_train_batch_size=args.batch_size, learning_rate=args.lr, use_cpu=True,
+        ddp_backend="gloo", ddp_find_unused_parameters=False, save_strategy="no",
+        report_to="none", logging_steps=10, disable_tqdm=True, seed=0)
+    trainer = Trainer(model=tiny_gpt2(), args=training, train_dataset=RandomTokens(512),
+                      callbacks=[relay])
+    trainer.train(resume_from_checkpoint=relay.resume_path())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Relay for a Hugging Face ``Trainer`` script: one callback and the resume folder.
+
+A ``Trainer`` script written for ``torchrun`` runs under Relay with three changed lines::
+
+    from relay_train.hf import RelayCallback
+
+    relay = RelayCallback()              # first: joins Relay's process group
+    args = TrainingArguments(..., max_steps=relay.total_steps)
+    Trainer(..., callbacks=[relay]).train(resume_from_checkpoint=relay.resume_path())
+
+The callback gives Relay heartbeats (step and phase: the collective phase starts
+when the first gradient of a step is ready, where DDP's all-reduce starts),
+checkpoints the model, optimizer, scheduler and ``TrainerState`` through the
+session to MLflow on the job's schedule and at the segment's end, answers
+rescue and drain from them, and stops the trainer at the segment's end or a
+drain's stop step. ``resume_path()`` is Relay's verified checkpoint written as
+a ``Trainer`` checkpoint folder (None at step 0); the trainer skips the batches
+already trained in the epoch, as on any resume.
+
+``TrainingArguments`` reads the ranks from torchrun's environment, which Relay's
+node agent sets, and Accelerate uses the process group the callback joined.
+The gradient sum is the backend's all-reduce (Relay's rank-ordered comm hook
+needs the DDP wrapper, which the trainer keeps to itself): a resumed run is
+close to, not bit for bit, an uninterrupted one. Needs ``pip install relay-training[callbacks]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.utils import WEIGHTS_NAME
+
+from relay_train.driven import DrivenLoop, joined, mark_collective_on_grads, resume_folder
+
+
+class RelayCallback(TrainerCallback):
+    """Heartbeats, checkpoints, rescue and drain for a ``Trainer`` under Relay."""
+
+    def __init__(self, session: Any = None) -> None:  # noqa: ANN401 - relay_train.Session
+        self.session = joined(session)  # Accelerate then trains in Relay's process group
+        self._loop = DrivenLoop(self.session, "hf")
+        self._objects: dict[str, Any] = {}
+        self._loss: float | None = None
+
+    @property
+    def total_steps(self) -> int:
+        """Return the job's steps: the ``max_steps`` the training arguments should have."""
+        return int(self.session.total_steps)
+
+    def resume_path(self) -> str | None:
+        """Return a ``Trainer`` checkpoint folder of Relay's resume point, or None at step 0.
+
+        The checkpoint is sha256-verified and loaded with ``weights_only=True`` by the
+        session first; this rank writes its own folder on its node.
+        """
+        state = self.session.resume_state()
+        if state is None:
+            return None
+        folder = resume_folder(self.session, f"rank-{self.session.rank}/hf-step-{state['step']}")
+        torch.save(state["model"], folder / WEIGHTS_NAME)
+        torch.save(state["optimizer"], folder / OPTIMIZER_NAME)
+        torch.save(state["scheduler"], folder / SCHEDULER_NAME)
+        (folder / TRAINER_STATE_NAME).write_text(state["trainer_state"])
+        return str(folder)
+
+    # -- the Trainer's events -----------------------------------------------------------
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState,
+                       control: TrainerControl, **kwargs: Any) -> None:  # noqa: ANN401
+        """Mark the collective phase, name the tracked state, begin the segment's steps."""
+        model = kwargs["model"]
+        self._objects = {"model": model, "optimizer": kwargs["optimizer"],
+                         "scheduler": kwargs["lr_scheduler"], "state": state}
+        mark_collective_on_grads(model, self.session)
+        self.session.track(self._state)
+        if not self._loop.start(state.global_step):
+            control.should_training_stop = True
+        self._loop.between_steps()
+
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState,
+                              control: TrainerControl, **kwargs: Any) -> None:  # noqa: ANN401
+        """Hold the rescue lock across the optimizer step and the step counter."""
+        self._loop.before_update()
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState,
+                    control: TrainerControl, **kwargs: Any) -> None:  # noqa: ANN401
+        """Report the step (heartbeat, checkpoint when due); stop at the segment's end."""
+        samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        loss, self._loss = self._loss, None
+        if not self._loop.step_done(state.global_step, loss=loss, samples=samples):
+            control.should_training_stop = True
+        self._loop.between_steps()  # the trainer's loss and token-count gathers come next
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState,
+                      control: TrainerControl, **kwargs: Any) -> None:  # noqa: ANN401
+        """The step's forward pass is next: the rank computes."""
+        self._loop.step_begins()
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, float] | None = None, **kwargs: Any) -> None:  # noqa: ANN401
+        """Keep the logged loss for the next heartbeat (``logging_steps`` sets how often)."""
+        if logs and "loss" in logs:
+            self._loss = float(logs["loss"])
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState,
+                     control: TrainerControl, **kwargs: Any) -> None:  # noqa: ANN401
+        """Publish what is pending and leave Relay's segment (and its process group)."""
+        self._loop.close()
+
+    def _state(self) -> dict[str, Any]:
+        objects = self._objects
+        return {"model": objects["model"].state_dict(),
+                "optimizer": objects["optimizer"].state_dict(),
+                "scheduler": objects["scheduler"].state_dict(),
+                "trainer_state": json.dumps(dataclasses.asdict(objects["state"]))}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from relay.core.attempt import AttemptState
 from relay.core.faults import Fault, FaultKind
@@ -29,8 +30,12 @@ from relay_train.protocol.routes import SETTLED, NodeState
 # How late a live agent's word may come: it answers every poll, and a poll waits up to
 # this long for an answer (a later one counts at the next poll).
 AGENT_STATUS_INTERVAL_SECONDS = FRESH_WAIT_SECONDS
+# The phases as the plain strings heartbeats carry: the rules look at every rank each
+# poll, and an enum member's ``.value`` costs a descriptor call each time (~10% of a poll).
+_STARTING, _COMPUTE, _CHECKPOINT, _DONE = (
+    Phase.STARTING.value, Phase.COMPUTE.value, Phase.CHECKPOINT.value, Phase.DONE.value)
 _WAITING = {Phase.COLLECTIVE.value}
-_WORKING = {Phase.COMPUTE.value, Phase.COLLECTIVE.value}
+_WORKING = {_COMPUTE, Phase.COLLECTIVE.value}
 
 
 @dataclass
@@ -49,14 +54,29 @@ class Observation:
         """Return every rank the job should have."""
         return sorted(r for ranks in self.node_ranks.values() for r in ranks)
 
+    @cached_property
+    def _rank_nodes(self) -> dict[int, str]:
+        """Return rank -> its node (the first node listing it), built once per snapshot:
+        a scan of every node per rank is quadratic (~0.8 s a poll at 1,024 nodes x 8)."""
+        nodes: dict[int, str] = {}
+        for node, ranks in self.node_ranks.items():
+            for rank in ranks:
+                nodes.setdefault(rank, node)
+        return nodes
+
     def node_of(self, rank: int) -> str | None:
         """Return the node a rank runs on."""
-        return next((n for n, ranks in self.node_ranks.items() if rank in ranks), None)
+        return self._rank_nodes.get(rank)
 
 
 def _past_startup(obs: Observation) -> bool:
     """Return whether any rank got past start-up (then every rank rendezvoused)."""
-    return any(b.phase != Phase.STARTING.value for b in obs.heartbeats.values())
+    return any(b.phase != _STARTING for b in obs.heartbeats.values())
+
+
+def _in_phase(beats: list[Heartbeat], now: float) -> dict[int, float]:
+    """Return rank -> how long it has been in its phase (for a hang's evidence)."""
+    return {b.rank: now - b.phase_started_at for b in beats}
 
 
 class Detector:
@@ -85,10 +105,11 @@ class Detector:
         """Return the fault these observations show, if any."""
         if self._watching_since is None:
             self._watching_since = obs.now
+        stepped, now = self._stepped, obs.now
         for rank, beat in obs.heartbeats.items():
-            seen = self._stepped.get(rank)
+            seen = stepped.get(rank)
             if seen is None or beat.step != seen[0]:
-                self._stepped[rank] = (beat.step, obs.now)
+                stepped[rank] = (beat.step, now)
         if self.cfg.derive_hang_timeout is not None:
             self._steps.observe(obs.heartbeats, self.cfg.derive_hang_timeout.warmup_steps)
         rules = (
@@ -128,7 +149,7 @@ class Detector:
         if fault.culprit_rank is None or fault.kind is FaultKind.SHORT_SEGMENT:
             return fault
         beat = obs.heartbeats.get(fault.culprit_rank)
-        if beat is None or beat.phase == Phase.STARTING.value:
+        if beat is None or beat.phase == _STARTING:
             # It died before its first step: the launch failed, not the training.
             return Fault(FaultKind.LAUNCH_FAILURE, fault.culprit_rank, fault.culprit_node,
                          {**fault.evidence, "summary": "rank exited before its first step: "
@@ -142,18 +163,20 @@ class Detector:
         stepping = _past_startup(obs)
         for rank in obs.expected_ranks:
             beat = obs.heartbeats.get(rank)
+            if beat is not None and beat.phase != _STARTING:
+                continue
             node = obs.node_of(rank)
             if beat is None and stepping and node and self._agent_age(obs, node) == math.inf:
                 continue  # it rendezvoused, then its node fell silent: the liveness rules
-            if beat is None or beat.phase == Phase.STARTING.value:
-                state = "no heartbeat" if beat is None else "still starting"
-                return Fault(
-                    FaultKind.LAUNCH_FAILURE, rank, obs.node_of(rank),
-                    {"summary": f"{state} {waited:.1f}s after launch "
-                     f"(startup_timeout {self.cfg.startup_timeout:g}s)",
-                     "missing_ranks": [r for r in obs.expected_ranks if r not in obs.heartbeats]},
-                    obs.now,
-                )
+            # no heartbeat yet, or still starting
+            state = "no heartbeat" if beat is None else "still starting"
+            return Fault(
+                FaultKind.LAUNCH_FAILURE, rank, obs.node_of(rank),
+                {"summary": f"{state} {waited:.1f}s after launch "
+                 f"(startup_timeout {self.cfg.startup_timeout:g}s)",
+                 "missing_ranks": [r for r in obs.expected_ranks if r not in obs.heartbeats]},
+                obs.now,
+            )
         return None
 
     def at_completion(self, obs: Observation) -> Fault | None:
@@ -191,7 +214,7 @@ class Detector:
         return now - beat.wall_clock
 
     def _is_stale(self, beat: Heartbeat, now: float) -> bool:
-        return beat.phase != Phase.DONE.value and self._age(beat, now) > self.cfg.heartbeat_timeout
+        return beat.phase != _DONE and self._age(beat, now) > self.cfg.heartbeat_timeout
 
     def _agent_age(self, obs: Observation, node: str) -> float | None:
         """Return how long ago the node's agent last spoke (None: no agent to ask)."""
@@ -232,7 +255,9 @@ class Detector:
         # for that before blaming a rank (below).
         agent_limit = self.cfg.heartbeat_timeout
         unheard = self._unheard(obs, agent_limit)
-        stale = {r for r, b in obs.heartbeats.items() if self._is_stale(b, obs.now)}
+        now, timeout = obs.now, self.cfg.heartbeat_timeout  # _is_stale, inlined: every rank
+        stale = {r for r, b in obs.heartbeats.items()
+                 if b.phase != _DONE and now - b.wall_clock > timeout}
         if not stale and not unheard:
             return None
         grace = AGENT_STATUS_INTERVAL_SECONDS + 2 * obs.heartbeat_interval
@@ -277,11 +302,11 @@ class Detector:
         after. It costs nothing while the job is healthy: fresh heartbeats put every such
         time seconds away, past the next poll.
         """
-        beats = [b for b in obs.heartbeats.values() if b.phase != Phase.DONE.value]
+        beats = [b for b in obs.heartbeats.values() if b.phase != _DONE]
         times: list[float] = []
         if FaultKind.HANG in self.enabled and any(b.phase in _WAITING for b in beats):
             limit = self.hang_limit(obs).seconds
-            times += [b.phase_started_at + limit for b in beats if b.phase == Phase.COMPUTE.value]
+            times += [b.phase_started_at + limit for b in beats if b.phase == _COMPUTE]
         if self.enabled & {FaultKind.NODE_UNRESPONSIVE, FaultKind.RANK_UNRESPONSIVE}:
             times += [b.wall_clock + self.cfg.heartbeat_timeout for b in beats]
             if obs.launch is not None:
@@ -294,10 +319,10 @@ class Detector:
         """Return why a fault seems on its way though none is called yet (see local.spare):
         a rank in compute past half the hang threshold while another waits, or a rank
         half way to being called a straggler. Call it after :meth:`check`."""
-        beats = [b for b in obs.heartbeats.values() if b.phase != Phase.DONE.value]
+        beats = [b for b in obs.heartbeats.values() if b.phase != _DONE]
         if FaultKind.HANG in self.enabled and any(b.phase in _WAITING for b in beats):
             half = self.hang_limit(obs).seconds / 2
-            stalled = [b.rank for b in beats if b.phase == Phase.COMPUTE.value
+            stalled = [b.rank for b in beats if b.phase == _COMPUTE
                        and obs.now - b.phase_started_at > half]
             if stalled:
                 return f"rank {stalled[0]} in compute for over {half:.1f}s while others wait"
@@ -317,35 +342,48 @@ class Detector:
                                       derive.safety_factor, derive.min)
 
     def _hang(self, obs: Observation) -> Fault | None:
-        beats = [b for b in obs.heartbeats.values() if b.phase != Phase.DONE.value]
+        now = obs.now
+        beats = [b for b in obs.heartbeats.values() if b.phase != _DONE]
         if not beats:
             return None
         limit = self.hang_limit(obs)
-        in_phase = {b.rank: obs.now - b.phase_started_at for b in beats}
         # Only a rank whose heartbeat thread still writes is "stalled"; a silent
-        # one is left to the unresponsive rules.
-        alive = {b.rank for b in beats if self._age(b, obs.now) <= 3 * obs.heartbeat_interval}
+        # one is left to the unresponsive rules. One pass over the ranks (8,192 a poll).
+        lag, hang_timeout = 3 * obs.heartbeat_interval, self.cfg.hang_timeout
+        computing: list[Heartbeat] = []
+        waiting = working = 0
+        working_all_over = True  # every working rank in its phase past hang_timeout
         for b in beats:
-            if b.phase == Phase.CHECKPOINT.value and in_phase[b.rank] > self.cfg.checkpoint_timeout:
-                return self._hang_fault(obs, b, in_phase, "stuck saving a checkpoint",
-                                        ("checkpoint_timeout", self.cfg.checkpoint_timeout))
-        computing = [b for b in beats if b.phase == Phase.COMPUTE.value and b.rank in alive
-                     and in_phase[b.rank] > limit.seconds]
-        waiting = [b for b in beats if b.phase in _WAITING]
+            phase = b.phase
+            if phase == _CHECKPOINT:
+                if now - b.phase_started_at > self.cfg.checkpoint_timeout:
+                    return self._hang_fault(obs, b, _in_phase(beats, now),
+                                            "stuck saving a checkpoint",
+                                            ("checkpoint_timeout", self.cfg.checkpoint_timeout))
+                continue
+            if phase not in _WORKING:
+                continue
+            if phase in _WAITING:
+                waiting += 1
+            if now - b.wall_clock > lag:
+                continue  # not alive
+            working += 1
+            seconds = now - b.phase_started_at
+            working_all_over = working_all_over and seconds > hang_timeout
+            if phase == _COMPUTE and seconds > limit.seconds:
+                computing.append(b)
         if computing and waiting:
-            culprit = max(computing, key=lambda b: in_phase[b.rank])
-            return self._hang_fault(obs, culprit, in_phase, "stalled in compute while "
-                                    f"{len(waiting)} rank(s) wait in the collective", limit=limit)
+            culprit = max(computing, key=lambda b: now - b.phase_started_at)
+            return self._hang_fault(obs, culprit, _in_phase(beats, now), "stalled in compute "
+                                    f"while {waiting} rank(s) wait in the collective", limit=limit)
         # Every rank busy at once (an evaluation pass, say) is judged on the policy's own
         # hang_timeout: a threshold derived from the steps is for one rank that holds up others.
-        working = [b for b in beats if b.phase in _WORKING and b.rank in alive]
-        heard_all = all(r in obs.heartbeats for r in obs.expected_ranks)
-        if working and heard_all and len(working) == len(beats) and all(
-            in_phase[b.rank] > self.cfg.hang_timeout for b in working
-        ):
+        if working and working == len(beats) and working_all_over and all(
+                r in obs.heartbeats for r in obs.expected_ranks):
             return Fault(FaultKind.HANG, None, None,
-                         {"summary": f"no rank made progress for {self.cfg.hang_timeout:g}s",
-                          "seconds_in_phase": {r: round(s, 2) for r, s in in_phase.items()},
+                         {"summary": f"no rank made progress for {hang_timeout:g}s",
+                          "seconds_in_phase": {r: round(s, 2)
+                                               for r, s in _in_phase(beats, now).items()},
                           "steps": {b.rank: b.step for b in beats}}, obs.now)
         return None
 

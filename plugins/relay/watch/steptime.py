@@ -41,6 +41,7 @@ from relay_train.protocol.heartbeat import Heartbeat, Phase
 
 WINDOW = 120  # polls (60 s at the default poll_interval) the step-time quantile is taken over
 QUANTILE = 0.95  # of the step-time samples: above jitter, below a rare stall
+_CHECKPOINT = Phase.CHECKPOINT.value  # (an enum member's .value costs a call per rank)
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class StepTimes:
         low = min(b.step for b in beats.values())
         if self._first_step is None:
             self._first_step = low
-        checkpointing = any(b.phase == Phase.CHECKPOINT.value for b in beats.values())
+        checkpointing = any(b.phase == _CHECKPOINT for b in beats.values())
         if checkpointing:
             self._checkpointed.update(beats)
         times: list[float] = []

@@ -24,9 +24,10 @@ def experiments_url(ui: str) -> str:
     return _page(ui, "experiments")
 
 
-def experiment_url(ui: str, experiment_id: str, tab: str = "runs") -> str:
-    """Return one experiment's tab (``runs`` or ``models``), in the model-training view."""
-    return _page(ui, f"experiments/{experiment_id}/{tab}")
+def experiment_url(ui: str, experiment_id: str, tab: str = "") -> str:
+    """Return one experiment (MLflow picks its first tab) or one of its tabs (``runs``,
+    ``models``), in the model-training view."""
+    return _page(ui, f"experiments/{experiment_id}" + (f"/{tab}" if tab else ""))
 
 
 def run_url(ui: str, experiment_id: str, run_id: str) -> str:

@@ -171,6 +171,8 @@ def test_the_parent_run_summary_counts_faults_by_kind_and_what_they_cost() -> No
 def test_links_into_mlflow_open_its_model_training_view() -> None:
     assert experiment_url("http://h:5000/", "7", "models") == (
         "http://h:5000/#/experiments/7/models?workflowType=machine_learning")
+    assert experiment_url("http://h:5000", "7") == (
+        "http://h:5000/#/experiments/7?workflowType=machine_learning")
     assert experiments_url("http://h:5000") == (
         "http://h:5000/#/experiments?workflowType=machine_learning")
     assert ui_of("http://h:5000") == "http://h:5000" and ui_of("sqlite:////x.db") is None

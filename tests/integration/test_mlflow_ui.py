@@ -5,24 +5,19 @@ about a minute)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from browser import Chromium, ensure_chromium
+from mlflow_server import mlflow_server
 
 from relay.core.attempt import AttemptState
 from relay.core.checkpoint_keys import checkpoint_keys
-from relay.core.proctree import descendants, stop_pids
 from relay.lineage.links import experiment_url
 from relay.lineage.models import record_chain
 from relay.lineage.store import TAG_FAULT, Lineage
-from relay.tools.services import free_port
 from relay_train.checkpoints.publish import MlflowCheckpointSink
 from relay_train.protocol.manifest import CHECKPOINT_FILE, CheckpointManifest, file_sha256
 from relay_train.protocol.signing import sign
@@ -32,37 +27,9 @@ GENAI_ONLY = ("Evaluation runs", "Judges", "Agent versions")  # the GenAI view's
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """An MLflow server as `make up` starts it (its own artifact store, served)."""
-    root = tmp_path_factory.mktemp("mlflow")
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    proc = None
-    try:
-        while True:  # another test may take the free port first: pick again
-            port = free_port()
-            proc = subprocess.Popen(
-                [str(Path(sys.executable).with_name("mlflow")), "server", "--host",
-                 "127.0.0.1", "--port", str(port), "--workers", "1",
-                 "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                 "--artifacts-destination", str(root / "artifacts"), "--serve-artifacts"],
-                env=env, stdout=(root / "server.log").open("ab"), stderr=subprocess.STDOUT,
-                start_new_session=True)
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 180
-            while proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    with urllib.request.urlopen(f"{url}/health", timeout=2):
-                        break
-                except OSError:
-                    time.sleep(0.5)
-            if proc.poll() is None:
-                break
-            assert time.monotonic() < deadline, "mlflow server did not answer"
+def mlflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as url:
         yield url
-    finally:
-        if proc is not None:
-            stop_pids([proc.pid, *descendants(proc.pid)], groups=[proc.pid], grace=10)
-            proc.wait(timeout=30)
 
 
 def _publish(lineage: Lineage, run_id: str, step: int, parent: CheckpointManifest | None,
@@ -111,29 +78,29 @@ def _fresh_page(url: str, until: Callable[[str], bool]) -> tuple[str, str]:
 
 
 def test_a_fresh_browser_lands_on_the_training_view_and_the_models_tab_lists_the_chain(
-        mlflow_server: str, tmp_path: Path) -> None:
-    lineage = Lineage(mlflow_server, tmp_path / "unused")
+        mlflow: str, tmp_path: Path) -> None:
+    lineage = Lineage(mlflow, tmp_path / "unused")
     experiment, _ = _recorded_run(lineage, tmp_path)
 
-    text, landed = _fresh_page(experiment_url(mlflow_server, experiment),
+    text, landed = _fresh_page(experiment_url(mlflow, experiment),
                                lambda t: "run-1" in t)
     assert "/runs" in landed and "workflowType=machine_learning" in landed, landed
     assert "run-1" in text and "Models" in text, text  # the DAG run's run, the Models tab
     assert not [w for w in GENAI_ONLY if w in text], text
 
-    text, _ = _fresh_page(experiment_url(mlflow_server, experiment, "models"),
+    text, _ = _fresh_page(experiment_url(mlflow, experiment, "models"),
                           lambda t: "step-00000020" in t and "step-00000010" in t)
     assert "step-00000020" in text and "step-00000010" in text, text
     assert not [w for w in GENAI_ONLY if w in text], text
 
 
 def test_without_relay_link_mlflow_opens_a_relay_experiment_in_its_genai_view(
-        mlflow_server: str, tmp_path: Path) -> None:
+        mlflow: str, tmp_path: Path) -> None:
     """Why Relay's links carry workflowType: MLflow 3.17 ignores mlflow.experimentKind here
     (if this fails, MLflow reads the tag again and the link's parameter is only a belt)."""
-    lineage = Lineage(mlflow_server, tmp_path / "unused")
+    lineage = Lineage(mlflow, tmp_path / "unused")
     experiment = lineage.experiment_id("ui")
 
-    text, _ = _fresh_page(f"{mlflow_server}/#/experiments/{experiment}",
+    text, _ = _fresh_page(f"{mlflow}/#/experiments/{experiment}",
                           lambda t: all(w in t for w in GENAI_ONLY))
     assert all(w in text for w in GENAI_ONLY), text

@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,12 @@ class Chromium:
                     raise RuntimeError(f"{method}: {msg['error']}")
                 return dict(msg.get("result", {}))
 
+    def resize(self, width: int, height: int) -> None:
+        """Make the page's viewport ``width`` x ``height`` (a screenshot's size for a page
+        that fits its window, such as Airflow's or MLflow's UI)."""
+        self.call("Emulation.setDeviceMetricsOverride", width=width, height=height,
+                  deviceScaleFactor=1, mobile=False)
+
     def set_cookie(self, url: str, name: str, value: str) -> None:
         """Set a cookie for ``url`` (how Airflow's UI keeps its login)."""
         self.call("Network.setCookie", url=url, name=name, value=value, path="/")
@@ -93,6 +100,20 @@ class Chromium:
         text = self.call("Runtime.evaluate", expression="document.body.innerText",
                          returnByValue=True)
         return str(text["result"].get("value", ""))
+
+    def text(self) -> str:
+        """Return the page's visible text now."""
+        return str(self.evaluate("document.body.innerText") or "")
+
+    def wait_for_text(self, until: Callable[[str], bool], timeout: float = 120) -> str:
+        """Poll the page's text (a React app renders after its load) until ``until`` holds
+        or ``timeout`` seconds passed; return the last text either way."""
+        deadline = time.monotonic() + timeout
+        text = self.text()
+        while not until(text) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            text = self.text()
+        return text
 
     def evaluate(self, expression: str) -> Any:  # noqa: ANN401 - whatever the page returns
         """Return the value of a JavaScript expression in the page."""

@@ -67,12 +67,8 @@ def _fresh_page(url: str, until: Callable[[str], bool]) -> tuple[str, str]:
     ensure_chromium()
     browser = Chromium()
     try:
-        text = browser.open(url, settle=0.5)
-        deadline = time.monotonic() + 120
-        while not until(text) and time.monotonic() < deadline:
-            time.sleep(0.5)
-            text = str(browser.evaluate("document.body.innerText") or "")
-        return text, str(browser.evaluate("location.href"))
+        browser.open(url, settle=0.5)
+        return browser.wait_for_text(until), str(browser.evaluate("location.href"))
     finally:
         browser.close()
 

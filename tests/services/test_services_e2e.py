@@ -11,13 +11,16 @@ import os
 import signal
 import time
 from pathlib import Path
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import pytest
 from airflow_runs import DAG_ID, run_to_end, wait_for_success, wait_for_task_state
-from browser import Chromium
+from browser import Chromium, ensure_chromium
+from mlflow.entities import LoggedModelStatus
 
 from relay.core.settings import REPO_ROOT
+from relay.lineage.links import experiment_url
+from relay.lineage.models import checkpoint_key, checkpoint_models, model_name
 from relay.lineage.report import final_state, same_bits
 from relay.lineage.run_view import RunView, find_parent, run_view
 from relay.lineage.store import TAG_EXPERIMENT_KIND, TAG_FAULT, Lineage
@@ -30,9 +33,17 @@ HANG = {"kind": "hang", "segment": 0, "step": 35, "rank": 1}
 # Segment 1's steps slower (every rank alike: no fault, same weights), so that its task
 # stays deferred for 12 s more: a test that acts while it is deferred cannot miss it.
 SLOW_SEGMENT_1 = {"kind": "pace", "segment": 1, "step": 60, "seconds": 0.2}
-# The README's picture; the test writes it only when asked (RELAY_UPDATE_SCREENSHOT=1), so
-# a test run leaves the clone as it was.
-SCREENSHOT = REPO_ROOT / "docs" / "recovery-page.png"
+# Pictures of each view for docs/ (docs/operations.md shows them); the tests write them there
+# only when asked (RELAY_UPDATE_SCREENSHOT=1), so a test run leaves the clone as it was.
+SCREENSHOTS = REPO_ROOT / "docs" / "screenshots"
+GENAI_ONLY = ("Evaluation runs", "Judges", "Agent versions")  # MLflow's GenAI sidebar
+
+
+def _picture(browser: Chromium, name: str, tmp_path: Path) -> None:
+    """Screenshot the page: into docs/screenshots when asked, else beside the test."""
+    folder = SCREENSHOTS if os.environ.get("RELAY_UPDATE_SCREENSHOT") == "1" else tmp_path
+    folder.mkdir(parents=True, exist_ok=True)
+    assert browser.screenshot(folder / name).stat().st_size > 0
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +96,25 @@ def test_recovery_page_in_chromium(deployment: services.Deployment, api: Airflow
     view = _view(faulty_run)
     fault = next(a.fault for a in view.attempts if a.fault)
     url = f"{deployment.api_url}/relay/run?" + urlencode({"dag_id": DAG_ID, "run_id": faulty_run})
+    ensure_chromium()
     browser = Chromium()
     try:
-        refused = browser.open(url)
+        refused = browser.open(url, settle=0)
         assert "401" in refused and "Log in" in refused
         assert "hang" not in refused
         # Airflow's UI keeps its login as the `_token` cookie; the token comes from
         # the same login API the UI's form posts to.
         browser.set_cookie(deployment.api_url, "_token", api.token())
-        text = browser.open(url)
+        # The index: the faulty run's row stands out and counts its fault.
+        browser.resize(1280, 800)
+        browser.open(f"{deployment.api_url}/relay/", settle=0)
+        row = browser.evaluate(
+            "Array.from(document.querySelectorAll('tr')).filter(r => r.innerText.includes("
+            f"{faulty_run!r})).map(r => [r.className, r.innerText])[0] || null")
+        assert row is not None and row[0] == "faulted" and "1 fault" in row[1], row
+        _picture(browser, "recovery-index.png", tmp_path)
+        browser.resize(1280, 2400)  # the whole page
+        text = browser.open(url, settle=0)
         assert "hang" in text
         assert f"culprit rank 1, node {fault['culprit_node']}" in text
         assert "restart_elsewhere" in text and "rules.hang" in text
@@ -107,14 +128,75 @@ def test_recovery_page_in_chromium(deployment: services.Deployment, api: Airflow
         assert "Goodput so far" not in text and "ETA" not in text.split("Goodput")[0]
         widths = browser.images_loaded()
         assert len(widths) == 3 and all(w > 0 for w in widths), widths
-        picture = SCREENSHOT if os.environ.get("RELAY_UPDATE_SCREENSHOT") == "1" else (
-            tmp_path / SCREENSHOT.name)
-        browser.screenshot(picture)
-        assert picture.stat().st_size > 0
+        _picture(browser, "recovery-page.png", tmp_path)
         browser.clear_cookies()
-        assert "401" in browser.open(url)
+        assert "401" in browser.open(url, settle=0)
     finally:
         browser.close()
+
+
+def test_airflow_ui_shows_relays_notes_in_chromium(
+        deployment: services.Deployment, api: AirflowApi, faulty_run: str,
+        tmp_path: Path) -> None:
+    """Airflow 3's own (React) UI shows Relay's notes on the run's page and the retried task's."""
+    run_note = api.dag_run(DAG_ID, faulty_run)["note"]
+    task_note = {t["task_id"]: t["note"] for t in api.task_instances(DAG_ID, faulty_run)}[
+        "segment_000"]
+    assert run_note and task_note, (run_note, task_note)
+    run_page = f"{deployment.api_url}/dags/{DAG_ID}/runs/{quote(faulty_run, safe='')}"
+    ensure_chromium()
+    browser = Chromium()
+    try:
+        browser.resize(1280, 800)
+        browser.set_cookie(deployment.api_url, "_token", api.token())
+        for url, note, name in ((run_page, run_note, "airflow-run-note.png"),
+                                (f"{run_page}/tasks/segment_000", task_note,
+                                 "airflow-task-note.png")):
+            browser.open(url, settle=0)
+            # The note's first line: the run's page shows it, the rest behind "…".
+            head = note.splitlines()[0]
+            text = browser.wait_for_text(lambda t, head=head: head in t)
+            assert head in text, f"{url} does not show {head!r}:\n{text[:2000]}"
+            assert "Add a note" not in text, text[:2000]
+            _picture(browser, name, tmp_path)
+    finally:
+        browser.close()
+
+
+def test_mlflow_opens_the_training_view_and_lists_the_checkpoints(
+        deployment: services.Deployment, faulty_run: str, tmp_path: Path) -> None:
+    """A fresh browser (its own empty profile) following Relay's link to the experiment lands
+    on MLflow's model-training view, and the Models tab lists the faulty run's chain."""
+    lineage = Lineage.from_settings()
+    experiment = lineage.experiment_id("demo")
+    parent = find_parent(lineage, "demo", faulty_run)
+    chain = lineage.chain(parent)
+    assert chain, "the faulty run published no checkpoint"
+    # Each checkpoint of the run is a READY model (the clean run's bear the same names: the
+    # browser below sees the names, this sees they are this run's).
+    models = checkpoint_models(lineage, experiment)
+    assert all(models[checkpoint_key(m)].status == LoggedModelStatus.READY for m in chain)
+    names = [model_name(m) for m in chain]
+    ensure_chromium()
+    for tab, wanted, name in (("", [parent_name(lineage, parent)], "mlflow-runs.png"),
+                              ("models", names, "mlflow-models.png")):
+        browser = Chromium()  # a new --user-data-dir each time: nothing remembered
+        try:
+            browser.resize(1280, 800)
+            browser.open(experiment_url(deployment.mlflow_url, experiment, tab), settle=0)
+            text = browser.wait_for_text(lambda t, w=wanted: all(n in t for n in w))
+            missing = [n for n in wanted if n not in text]
+            assert not missing, f"{tab or 'experiment'} does not list {missing}:\n{text[:2000]}"
+            assert not [w for w in GENAI_ONLY if w in text], text[:2000]
+            assert "workflowType=machine_learning" in str(browser.evaluate("location.href"))
+            _picture(browser, name, tmp_path)
+        finally:
+            browser.close()
+
+
+def parent_name(lineage: Lineage, parent: str) -> str:
+    """Return the name the runs table shows for a DAG run's MLflow run."""
+    return str(lineage.client.get_run(parent).info.run_name)
 
 
 def _assert_same_weights(clean_run: str, run_id: str, where: Path) -> None:

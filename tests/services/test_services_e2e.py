@@ -88,6 +88,8 @@ def test_a_stalled_rank_is_retried_elsewhere_and_ends_bit_exact(
     notes = {t["task_id"]: t["note"] for t in api.task_instances(DAG_ID, faulty_run)}
     assert notes["segment_000"].startswith(f"Recovered: hang of rank 1 on {culprit_node} "), notes
     assert f"restarted on {', '.join(retry.nodes)} from step" in notes["segment_000"], notes
+    # Rewritten once the retry reached its segment's end (completed or handed over).
+    assert ", back in " in notes["segment_000"] and "not resumed yet" not in note, (note, notes)
     assert notes["segment_001"] is None and api.dag_run(DAG_ID, clean_run)["note"] is None
 
 

@@ -117,7 +117,7 @@ def handed_over(op: TrainSegmentOperator, context: Any,  # noqa: ANN401
     op.log_observations(context, lineage, cfg.run_id, attempt)
     lineage.finish_run(cfg.run_id, AttemptState.COMPLETED,
                        {TAG_HANDED_OVER_AT: str(step)})
-    op.finish_resume_time(attempt, lineage, launcher)
+    op.resumed(context, attempt, lineage, launcher, lambda: parent)
     continuity.note_boundary(attempt, event.get("at"), woke)
     log.info("Segment %d trained steps [%d, %d); its checkpoint at step %d is in MLflow and "
              "the workload %s trains on, for the next segment to adopt", op.segment,

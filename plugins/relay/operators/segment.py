@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -298,10 +299,8 @@ class TrainSegmentOperator(RelayOperator):
         lineage.finish_run(cfg.run_id, AttemptState.COMPLETED)
         if launcher.continuity is not None:
             launcher.continuity.note_boundary(attempt, event.get("at"), woke)
-        self.finish_resume_time(attempt, lineage, launcher)
-        if int(context["ti"].try_number) > 1:  # the recovery's time to resume is known now
-            write_notes(context, lineage, lambda: lineage.parent_run(
-                spec.job, spec.dag_id, context["dag_run"].run_id), self.segment)
+        self.resumed(context, attempt, lineage, launcher, lambda: lineage.parent_run(
+            spec.job, spec.dag_id, context["dag_run"].run_id))
         log.info("Segment %d trained steps [%d, %d) in %.1fs", self.segment, cfg.start_step,
                  cfg.end_step, time.time() - launcher.started_at(attempt))
         return self._result(cfg)
@@ -353,6 +352,15 @@ class TrainSegmentOperator(RelayOperator):
         observed = journal.observations(context, attempt.folder)
         best_effort("log the observations",
                     lambda: log_observations(lineage, run_id, attempt.folder, observed))
+
+    def resumed(self, context: Any, attempt: Attempt, lineage: Any,  # noqa: ANN401
+                launcher: Launcher, parent: Callable[[], str]) -> None:
+        """An attempt reached its segment's end (completed or handed over): finish the time
+        to resume of the recovery that started it and, on a retry, rewrite the notes with
+        it ("back in ...s"; the DAG run's no longer "not resumed yet")."""
+        self.finish_resume_time(attempt, lineage, launcher)
+        if int(context["ti"].try_number) > 1:
+            write_notes(context, lineage, parent, self.segment)
 
     @staticmethod
     def finish_resume_time(attempt: Attempt, lineage: Any,  # noqa: ANN401

@@ -13,16 +13,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from mlflow_server import mlflow_server as running_mlflow_server
 
 from relay.core.attempt import Attempt
 from relay.core.checkpoint_keys import checkpoint_keys
@@ -149,28 +148,8 @@ def test_a_watcher_at_a_segment_boundary_reads_no_file_of_the_attempt(
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real MLflow tracking server: a frozen rank then holds no lock Relay needs."""
-    root = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "artifacts"), "--serve-artifacts"],
-        env=env, stdout=(root / "server.log").open("ab"), stderr=subprocess.STDOUT,
-        start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "mlflow server down"
-            time.sleep(0.5)
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
+    with running_mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as url:
+        yield url
 
 
 def _attempt(lineage: Lineage, parent: str, base: Path, attempt: int, node: str,

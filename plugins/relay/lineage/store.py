@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import RunStatus
+from mlflow.entities import Metric, RunStatus
 from mlflow.store.artifact.artifact_repo import ArtifactRepository
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 from mlflow.tracking import MlflowClient
@@ -192,11 +192,18 @@ class Lineage(CheckpointReading):
         self, run_id: str, state: AttemptState, tags: Mapping[str, str] | None = None
     ) -> None:
         """Tag a run's outcome (``state.outcome``: an attempt's, or a DAG run's) and close it
-        (FINISHED when completed, FAILED otherwise)."""
+        (FINISHED when completed, FAILED otherwise). A run that ended in a fault gets its
+        kind in its name ("segment-000-try-1 (hang)"), so MLflow's runs table shows it."""
         outcome = state.outcome
-        for k, v in {TAG_OUTCOME: outcome.value, **(tags or {})}.items():
+        tags = {TAG_OUTCOME: outcome.value, **(tags or {})}
+        for k, v in tags.items():
             self._call(self.client.set_tag, run_id, k, v)
         ok = outcome is AttemptState.COMPLETED
+        kind = tags.get(TAG_FAULT)
+        if kind and not ok:
+            name = self._call(self.client.get_run, run_id).info.run_name or ""
+            if not name.endswith(f"({kind})"):
+                self._call(self.client.update_run, run_id, name=f"{name} ({kind})".strip())
         status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
         self._call(self.client.set_terminated, run_id, status)
 
@@ -253,6 +260,12 @@ class Lineage(CheckpointReading):
             order_by=["attributes.start_time ASC"],
         )
         return list(runs)
+
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
+        """Log several metrics on a run at once (at ``step``)."""
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self._call(self.client.log_batch, run_id, metrics=batch)
 
     def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
         """Set several tags on a run."""

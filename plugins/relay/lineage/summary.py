@@ -1,14 +1,20 @@
-"""``lineage.json``: a DAG run's checkpoint chain as machine-readable fields, not display text."""
+"""What a finished DAG run leaves on its MLflow run: ``lineage.json`` (the checkpoint chain
+as machine-readable fields, not display text), summary metrics and tags (its faults, lost
+steps, time lost, ETTR), and the report's pictures."""
 
 from __future__ import annotations
 
 import logging
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relay.lineage.store import TAG_SEGMENT, TAG_TRY, Lineage
+from relay.lineage.tags import TAG_FAULTS
 from relay_train.protocol.manifest import CheckpointManifest, CheckpointRef
+
+if TYPE_CHECKING:
+    from relay.lineage.run_view import RunView
 
 log = logging.getLogger(__name__)
 LINEAGE_VERSION = 2
@@ -45,13 +51,47 @@ def lineage_record(lineage: Lineage, parent_run_id: str,
     }
 
 
-def log_report_pictures(lineage: Lineage, parent_run_id: str) -> None:
+def summary_metrics(view: RunView) -> tuple[dict[str, float], dict[str, str]]:
+    """Return a DAG run's summary metrics (faults by kind, lost steps, time lost, ETTR) and
+    its ``relay.faults`` tag ("hang:1,crash:2", or "none")."""
+    by_kind: dict[str, int] = {}
+    for row in view.faults:
+        by_kind[row.kind] = by_kind.get(row.kind, 0) + 1
+    lost_by_kind = view.goodput.get("lost_seconds_by_fault", {})
+    metrics: dict[str, float] = {
+        "faults": float(len(view.faults)),
+        "lost_steps": float(sum(r.lost_steps or 0 for r in view.faults)),
+        "time_lost_seconds": float(sum(lost_by_kind.values())),
+        "ettr": float(view.goodput.get("ettr", 0.0)),
+        **{f"faults.{kind}": float(n) for kind, n in by_kind.items()},
+        **{f"time_lost_seconds.{kind}": float(v) for kind, v in lost_by_kind.items()},
+    }
+    tag = ",".join(f"{kind}:{n}" for kind, n in sorted(by_kind.items())) or "none"
+    return metrics, {TAG_FAULTS: tag}
+
+
+def log_run_summary(lineage: Lineage, parent_run_id: str) -> None:
+    """Log a DAG run's summary metrics, tags and pictures to its MLflow run (a failure only
+    warns: the run's record stands without them)."""
+    from relay.lineage.run_view import run_view
+    try:
+        view = run_view(lineage, parent_run_id)
+        metrics, tags = summary_metrics(view)
+        lineage.log_metrics(parent_run_id, metrics)
+        lineage.set_tags(parent_run_id, tags)
+    except Exception:  # noqa: BLE001 - a summary is a view; the run's record stands
+        log.warning("Could not log the summary of run %s", parent_run_id, exc_info=True)
+        return
+    log_report_pictures(lineage, parent_run_id, view)
+
+
+def log_report_pictures(lineage: Lineage, parent_run_id: str, view: RunView | None = None) -> None:
     """Log the run's timeline and loss PNGs to its MLflow run (a failure only warns)."""
     from relay.lineage.report_files import log_pictures, render
     from relay.lineage.run_view import run_view
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            written = render(run_view(lineage, parent_run_id), lineage, Path(tmp))
+            written = render(view or run_view(lineage, parent_run_id), lineage, Path(tmp))
             log_pictures(lineage, parent_run_id, written)
     except Exception:  # noqa: BLE001 - pictures are a convenience; the run's record stands
         log.warning("Could not log the report pictures to run %s", parent_run_id, exc_info=True)

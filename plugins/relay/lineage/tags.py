@@ -12,7 +12,7 @@ TAG_OUTCOME = "relay.outcome"
 TAG_PARENT = "mlflow.parentRunId"
 TAG_FAULT = "relay.fault_kind"
 TAG_FAILURE_REASON = "relay.failure_reason"  # why a run ended FAILED without a fault
-# MLflow 3 opens untagged experiments in its GenAI view; this tag opens the model-training one.
+# The experiment's kind (model training); MLflow 3.17's UI reads the URL instead (see below).
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"
 TAG_REJECTED = "relay.rejected."  # + step dir name, on the run that logged the checkpoint
@@ -38,3 +38,17 @@ TAG_ADOPTED_AT = "relay.adopted_at_step"
 TAG_FINAL_CHECKPOINT = "relay.final_checkpoint"
 TAG_FINAL_SHA256 = "relay.final_sha256"
 TAG_FAILED_TASK = "relay.failed_task"
+# A checkpoint's MLflow logged model (relay/lineage/models.py).
+TAG_MODEL_CHECKPOINT = "relay.checkpoint"  # <attempt run id>/step-NNNNNNNN: one model each
+TAG_MODEL_CHECKPOINT_URI = "relay.checkpoint_uri"  # its artifacts: the model holds no copy
+TAG_MODEL_SHA256 = "relay.sha256"
+TAG_MODEL_KEY_ID = "relay.signature_key_id"
+TAG_MODEL_PARENT = "relay.parent_model_id"  # the parent checkpoint's model; "" at the first
+TAG_MODEL_PROBLEM = "relay.check_failed"  # why a FAILED model's checkpoint does not hold
+# A DAG run's parent run: its faults, "hang:1,crash:2" by kind, or "none".
+TAG_FAULTS = "relay.faults"
+# MLflow 3.17's UI picks an experiment's view from the URL's workflowType (else the
+# browser's last choice, GenAI by default), not from mlflow.experimentKind: Relay's links
+# to MLflow carry it.
+UI_WORKFLOW_PARAM = "workflowType"
+UI_MODEL_TRAINING = "machine_learning"

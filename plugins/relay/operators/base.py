@@ -17,6 +17,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from relay.core import settings
 from relay.core.attempt import AttemptState
+from relay.core.checkpoint_keys import checkpoint_keys
 from relay.core.exceptions import ChaosConfError
 from relay.core.paths import safe_name
 from relay.launchers import Launcher
@@ -70,6 +71,17 @@ def _end_run(spec: JobSpec, dag_run_id: str) -> None:
         launcher.enforce_quarantines(NodePool().quarantines())
     except Exception:  # noqa: BLE001 - the run's result stands; the next launch tries again
         log.exception("Could not bring the nodes' quarantine taints up to date")
+
+
+def _models_link(lineage: Any, parent: str) -> str:  # noqa: ANN401 - a Lineage
+    """Return ", models: <the experiment's Models tab>" when MLflow has a UI (a server)."""
+    from relay.lineage.links import experiment_url, ui_of
+
+    ui = ui_of(lineage.tracking_uri)
+    if ui is None:
+        return ""
+    experiment = lineage.client.get_run(parent).info.experiment_id
+    return f"; models: {experiment_url(ui, experiment, 'models')}"
 
 
 def attempt_params(spec: JobSpec, policy: LoadedPolicy, index: int, try_number: int,
@@ -199,15 +211,20 @@ class FinalizeOperator(RelayOperator):
                 f"Job {spec.job}: the checkpoint chain breaks at step {chain[-1].step} "
                 f"(its parent {chain[-1].parent} is missing from MLflow run {parent})."
             )
-        from relay.lineage.summary import lineage_record, log_report_pictures
+        from relay.lineage.models import record_chain
+        from relay.lineage.summary import lineage_record, log_run_summary
 
         summary = lineage_record(lineage, parent, chain)
         lineage.log_json(parent, "lineage.json", summary)
+        try:  # the Models tab's view of the chain; the chain itself is logged above
+            record_chain(lineage, parent, chain, checkpoint_keys())
+        except Exception:  # noqa: BLE001 - the run's record stands without its models
+            log.exception("Could not record the checkpoints of run %s as MLflow models", parent)
         lineage.finish_run(
             parent, AttemptState.COMPLETED,
             {TAG_FINAL_CHECKPOINT: str(chain[0].ref), TAG_FINAL_SHA256: chain[0].sha256},
         )
-        log_report_pictures(lineage, parent)
-        log.info("Final checkpoint %s; chain of %d checkpoints back to step 0 logged to run %s",
-                 chain[0].ref, len(chain), parent)
+        log_run_summary(lineage, parent)
+        log.info("Final checkpoint %s; chain of %d checkpoints back to step 0 logged to run %s%s",
+                 chain[0].ref, len(chain), parent, _models_link(lineage, parent))
         return summary

@@ -79,5 +79,8 @@ class CloseParentRunOnFailure:
         if ti is not None:
             tags[TAG_FAILED_TASK] = str(ti.task_id)
         lineage.finish_run(runs[0].info.run_id, AttemptState.FAILED, tags)
+        from relay.lineage.summary import log_run_summary
+
+        log_run_summary(lineage, runs[0].info.run_id)  # its faults and what they cost
         log.error("Closed MLflow run %s of DAG run %s as FAILED: %s", runs[0].info.run_id,
                   dag_run.run_id, reason)

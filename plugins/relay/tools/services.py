@@ -41,6 +41,7 @@ from relay.core.proctree import stop_pids
 from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher, free_port
 from relay.launchers.local.prestart import residents_dir
 from relay.launchers.local.warm_agents import release, release_run
+from relay.lineage.links import experiments_url
 from relay.tools import pgcluster
 from relay.tools.airflow_env import airflow_bin, airflow_env, ensure_airflow_db
 from relay.tools.deployment import (
@@ -352,7 +353,7 @@ def print_banner(deployment: Deployment, seconds: float) -> None:
     print(f"  Airflow UI:     {deployment.api_url}  (login: {ADMIN_USER} / "
           f"{admin_password(home)})")
     print(f"  Recovery page:  {deployment.api_url}/relay/")
-    print(f"  MLflow UI:      {deployment.mlflow_url}")
+    print(f"  MLflow UI:      {experiments_url(deployment.mlflow_url)}")
     print(f"  Logs:           {services_dir(home) / 'logs'}")
     print("  Trigger a run:  relay_demo in the UI (Trigger, with a run conf such as "
           '{"chaos": [{"kind": "hang", "segment": 0, "step": 35, "rank": 1}]})')

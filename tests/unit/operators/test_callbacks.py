@@ -42,6 +42,8 @@ def test_a_failed_task_closes_the_parent_run_with_its_exception(lineage: Lineage
     assert run.data.tags[TAG_FAILURE_REASON] == "AirflowFailException: Segment 1: escalate"
     assert run.data.tags[TAG_FAILED_TASK] == "segment_001"
     assert run.data.tags["relay.outcome"] == "failed"
+    assert run.data.tags["relay.faults"] == "none"  # its summary: no fault was recorded
+    assert run.data.metrics["faults"] == 0.0
     # The DAG-level callback after it changes nothing (the run is already closed).
     close({"dag_run": SimpleNamespace(run_id="manual__1"), "reason": "task_failure"})
     assert lineage.client.get_run(parent).data.tags[TAG_FAILED_TASK] == "segment_001"

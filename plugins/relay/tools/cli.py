@@ -55,11 +55,22 @@ def _for_each_file(
 
 
 def _cmd_spec_check(args: argparse.Namespace) -> int:
+    from relay.spec.entry_check import import_problem
     from relay.spec.job import load_job_spec
 
-    return _for_each_file(args.files, load_job_spec, lambda name, spec: print(
-        f"{name}: OK (DAG {spec.dag_id}, {len(spec.segments)} segments, "
-        f"world size {spec.world_size})"))
+    unimportable: list[str] = []
+
+    def report(name: str, spec: Any) -> None:  # noqa: ANN401 - a JobSpec
+        problem = None if args.no_imports else import_problem(spec, Path(name))
+        if problem is not None:
+            unimportable.append(name)
+            print(problem, file=sys.stderr)
+            return
+        print(f"{name}: OK (DAG {spec.dag_id}, {len(spec.segments)} segments, "
+              f"world size {spec.world_size})")
+
+    code = _for_each_file(args.files, load_job_spec, report)
+    return 1 if unimportable else code
 
 
 def _cmd_airflow(args: argparse.Namespace) -> int:
@@ -250,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec = sub.add_parser("spec", help="job specs").add_subparsers(dest="spec_cmd", required=True)
     check = spec.add_parser("check", help="validate job spec files")
     check.add_argument("files", nargs="+")
+    check.add_argument("--no-imports", action="store_true",
+                       help="skip importing the entrypoint's packages in the ranks' environment")
     check.set_defaults(func=_cmd_spec_check)
 
     policy = sub.add_parser("policy", help="recovery policies")

@@ -61,20 +61,21 @@ def check_fault(spec: JobSpec, spec_file: Path, fault: dict[str, Any]) -> str | 
 
 
 def verdict(reference: dict[str, Any], faulty: dict[str, Any]) -> tuple[bool, list[str]]:
-    """Compare two final checkpoints; return (bit-exact, the lines that say so)."""
+    """Compare two final checkpoints; return (bit-exact, the lines that say so).
+
+    The RNG states are not compared: a generator the script never seeds (NumPy's, say)
+    starts from the OS's entropy in every process, so two fault-free runs differ there.
+    """
     script = frozenset({RNG_KEY})
     found = first_difference(reference, faulty, skip=script)
     if found is not None:
         return False, ["NOT bit-exact. First difference at "
                        + found.describe("fault-free", "with the fault")]
-    lines = [f"bit-exact: step {reference['step']}, {count_tensors(reference, script)} tensors "
-             f"({', '.join(k for k in reference if k not in ('step', RNG_KEY))}) identical"]
-    if RNG_KEY in reference or RNG_KEY in faulty:
-        rng = first_difference({RNG_KEY: reference.get(RNG_KEY)}, {RNG_KEY: faulty.get(RNG_KEY)})
-        lines.append("  RNG states: identical" if rng is None else
-                     "  RNG states differ (the weights do not; steps after this one would): "
-                     + rng.describe("fault-free", "with the fault"))
-    return True, lines
+    kept = ", ".join(k for k in reference if k not in ("step", RNG_KEY))
+    ranks = [len(state.get(RNG_KEY, {}).get("ranks", {})) for state in (reference, faulty)]
+    return True, [f"bit-exact: step {reference['step']}, "
+                  f"{count_tensors(reference, script)} tensors ({kept}) identical",
+                  f"  (RNG states saved for {ranks[0]} and {ranks[1]} ranks; not compared)"]
 
 
 def _release_new_quarantines(before: set[str]) -> None:

@@ -79,13 +79,13 @@ def verdict(reference: dict[str, Any], faulty: dict[str, Any]) -> tuple[bool, li
 
 
 def _release_new_quarantines(before: set[str]) -> None:
-    """Lift the quarantines this verification's fault caused (simulated local nodes)."""
+    """Lift the quarantines this verification's runs caused (simulated local nodes)."""
     from relay.nodes.pool import NodePool
 
     pool = NodePool()
     for node in sorted(set(pool.quarantines()) - before):
         pool.release(node)
-        print(f"  released the quarantine of {node} that the injected fault caused")
+        print(f"  released the quarantine of {node} that this run caused")
 
 
 def spec_path(job: str) -> Path | None:
@@ -130,14 +130,17 @@ def main(spec_file: Path, fault: dict[str, Any] | None = None, *, kind: str = DE
     lineage = Lineage.from_settings()
     spec_sha = hashlib.sha256(spec_file.read_bytes()).hexdigest()
     reference = reference_run(lineage, spec.job, spec_sha)
+    quarantined = set(NodePool().quarantines())
     if reference is None:
-        reference = run_once(spec, {"chaos": []}, env, "fault-free run")
+        try:  # a loaded machine can make a fault-free run fault too (and quarantine)
+            reference = run_once(spec, {"chaos": []}, env, "fault-free run")
+        finally:
+            _release_new_quarantines(quarantined)
         if reference is None:
             return 1
     else:
         print(f"\nfault-free run: MLflow run {reference} (reused: same spec, no fault)")
     print(f"\nwith a fault: {json.dumps(fault)}")
-    quarantined = set(NodePool().quarantines())
     try:
         faulty = run_once(spec, {"chaos": [fault]}, env, "with the fault")
     finally:

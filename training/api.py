@@ -70,6 +70,7 @@ from relay_train.protocol.manifest import CheckpointRef
 from relay_train.reduce import comm_hook
 from relay_train.rendezvous import MAX_WAIT_SECONDS, wait_for_store
 from relay_train.rescue import DrainRequest, RescueResponder, TrainingState
+from relay_train.rng import RankStates
 from relay_train.session_state import SessionState, StateFn
 from relay_train.stacks import EvidenceResponder
 from relay_train.timing import Ewma, StartupClock, keep_ddp_alive
@@ -95,6 +96,9 @@ class Session(SessionState, PlacedRank):
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.startup = StartupClock()
         self._state_fn: StateFn | None = None
+        self._objects: dict[str, Any] = {}
+        self._data_generator: torch.Generator | None = None
+        self._rng_states = RankStates(rank, cfg.world_size)
         self._placement: RankDevice | None = None
         self._chaos = ChaosMonkey(cfg.chaos, segment=cfg.segment, attempt=cfg.attempt,
                                   rank=rank, node=node, record_dir=cfg.root)
@@ -336,13 +340,16 @@ class Session(SessionState, PlacedRank):
             self._heartbeat.flush_now()  # the first rank to report it is the culprit
         if step == self.start_step:
             self._first_step(step)
+        tracks = self._state_fn is not None or bool(self._objects)
         if self.rank != 0:
+            if tracks and self.checkpoint_due(step + 1):
+                self.save(step + 1)  # offers this rank's RNG states to rank 0's checkpoint
             return
         if loss is not None:
             self._metrics.append((step + 1, {"loss": loss, "samples_per_second": rate,
                                              "step_seconds": step_time},
                                   int(time.time() * 1000)))
-        if self._state_fn is not None and self.checkpoint_due(step + 1):
+        if tracks and self.checkpoint_due(step + 1):
             self._checkpoint(step + 1, loss)
         elif (step + 1) % METRICS_EVERY == 0:
             self._flush_metrics()

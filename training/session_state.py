@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from relay_train import rng
 from relay_train.boundary import BoundaryKeeper
 from relay_train.checkpoints.checkpointer import (
     Checkpointer,
@@ -50,6 +51,9 @@ class SessionState:
     rank: int
     startup: StartupClock
     _state_fn: StateFn | None
+    _objects: dict[str, Any]  # named objects with state_dict/load_state_dict (track)
+    _rng_states: rng.RankStates
+    _data_generator: torch.Generator | None
     _heartbeat: HeartbeatWriter
     _training: TrainingState
     _drain: DrainRequest
@@ -72,7 +76,9 @@ class SessionState:
         """Return the verified state to resume from, or None when starting at step 0.
 
         The file's sha256 is checked against its manifest and it is loaded with
-        ``weights_only=True``. The RNG states saved with it are restored.
+        ``weights_only=True``. This rank's RNG states saved with it are restored
+        (Python's, NumPy's, torch's CPU and CUDA generators, :meth:`data_generator`'s),
+        and the objects named in :meth:`track` load their state.
         """
         resume = self.cfg.resume
         if resume is None:
@@ -89,7 +95,13 @@ class SessionState:
                 f"{state['step']}; the launcher and the checkpoint disagree"
             )
         if restore_rng_state and "rng" in state:
-            restore_rng(state)
+            if not restore_rng(state, self.rank, self._data_generator):
+                log.warning("rank %d: the checkpoint at step %d holds no RNG states of this "
+                            "rank (an older checkpoint, or a rescued state); it resumes with "
+                            "the saving rank's. Bit-exact resume then needs seed_step (see "
+                            "docs/worker-api.md).", self.rank, self.start_step)
+        for name, obj in self._objects.items():
+            obj.load_state_dict(state[name])
         log.info("rank %d resumes from step %d (%s)", self.rank, self.start_step, resume.path)
         self.startup.mark("restore")
         return state
@@ -111,13 +123,38 @@ class SessionState:
         cache = self.cfg.root / "resume" / os.environ.get(ENV_NODE, "node")  # node-local
         return fetch_resume(self.cfg.resume, self.cfg.tracking_uri, cache)
 
-    def track(self, state_fn: StateFn) -> None:
-        """Name the state to checkpoint and to hand over in a rescue (a function returning it).
+    def track(self, state_fn: StateFn | None = None, **objects: Any) -> None:  # noqa: ANN401
+        """Name the state to checkpoint and to hand over in a rescue.
 
-        It is called under the lock :meth:`update` holds, and its tensors are
-        copied at once, so it may return live ``state_dict()`` views.
+        ``state_fn`` returns a dict of it; it is called under the lock :meth:`update`
+        holds, and its tensors are copied at once, so it may return live ``state_dict()``
+        views. ``objects`` are more of it by name, anything with ``state_dict`` and
+        ``load_state_dict`` (an LR scheduler, a ``GradScaler``, a model, an optimizer):
+        saved under their names and loaded back by :meth:`resume_state`. Calls add up.
         """
-        self._state_fn = state_fn
+        for name, obj in objects.items():
+            if not callable(getattr(obj, "state_dict", None)) or \
+                    not callable(getattr(obj, "load_state_dict", None)):
+                raise TypeError(
+                    f"relay_train: session.track({name}=...): expected an object with "
+                    f"state_dict() and load_state_dict(), found {type(obj).__name__}. Track "
+                    f"its state through the function instead: session.track(lambda: "
+                    f"{{'{name}': ...}}).")
+            if name in ("step", "rng"):
+                raise ValueError(f"relay_train: session.track({name}=...): {name!r} is one of "
+                                 "Relay's checkpoint keys; choose another name.")
+        if state_fn is not None:
+            self._state_fn = state_fn
+        self._objects.update(objects)
+
+    def data_generator(self) -> torch.Generator:
+        """Return this rank's generator for a ``DataLoader`` (``generator=``), seeded from
+        the job's seed and the rank, its state saved and restored with the RNG states: the
+        loader draws its shuffling order and its workers' base seed from it."""
+        if self._data_generator is None:
+            self._data_generator = torch.Generator().manual_seed(
+                self.cfg.seed * 1_000_003 + self.rank)
+        return self._data_generator
 
     def save(self, step: int, state: dict[str, Any] | None = None) -> float:
         """Checkpoint ``state`` (or the tracked state) as of ``step`` steps; return the stall.
@@ -127,14 +164,21 @@ class SessionState:
         """
         self._last_step = max(self._last_step, step)  # a script may save without report
         if self.rank != 0:
+            self._rng_states.post(step, rng.capture(self._data_generator))
             return 0.0
         self._await_owner(step)
         started = time.perf_counter()
         if state is None:
             state = self._tracked()
         self._heartbeat.enter(Phase.CHECKPOINT)
-        self._publisher().save_state(snapshot_state(state, step))
+        snap = snapshot_state(state, step, rng.capture(self._data_generator))
+        self._publisher().save_state(snap, self._gather_rng)
         return time.perf_counter() - started
+
+    def _gather_rng(self, snap: dict[str, Any]) -> None:
+        """On the publishing thread: add every rank's RNG states to rank 0's snapshot."""
+        own = snap["rng"]
+        snap["rng"] = {**own, "ranks": self._rng_states.collect(int(snap["step"]), own)}
 
     def save_sharded(self, step: int, state: dict[str, Any]) -> float:
         """Checkpoint a sharded state (FSDP2/DTensor) as a ``torch.distributed.checkpoint``
@@ -229,12 +273,17 @@ class SessionState:
             publisher.submit(lambda: _log_metrics(sink, batch))
 
     def _tracked(self) -> dict[str, Any]:
-        if self._state_fn is None:
-            raise RuntimeError(
-                "relay_train: nothing to checkpoint. Expected session.track(fn) or "
-                "session.save(step, state); found neither. Call session.track(lambda: "
-                "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}).")
-        return self._state_fn()
+        if self._state_fn is not None or self._objects:
+            state = self._state_fn() if self._state_fn is not None else {}
+            clash = state.keys() & self._objects.keys()
+            if clash:
+                raise ValueError(f"relay_train: tracked names {sorted(clash)} are both in "
+                                 "session.track's function and named objects; keep one.")
+            return {**state, **{name: obj.state_dict() for name, obj in self._objects.items()}}
+        raise RuntimeError(
+            "relay_train: nothing to checkpoint. Expected session.track(fn) or "
+            "session.save(step, state); found neither. Call session.track(lambda: "
+            "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}).")
 
     def _poison_tracked(self) -> None:
         """Chaos ``nan``: make the tracked weights NaN, as a real divergence would.
@@ -242,17 +291,22 @@ class SessionState:
         The state dict's tensors share storage with the parameters, so the next
         forward pass (and the gradient all-reduce) carries the NaN to every rank.
         """
-        if self._state_fn is None:
+        if self._state_fn is None and not self._objects:
             return
-        model = self._state_fn().get("model", {})
+        model = self._tracked().get("model", {})
         with torch.no_grad():
             for tensor in model.values():
                 if torch.is_tensor(tensor) and tensor.is_floating_point():
                     tensor.fill_(math.nan)
 
     def _snapshot(self, step: int) -> dict[str, Any]:
-        """Rescue: the tracked state after ``step`` steps (called under the update lock)."""
-        return snapshot_state(self._tracked(), step)
+        """Rescue: the tracked state after ``step`` steps (called under the update lock).
+
+        Its RNG states are this rank's as the rescue finds them (mid-step, and no other
+        rank's): no rank resumes from them as its own (see docs/worker-api.md).
+        """
+        return snapshot_state(self._tracked(), step,
+                              {**rng.capture(self._data_generator), "ranks": {}})
 
     def _keys(self) -> KeyRing:
         """Return the deployment's checkpoint key ring (launch file, else a mounted file)."""

@@ -33,6 +33,25 @@ from relay_train.timing import StartupClock
 log = logging.getLogger("relay_train.worker")
 
 
+def enter_world(entry: Entrypoint, attempt_dir: Path) -> str | None:
+    """Give this rank the spec's world: ``entrypoint.env`` (its ``PYTHONPATH`` on
+    ``sys.path`` too: the rank is a fork, its interpreter already running) and the working
+    directory (``entrypoint.workdir``, else the attempt folder); return a problem, or None."""
+    where = entry.workdir or (str(attempt_dir) if attempt_dir.is_dir() else None)
+    if where is not None:
+        try:
+            os.chdir(where)
+        except OSError as exc:
+            return (f"relay: entrypoint.workdir {where}: {exc.strerror}. Expected a folder "
+                    "on every node; fix entrypoint.workdir in the job spec.")
+    os.environ.update(entry.env)
+    extra = [os.path.abspath(p) for p in entry.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if entry.module and entry.workdir:
+        extra.append(os.path.abspath(entry.workdir))  # as `python -m` would
+    sys.path[:0] = [p for p in extra if p not in sys.path]
+    return None
+
+
 def run_entrypoint(entry: Entrypoint) -> int:
     """Run ``entry`` as ``__main__`` with its arguments; return its exit code."""
     if entry.module:
@@ -71,6 +90,10 @@ def run_rank(launch_file: Path) -> int:
     StartupClock().mark("imports")
     cfg = LaunchConfig.read(launch_file)
     log.info("rank %d runs %s", rank, cfg.entrypoint.describe())
+    problem = enter_world(cfg.entrypoint, cfg.root)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
     try:
         code = run_entrypoint(cfg.entrypoint)
     except BaseException:  # noqa: BLE001 - a rank's death must reach its log and exit code

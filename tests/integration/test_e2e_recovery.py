@@ -22,9 +22,11 @@ from airflow_jobs import (
     prepare_jobs,
     run_job_ok,
 )
+from mlflow.entities import LoggedModelStatus
 from processes import workload_processes
 
 from relay.core.settings import REPO_ROOT
+from relay.lineage.models import checkpoint_key, checkpoint_models
 from relay.lineage.resume_time import PARTS, fault_onset
 from relay.lineage.store import TAG_OUTCOME, TAG_SEGMENT, Lineage
 from relay.tools.airflow_env import airflow_bin
@@ -84,6 +86,20 @@ def clean_run(
     return _final_state(lineage, clean, tmp_path_factory.mktemp("clean"))
 
 
+def _assert_mlflow_shows_it(lineage: Lineage, parent: str, faulted: str) -> None:
+    """What MLflow shows of the DAG run: its faults, the failed try, the chain as models."""
+    run = lineage.client.get_run(parent)
+    assert run.data.tags["relay.faults"] == "crash:1" and run.data.metrics["faults.crash"] == 1
+    failed = lineage.client.get_run(faulted).info
+    assert failed.status == "FAILED" and failed.run_name.endswith("(crash)")
+    models = checkpoint_models(lineage, run.info.experiment_id)
+    chain = lineage.chain(parent)
+    found = [models[checkpoint_key(m)] for m in chain]  # one READY model per checkpoint
+    assert {m.status for m in found} == {LoggedModelStatus.READY}
+    assert [m.tags["relay.parent_model_id"] for m in found] == [
+        *(m.model_id for m in found[1:]), ""]  # the final model's lineage back to step 0
+
+
 @pytest.mark.slow  # ~80 s with its clean-run fixture: `make test-slow` (CI runs it)
 def test_crashed_and_retried_run_equals_uninterrupted_run_bit_for_bit(
     airflow_job: dict[str, str], relay_home: Path, tmp_path: Path, clean_run: dict[str, Any]
@@ -103,6 +119,7 @@ def test_crashed_and_retried_run_equals_uninterrupted_run_bit_for_bit(
 
     assert_same_bits(clean_run, _final_state(lineage, faulty, tmp_path / "faulty"))
     assert _workload_processes(relay_home) == [], "no workload process may outlive its DAG run"
+    _assert_mlflow_shows_it(lineage, faulty, seg1[0].info.run_id)
 
     # Re-running a finished segment in the same DAG run is a no-op: the latest
     # checkpoint (step 90) is already past its end.

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from relay_train import rng as rng_states
 from relay_train.errors import CorruptCheckpointError
 from relay_train.protocol.manifest import (
     CHECKPOINT_FILE,
@@ -55,19 +55,17 @@ def _clone(obj: Any) -> Any:
     return obj
 
 
-def snapshot_state(state: dict[str, Any], step: int) -> dict[str, Any]:
+def snapshot_state(state: dict[str, Any], step: int,
+                   rng: dict[str, Any] | None = None) -> dict[str, Any]:
     """Copy ``state`` into fresh memory, with the step count and the RNG states.
 
     ``step`` and ``rng`` are Relay's keys in a checkpoint; everything else is the script's.
+    ``rng``: this process's states (:func:`relay_train.rng.capture`) unless given.
     """
     reserved = {"step", "rng"} & state.keys()
     if reserved:
         raise ValueError(f"checkpoint state: keys {sorted(reserved)} are Relay's; rename them")
-    return {
-        "step": step,
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        **_clone(state),
-    }
+    return {"step": step, "rng": rng_states.capture() if rng is None else rng, **_clone(state)}
 
 
 def snapshot(
@@ -95,11 +93,13 @@ def load_verified(path: Path, expected_sha256: str) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def restore_rng(state: dict[str, Any]) -> None:
-    """Put back the RNG states saved by :func:`snapshot`."""
-    torch.set_rng_state(state["rng"]["torch"])
-    py = state["rng"]["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
+def restore_rng(state: dict[str, Any], rank: int = 0,
+                data_generator: torch.Generator | None = None) -> bool:
+    """Put back ``rank``'s RNG states saved with a checkpoint; return whether they were its
+    own (else the saving rank's: an older checkpoint, or a rescued state)."""
+    saved, own = rng_states.rank_state(state["rng"], rank)
+    rng_states.restore(saved, data_generator)
+    return own
 
 
 @dataclass
@@ -155,10 +155,12 @@ class Checkpointer:
         self.save_state(snapshot(model, optimizer, step, extra))
         return SaveStats(step=step, stall_seconds=time.perf_counter() - started)
 
-    def save_state(self, state: dict[str, Any]) -> None:
-        """Queue a snapshot made by :func:`snapshot_state` for writing and publishing."""
+    def save_state(self, state: dict[str, Any],
+                   complete: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Queue a snapshot made by :func:`snapshot_state` for writing and publishing;
+        ``complete`` (on the publishing thread) may add to it before it is written."""
         self._raise_if_failed()
-        self.submit(functools.partial(self._write_and_publish, state))
+        self.submit(functools.partial(self._write_and_publish, state, complete))
 
     def submit(self, work: Callable[[], None]) -> None:
         """Run ``work`` in order with the checkpoints (beside the loop when async)."""
@@ -207,7 +209,10 @@ class Checkpointer:
                 log.exception("Background checkpoint work failed")
                 self._error = exc
 
-    def _write_and_publish(self, state: dict[str, Any]) -> None:
+    def _write_and_publish(self, state: dict[str, Any],
+                           complete: Callable[[dict[str, Any]], None] | None = None) -> None:
+        if complete is not None:
+            complete(state)
         step = int(state["step"])
         path = self._staging / f"step-{step:08d}" / CHECKPOINT_FILE
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -61,3 +61,10 @@ ENV_CLOCK_SKEW = "RELAY_CLOCK_SKEW_SECONDS"
 # set, it wins over the launch file's ``channel_secret``; the agent removes it from its
 # environment once read, so that neither its ranks nor a standby it forks inherit it.
 ENV_CHANNEL_SECRET = "RELAY_CHANNEL_SECRET"
+
+
+# What the rank's environment gets from torchrun's contract and Relay: a job spec's
+# ``entrypoint.env`` may not set these (names, or a prefix ending in ``_``).
+RESERVED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK",
+                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "RELAY_")

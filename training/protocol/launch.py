@@ -71,6 +71,8 @@ class Entrypoint:
     module: str | None = None
     script: str | None = None
     args: list[str] = field(default_factory=list)
+    workdir: str | None = None  # the rank's working directory (default: the attempt folder)
+    env: dict[str, str] = field(default_factory=dict)  # set in the rank before it runs
 
     def describe(self) -> str:
         """Return it as a command line would show it."""

@@ -181,19 +181,14 @@ def final_state(lineage: Lineage, parent: str, where: Path) -> dict[str, Any] | 
 
 
 def same_bits(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, str]:
-    """Return whether two checkpoints hold bit-identical weights and optimizer state."""
-    import torch
+    """Return whether two checkpoints hold bit-identical weights and optimizer state
+    (else where they first differ)."""
+    from relay.lineage.compare import first_difference
 
     if a["step"] != b["step"]:
         return False, f"different steps ({a['step']} vs {b['step']})"
-    if a["model"].keys() != b["model"].keys():
-        return False, "different parameter names"
-    for key in a["model"]:
-        if not torch.equal(a["model"][key], b["model"][key]):
-            return False, f"weights differ at {key}"
-    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(),
-                      strict=True):
-        for k in sa:
-            if not torch.equal(sa[k], sb[k]):
-                return False, f"optimizer state {k} differs"
+    found = first_difference({"model": a["model"], "optimizer": a["optimizer"]["state"]},
+                             {"model": b["model"], "optimizer": b["optimizer"]["state"]})
+    if found is not None:
+        return False, f"they differ at {found.describe()}"
     return True, f"{len(a['model'])} tensors and the optimizer state are identical"

@@ -26,6 +26,7 @@ from relay.lineage.tags import TAG_FINAL_CHECKPOINT, TAG_FINAL_SHA256
 from relay.nodes.pool import NodePool, lease_holder
 from relay.policy.model import LoadedPolicy, load_policy
 from relay.spec.chaos_conf import chaos_faults
+from relay.spec.entry_check import import_problem
 from relay.spec.job import JobSpec, load_job_spec
 from relay_train.protocol.heartbeat import write_atomically
 
@@ -134,6 +135,9 @@ class PreflightOperator(RelayOperator):
             chaos = chaos_faults(context["dag_run"].conf, spec, Path(self.spec_file))
         except ChaosConfError as exc:
             raise AirflowFailException(str(exc)) from exc
+        problem = import_problem(spec, Path(self.spec_file))  # before any node is taken
+        if problem is not None:
+            raise AirflowFailException(problem)
         self._warm_first_segment(spec, context["dag_run"].run_id, context["dag_run"].conf)
         lineage = lineage_store()
         nodes = NodePool().healthy()

@@ -279,6 +279,10 @@ FIXES: dict[str, str] = {
     "entrypoint.module": "set entrypoint.module to a dotted module name, e.g. mypkg.train",
     "entrypoint.script": "set entrypoint.script to a Python file, relative to this spec's folder",
     "entrypoint.args": "write entrypoint.args as a list of strings, e.g. args: [--lr, '3e-4']",
+    "entrypoint.workdir": "set entrypoint.workdir to the ranks' working directory, relative "
+    "to this spec's folder or absolute, e.g. workdir: .",
+    "entrypoint.env": "write entrypoint.env as a mapping of variable names to quoted text, "
+    'e.g. env: {HF_HOME: /data/hf, TOKENIZERS_PARALLELISM: "false"}',
     "heartbeat_interval": (
         "set heartbeat_interval to a duration > 0 such as 0.5s or 500ms, "
         "e.g. heartbeat_interval: 0.5s"

@@ -9,9 +9,11 @@ from pathlib import Path
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from relay.spec.yamlsource import FROZEN, FieldValueError, parse_duration
+from relay_train.protocol.env import RESERVED_ENV
 from relay_train.protocol.launch import Entrypoint
 
 MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 # A Kubernetes resource quantity as people write them: "4", "500m", "16Gi", "1.5".
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
@@ -81,6 +83,32 @@ class EntrypointSpec(BaseModel):
     module: str | None = Field(None, strict=True, pattern=MODULE_PATTERN)
     script: str | None = Field(None, strict=True, min_length=1)
     args: list[str] = Field(default_factory=list, strict=True)
+    workdir: str | None = Field(None, strict=True, min_length=1)  # relative: the spec's folder
+    env: dict[str, str] = Field(default_factory=dict, strict=True)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _variables(cls, value: object) -> object:
+        """Require NAME: "text" pairs that leave torchrun's and Relay's variables alone."""
+        if not isinstance(value, dict):
+            return value  # pydantic says what a mapping is
+        for name, text in value.items():
+            if not isinstance(name, str) or not re.fullmatch(ENV_NAME_PATTERN, name):
+                raise FieldValueError(
+                    "environment variable names of letters, digits and '_' (not starting "
+                    "with a digit)", name, "rename it, e.g. env: {HF_HOME: /data/hf}")
+            reserved = next((r for r in RESERVED_ENV if name == r or
+                             (r.endswith("_") and name.startswith(r))), None)
+            if reserved is not None:
+                raise FieldValueError(
+                    "variables other than torchrun's and Relay's", name,
+                    f"remove {name} from entrypoint.env: Relay sets it for every rank "
+                    f"({', '.join(RESERVED_ENV)}*)")
+            if not isinstance(text, str):
+                raise FieldValueError(
+                    f"a text value for {name}", text,
+                    f"quote it, e.g. env: {{{name}: \"{text}\"}}")
+        return value
 
     @model_validator(mode="after")
     def _exactly_one(self) -> EntrypointSpec:
@@ -95,11 +123,16 @@ class EntrypointSpec(BaseModel):
 
     def resolved(self, spec_file: Path) -> Entrypoint:
         """Return it for the launch file, a relative script taken from the spec's folder."""
-        script = None
-        if self.script is not None:
-            path = Path(self.script).expanduser()
-            script = str(path if path.is_absolute() else Path(spec_file).parent / path)
-        return Entrypoint(module=self.module, script=script, args=list(self.args))
+        script = None if self.script is None else _from_spec(self.script, spec_file)
+        workdir = None if self.workdir is None else _from_spec(self.workdir, spec_file)
+        return Entrypoint(module=self.module, script=script, args=list(self.args),
+                          workdir=workdir, env=dict(self.env))
+
+
+def _from_spec(name: str, spec_file: Path) -> str:
+    """Return a path of a spec, a relative one taken from the spec's folder."""
+    path = Path(name).expanduser()
+    return str(path if path.is_absolute() else Path(spec_file).parent / path)
 
 
 class KubernetesSpec(BaseModel):

@@ -12,6 +12,7 @@ from typing import Any
 from relay.core import settings
 from relay.core.exceptions import ConfigError, PoolStoreError
 from relay.tools import cli_bench, cli_services, cli_testbed
+from relay.tools.verify import FAULT_KINDS
 
 DEMO_SPEC = settings.jobs_dir() / "demo.yaml"
 
@@ -20,6 +21,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from relay.tools import demo
 
     return demo.main(Path(args.spec), inject_fault=not args.no_faults)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    import json
+
+    from relay.tools import verify
+
+    spec_file = verify.spec_path(args.job)
+    if spec_file is None:
+        print(f"relay verify: expected a job spec file or the name of a job in "
+              f"{settings.jobs_dir()}; found {args.job!r}", file=sys.stderr)
+        return 2
+    fault = json.loads(args.chaos) if args.chaos else None
+    return verify.main(spec_file, fault, kind=args.fault, rank=args.rank, step=args.step,
+                       node=args.node)
 
 
 def _for_each_file(
@@ -39,11 +55,22 @@ def _for_each_file(
 
 
 def _cmd_spec_check(args: argparse.Namespace) -> int:
+    from relay.spec.entry_check import import_problem
     from relay.spec.job import load_job_spec
 
-    return _for_each_file(args.files, load_job_spec, lambda name, spec: print(
-        f"{name}: OK (DAG {spec.dag_id}, {len(spec.segments)} segments, "
-        f"world size {spec.world_size})"))
+    unimportable: list[str] = []
+
+    def report(name: str, spec: Any) -> None:  # noqa: ANN401 - a JobSpec
+        problem = None if args.no_imports else import_problem(spec, Path(name))
+        if problem is not None:
+            unimportable.append(name)
+            print(problem, file=sys.stderr)
+            return
+        print(f"{name}: OK (DAG {spec.dag_id}, {len(spec.segments)} segments, "
+              f"world size {spec.world_size})")
+
+    code = _for_each_file(args.files, load_job_spec, report)
+    return 1 if unimportable else code
 
 
 def _cmd_airflow(args: argparse.Namespace) -> int:
@@ -217,9 +244,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-faults", action="store_true", help="do not inject the demo's crash")
     demo.set_defaults(func=_cmd_demo)
 
+    verify_cmd = sub.add_parser(
+        "verify", help="run a job without and with an injected fault; bit-exact or the first "
+        "differing tensor")
+    verify_cmd.add_argument("job", help="a job spec file, or a job's name in the jobs folder")
+    verify_cmd.add_argument("--fault", default="hang", choices=FAULT_KINDS,
+                            help="the fault to inject (default: %(default)s of the last rank "
+                            "half-way through the middle segment)")
+    verify_cmd.add_argument("--rank", type=int, help="the rank it strikes (default: the last)")
+    verify_cmd.add_argument("--step", type=int, help="the step it strikes at")
+    verify_cmd.add_argument("--node", help="the node it strikes (stop_node)")
+    verify_cmd.add_argument("--chaos", help="the fault as run-conf JSON instead, e.g. "
+                            "'{\"kind\": \"crash\", \"segment\": 1, \"step\": 75, \"rank\": 1}'")
+    verify_cmd.set_defaults(func=_cmd_verify)
+
     spec = sub.add_parser("spec", help="job specs").add_subparsers(dest="spec_cmd", required=True)
     check = spec.add_parser("check", help="validate job spec files")
     check.add_argument("files", nargs="+")
+    check.add_argument("--no-imports", action="store_true",
+                       help="skip importing the entrypoint's packages in the ranks' environment")
     check.set_defaults(func=_cmd_spec_check)
 
     policy = sub.add_parser("policy", help="recovery policies")

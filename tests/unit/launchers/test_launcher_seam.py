@@ -101,12 +101,15 @@ def test_only_the_local_launcher_signals_processes() -> None:
 
     # tools/pgcluster.py and core/proctree.py stop the services `make up` started (Airflow,
     # MLflow, PostgreSQL), never a workload; tools/bench/torchrun_baseline.py breaks the
-    # benchmark's plain-torchrun baseline (not Relay's); every signal to a Relay workload goes
-    # through LocalLauncher, its chaos hooks and its standby/resident records (a rank's
-    # faulthandler is signalled by its own node's agent, asked over the channel).
+    # benchmark's plain-torchrun baseline (not Relay's); tools/testbed/procs.py ends the test
+    # bed's own namespace hosts and daemons (by recorded PID and start time); every signal
+    # to a Relay workload goes through LocalLauncher, its chaos hooks and its standby/resident
+    # records (a rank's faulthandler is signalled by its own node's agent, asked over the
+    # channel).
     assert users == ["core/proctree.py", "launchers/local/launcher.py",
                      "launchers/local/signals.py", "launchers/local/warm_agents.py",
-                     "tools/bench/torchrun_baseline.py", "tools/pgcluster.py"]
+                     "tools/bench/torchrun_baseline.py", "tools/pgcluster.py",
+                     "tools/testbed/procs.py"]
 
 
 def test_the_documented_kubernetes_example_spec_is_valid() -> None:

@@ -1,0 +1,110 @@
+"""Before any node is taken: can the ranks import what the entrypoint imports?
+
+A missing package would otherwise show up only at launch, as every rank's launch
+failure. The check imports, in a fresh interpreter with the ranks' environment (the
+spec's ``entrypoint.env``, its ``workdir`` as the working directory), the entrypoint's
+top-level package (``mypkg`` of ``module: mypkg.train``), or, for a script, the
+packages its top-level ``import`` statements name (the script itself is not run). It
+runs in ``relay spec check`` and in the DAG's preflight task, for the local launcher
+(a Kubernetes pod's image is another environment). Standard library only.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from relay.spec.job import JobSpec
+from relay_train.protocol.launch import Entrypoint
+
+TIMEOUT_SECONDS = 120.0  # importing torch on a loaded machine takes seconds
+
+# Run by the fresh interpreter: import each (name, where) of argv[1]; say the first failure.
+_IMPORTER = """
+import importlib, json, sys
+for extra in json.loads(sys.argv[2]):
+    sys.path.insert(0, extra)
+for name, where in json.loads(sys.argv[1]):
+    try:
+        importlib.import_module(name)
+    except BaseException as exc:
+        missing = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+        print(json.dumps({"name": name, "where": where, "missing": missing,
+                          "error": f"{type(exc).__name__}: {exc}"}))
+        sys.exit(3)
+"""
+
+
+def script_imports(script: Path) -> list[tuple[str, str]]:
+    """Return (top-level package, "file:line") for each absolute import at a script's top
+    level (inside ``if``/``try`` blocks too, not inside functions)."""
+    tree = ast.parse(script.read_text(), filename=str(script))
+    found: dict[str, str] = {}
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop(0)
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            if isinstance(node, ast.If | ast.Try):
+                pending[:0] = [*node.body, *getattr(node, "orelse", []),
+                               *getattr(node, "finalbody", [])]
+            continue
+        for name in names:
+            found.setdefault(name.split(".")[0], f"{script}:{node.lineno}")
+    return list(found.items())
+
+
+def entry_imports(entry: Entrypoint) -> tuple[list[tuple[str, str]], list[str]]:
+    """Return what to import for ``entry`` and the folders a rank has on ``sys.path``."""
+    if entry.module:
+        top = entry.module.split(".")[0]
+        return [(top, f"entrypoint.module {entry.module}")], \
+            [entry.workdir] if entry.workdir else []
+    script = Path(str(entry.script))
+    return script_imports(script), [str(script.parent)]
+
+
+def import_problem(spec: JobSpec, spec_file: Path, python: str = sys.executable) -> str | None:
+    """Return what the ranks of ``spec`` would fail to import (with the fix), or None."""
+    if spec.entrypoint is None or spec.launcher != "local":
+        return None  # the built-in example ships with Relay; a pod's image is not here
+    entry = spec.launch_entrypoint(spec_file)
+    if entry.workdir is not None and not Path(entry.workdir).is_dir():
+        return (f"{spec_file}: entrypoint.workdir: expected a folder, found none at "
+                f"{entry.workdir}. Create it, or fix the path (relative paths are relative "
+                "to the spec's folder).")
+    if entry.script is not None and not Path(entry.script).is_file():
+        return (f"{spec_file}: entrypoint.script: expected a Python file, found none at "
+                f"{entry.script}. Fix the path (relative to the spec's folder).")
+    try:
+        names, path = entry_imports(entry)
+    except SyntaxError as exc:
+        return f"{spec_file}: entrypoint.script {entry.script}: {exc}"
+    try:
+        done = subprocess.run(  # -P: no working directory on sys.path, as in a rank
+            [python, "-P", "-c", _IMPORTER, json.dumps(names), json.dumps(path)],
+            cwd=entry.workdir or spec_file.parent, env={**os.environ, **entry.env},
+            capture_output=True, text=True, timeout=TIMEOUT_SECONDS, check=False)
+    except subprocess.TimeoutExpired:
+        return (f"{spec_file}: importing the entrypoint's packages took over "
+                f"{TIMEOUT_SECONDS:g}s in {python}; expected an import that returns.")
+    if done.returncode == 0:
+        return None
+    try:
+        failed = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return f"{spec_file}: checking the entrypoint's imports failed: {done.stderr[-500:]}"
+    missing = failed["missing"]
+    fix = (f"install it into the ranks' environment ({python} -m pip install ...; the "
+           f"package that provides {missing!r}), or add its folder to entrypoint.env's "
+           "PYTHONPATH" if missing else "fix the error it raises")
+    return (f"{spec_file}: the ranks cannot import {failed['name']!r} ({failed['where']}): "
+            f"{failed['error']}. Expected it importable with {python}, working directory "
+            f"{entry.workdir or 'the attempt folder'} and entrypoint.env; {fix}.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,6 +48,10 @@ from relay_train.protocol.manifest import (
     CHECKPOINT_ROOT,
     MANIFEST_FILE,
 )
+
+# MLflow draws a tqdm bar on stderr for every artifact download, which a task log shows as
+# ERROR lines ("Downloading artifacts: 0%|"); Relay logs what it fetched itself.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 log = logging.getLogger(__name__)
 

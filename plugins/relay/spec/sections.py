@@ -130,9 +130,14 @@ class EntrypointSpec(BaseModel):
 
 
 def _from_spec(name: str, spec_file: Path) -> str:
-    """Return a path of a spec, a relative one taken from the spec's folder."""
+    """Return a path of a spec, absolute, a relative one taken from the spec's folder.
+
+    Absolute because the ranks and the import preflight run in another working
+    directory: ``relay spec check training/examples/x.yaml`` must not hand them
+    ``training/examples/x.py``.
+    """
     path = Path(name).expanduser()
-    return str(path if path.is_absolute() else Path(spec_file).parent / path)
+    return str(path if path.is_absolute() else Path(spec_file).resolve().parent / path)
 
 
 class KubernetesSpec(BaseModel):

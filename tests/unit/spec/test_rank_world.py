@@ -85,6 +85,22 @@ def test_a_good_entrypoint_passes_with_its_workdir_and_env(tmp_path: Path) -> No
     assert "cannot import 'mypkg_relay_check'" in str(import_problem(load_job_spec(bare), bare))
 
 
+def test_a_script_may_import_its_neighbours_given_a_relative_spec_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As `relay spec check jobs/job.yaml` from the repository: the script's folder is on the
+    # ranks' sys.path (they run it as a script), whatever the caller's working directory.
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "helper_relay_check.py").write_text("VALUE = 1\n")
+    (tmp_path / "jobs" / "train.py").write_text("import helper_relay_check\n")
+    spec_file(tmp_path / "jobs", "{script: train.py}")
+    monkeypatch.chdir(tmp_path)
+    relative = Path("jobs") / "job.yaml"
+    entry = load_job_spec(relative).launch_entrypoint(relative)
+    assert entry.script == str(tmp_path / "jobs" / "train.py")
+    assert import_problem(load_job_spec(relative), relative) is None
+
+
 def test_a_missing_workdir_is_reported(tmp_path: Path) -> None:
     path = spec_file(tmp_path, "{module: json, workdir: nowhere}")
     assert "entrypoint.workdir: expected a folder" in str(

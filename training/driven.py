@@ -49,6 +49,21 @@ def joined(session: Any) -> Any:  # noqa: ANN401 - relay_train.Session
     return session
 
 
+class DrivenCallback:
+    """What both framework callbacks start with: the session, its group and its loop."""
+
+    framework: str  # the trainer's name, for the loop's logs
+
+    def __init__(self, session: Any = None) -> None:  # noqa: ANN401 - relay_train.Session
+        self.session = joined(session)  # the trainer then trains in Relay's process group
+        self._loop = DrivenLoop(self.session, self.framework)
+
+    @property
+    def total_steps(self) -> int:
+        """Return the job's steps: the ``max_steps`` the trainer should have."""
+        return int(self.session.total_steps)
+
+
 def resume_folder(session: Any, name: str) -> Path:  # noqa: ANN401 - relay_train.Session
     """Return a folder of this rank's, on its node, for the trainer's copy of a resume point."""
     folder = Path(session.cfg.root) / "resume" / os.environ.get(ENV_NODE, "node") / name

@@ -35,22 +35,18 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.utils import WEIGHTS_NAME
 
-from relay_train.driven import DrivenLoop, joined, mark_collective_on_grads, resume_folder
+from relay_train.driven import DrivenCallback, mark_collective_on_grads, resume_folder
 
 
-class RelayCallback(TrainerCallback):
+class RelayCallback(DrivenCallback, TrainerCallback):
     """Heartbeats, checkpoints, rescue and drain for a ``Trainer`` under Relay."""
 
+    framework = "hf"
+
     def __init__(self, session: Any = None) -> None:  # noqa: ANN401 - relay_train.Session
-        self.session = joined(session)  # Accelerate then trains in Relay's process group
-        self._loop = DrivenLoop(self.session, "hf")
+        super().__init__(session)  # Accelerate then trains in Relay's process group
         self._objects: dict[str, Any] = {}
         self._loss: float | None = None
-
-    @property
-    def total_steps(self) -> int:
-        """Return the job's steps: the ``max_steps`` the training arguments should have."""
-        return int(self.session.total_steps)
 
     def resume_path(self) -> str | None:
         """Return a ``Trainer`` checkpoint folder of Relay's resume point, or None at step 0.

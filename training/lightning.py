@@ -31,23 +31,19 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from relay_train.driven import DrivenLoop, joined, resume_folder
+from relay_train.driven import DrivenCallback, resume_folder
 
 STATE_KEY = "lightning"  # the trainer's checkpoint dict, in Relay's checkpoint
 
 
-class RelayCallback(pl.Callback):
+class RelayCallback(DrivenCallback, pl.Callback):
     """Heartbeats, checkpoints, rescue and drain for a Lightning ``Trainer`` under Relay."""
 
-    def __init__(self, session: Any = None) -> None:  # noqa: ANN401 - relay_train.Session
-        self.session = joined(session)  # Lightning then trains in Relay's process group
-        self._loop = DrivenLoop(self.session, "lightning")
-        self._trainer: pl.Trainer | None = None
+    framework = "lightning"
 
-    @property
-    def total_steps(self) -> int:
-        """Return the job's steps: the ``max_steps`` the trainer should have."""
-        return int(self.session.total_steps)
+    def __init__(self, session: Any = None) -> None:  # noqa: ANN401 - relay_train.Session
+        super().__init__(session)  # Lightning then trains in Relay's process group
+        self._trainer: pl.Trainer | None = None
 
     def resume_path(self) -> str | None:
         """Return a Lightning checkpoint file of Relay's resume point, or None at step 0.

@@ -7,7 +7,7 @@ from typing import Any
 
 import requests
 
-from relay.tools.airflow_api import AirflowApi
+from relay.core.airflow_api import AirflowApi
 
 DAG_ID = "relay_demo"
 

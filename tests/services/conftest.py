@@ -16,10 +16,10 @@ from airflow_runs import run_to_end
 from processes import workload_processes
 
 from relay.core import testhooks
+from relay.core.airflow_api import AirflowApi
 from relay.core.checkpoint_keys import default_key_file, ensure_key_file
 from relay.core.proctree import alive
 from relay.tools import services
-from relay.tools.airflow_api import AirflowApi
 from relay_train.protocol.env import ENV_CHECKPOINT_KEYS_FILE
 
 PAUSE_DIR = "test-pauses"  # under the deployment's home: see relay.core.testhooks

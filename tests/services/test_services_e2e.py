@@ -18,6 +18,7 @@ from airflow_runs import DAG_ID, run_to_end, wait_for_success, wait_for_task_sta
 from browser import Chromium, ensure_chromium
 from mlflow.entities import LoggedModelStatus
 
+from relay.core.airflow_api import AirflowApi
 from relay.core.settings import REPO_ROOT
 from relay.lineage.links import experiment_url
 from relay.lineage.models import checkpoint_key, checkpoint_models, model_name
@@ -25,7 +26,6 @@ from relay.lineage.report import final_state, same_bits
 from relay.lineage.run_view import RunView, find_parent, run_view
 from relay.lineage.store import TAG_EXPERIMENT_KIND, TAG_FAULT, Lineage
 from relay.tools import services
-from relay.tools.airflow_api import AirflowApi
 
 pytestmark = pytest.mark.services
 

@@ -24,6 +24,7 @@ from airflow_runs import DAG_ID, wait_for_success, wait_for_task_state
 from processes import workload_processes
 
 from relay.core import testhooks
+from relay.core.airflow_api import AirflowApi
 from relay.core.paths import safe_name
 from relay.core.proctree import alive
 from relay.core.settings import REPO_ROOT
@@ -36,7 +37,6 @@ from relay.policy.model import UNATTENDED_MARGIN_SECONDS, load_policy
 from relay.recover.claim import claimed_by
 from relay.recover.warden_record import STOPPED_FILE, Stopped, folder
 from relay.tools import services
-from relay.tools.airflow_api import AirflowApi
 
 pytestmark = pytest.mark.services
 

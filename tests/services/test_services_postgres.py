@@ -15,9 +15,9 @@ import pytest
 from airflow_runs import DAG_ID, run_to_end
 from processes import workload_processes
 
+from relay.core.airflow_api import AirflowApi
 from relay.core.proctree import alive
 from relay.tools import services
-from relay.tools.airflow_api import AirflowApi
 
 pytestmark = pytest.mark.postgres
 

@@ -6,22 +6,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from relay.core.checkpoint_keys import checkpoint_keys
+from published import publish_checkpoint as _publish
+
 from relay.lineage.store import TAG_FENCED_AT, TAG_FENCED_CHECKPOINTS, TAG_REJECTED, Lineage
-from relay_train.checkpoints.publish import MlflowCheckpointSink
-from relay_train.protocol.manifest import CHECKPOINT_FILE, CheckpointManifest, file_sha256
-from relay_train.protocol.signing import sign
-
-
-def _publish(lineage: Lineage, run_id: str, step: int, folder: Path) -> None:
-    path = folder / f"state-{step}" / CHECKPOINT_FILE
-    path.parent.mkdir(parents=True)
-    path.write_bytes(f"weights after step {step}".encode())
-    manifest = CheckpointManifest(step=step, sha256=file_sha256(path),
-                                  size_bytes=path.stat().st_size, world_size=2, job="t",
-                                  run_id=run_id, parent=None, created_at=time.time())
-    signed = sign(manifest, checkpoint_keys())  # as the ranks sign theirs
-    MlflowCheckpointSink(lineage.tracking_uri, run_id).publish(path, signed)
 
 
 def test_a_checkpoint_published_after_the_fence_is_refused_and_recorded(tmp_path: Path) -> None:

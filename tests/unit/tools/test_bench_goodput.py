@@ -129,7 +129,7 @@ def test_a_baseline_run_never_resumes_another_runs_checkpoints(
     """Repeats sharing one MLflow store once found the first repeat's finished run, resumed
     at its last step and "trained" a whole job in seconds: the baseline refuses instead,
     before it starts any torchrun (real MLflow store on disk, one checkpoint published)."""
-    from test_fencing import _publish
+    from published import publish_checkpoint as _publish
 
     from relay.lineage.store import Lineage
     from relay.tools.bench import torchrun_baseline

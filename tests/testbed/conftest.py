@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from relay.tools.testbed import TestBed, hosts, slurm
+
+LEASE = Path("/run/lock/relay-testbed-lease.lock")  # held while a test's bed is up
 
 
 @pytest.fixture(scope="module")
@@ -16,8 +20,15 @@ def testbed(relay_home: Path) -> Iterator[TestBed]:
     why = slurm.can_run_slurm()
     if why:
         pytest.skip(f"Slurm test bed: {why}")
-    bed = slurm.up(3, hide=[str(relay_home)])
+    # One bed per machine (they share 198.18.0.0/24): wait for another test's bed to go.
+    LEASE.parent.mkdir(parents=True, exist_ok=True)
+    lease = os.open(LEASE, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        yield bed
+        fcntl.flock(lease, fcntl.LOCK_EX)
+        bed = slurm.up(3, hide=[str(relay_home)])
+        try:
+            yield bed
+        finally:
+            hosts.down(bed)
     finally:
-        hosts.down(bed)
+        os.close(lease)

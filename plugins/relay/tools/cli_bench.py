@@ -36,6 +36,12 @@ def _cmd_bench_goodput(args: argparse.Namespace) -> int:
                       segment_boundary=args.segment_boundary, keep=args.keep)
 
 
+def _cmd_bench_resume(args: argparse.Namespace) -> int:
+    from relay.tools.bench.resume import main as bench_main
+
+    return bench_main(runs=args.runs, steps=args.steps, every=args.every, keep=args.keep)
+
+
 def _cmd_bench_scheduled(args: argparse.Namespace) -> int:
     from relay.tools.bench.scheduled import main as bench_main
 
@@ -114,6 +120,15 @@ def add_commands(sub: Any) -> None:  # noqa: ANN401 - argparse's private subpars
                          help="run in this new folder and keep it (every attempt's logs), "
                          "instead of a temporary one")
     goodput.set_defaults(func=_cmd_bench_goodput)
+    resume = bench.add_parser(
+        "resume", help="fault -> first productive step per run for a stalled rank and a frozen "
+        "node, Relay only, with the median per kind and per part")
+    resume.add_argument("--runs", type=int, default=5)
+    resume.add_argument("--steps", type=int, default=240)
+    resume.add_argument("--every", type=int, default=20)
+    resume.add_argument("--keep", type=Path, metavar="DIR",
+                        help="run in this new folder and keep it (every attempt's logs)")
+    resume.set_defaults(func=_cmd_bench_resume)
     scheduled = bench.add_parser(
         "scheduled", help="fault -> first productive step, and every run's ETTR, with the real "
         "scheduler and triggerer (the services of `make up`), goodput's job and fault schedule")

@@ -285,6 +285,16 @@ def print_pace(free: list[Path], plain: list[Path], faulty: list[Path], pooled: 
           f"with faults {ms['faulty']:.0f} over its attempts that finished", flush=True)
 
 
+def refuse_keep(bench: str, keep: Path | None) -> bool:
+    """Say on stderr, and return True, if ``keep`` is a file or a folder with files in it."""
+    if keep is None or not keep.exists() or (keep.is_dir() and not any(keep.iterdir())):
+        return False
+    print(f"relay bench {bench} --keep {keep}: expected a new or empty folder, found "
+          f"{'one with files in it' if keep.is_dir() else 'a file'}; name another folder",
+          file=sys.stderr)
+    return True
+
+
 def main(steps: int = 1200, segment: int = 300, every: int = 25, collective_timeout: float = 120.0,
          repeats: int = 3, smoke: bool = False, measure_default_timeout: bool = False,
          segment_boundary: str = "adopt", keep: Path | None = None) -> int:
@@ -293,10 +303,7 @@ def main(steps: int = 1200, segment: int = 300, every: int = 25, collective_time
     args: dict[str, Any] = {"steps": steps, "segment": segment, "every": every,
                             "collective_timeout": collective_timeout, "repeats": repeats,
                             "measure_default_timeout": measure_default_timeout}
-    if keep is not None and keep.exists() and (not keep.is_dir() or any(keep.iterdir())):
-        print(f"relay bench goodput --keep {keep}: expected a new or empty folder, found "
-              f"{'one with files in it' if keep.is_dir() else 'a file'}; name another folder",
-              file=sys.stderr)
+    if refuse_keep("goodput", keep):
         return 2
     if smoke:
         args.update(SMOKE)

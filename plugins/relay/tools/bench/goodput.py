@@ -48,6 +48,8 @@ from relay.lineage.store import Lineage
 from relay.tools.airflow_env import airflow_env, ensure_airflow_db
 from relay.tools.bench.boundary_time import boundaries, format_row
 from relay.tools.bench.goodput_report import print_repeat, print_summary
+from relay.tools.bench.startup_time import format_parts as format_startup
+from relay.tools.bench.startup_time import startup_parts
 from relay.tools.bench.torchrun_baseline import BaselineRun, run_baseline
 
 MODEL = {"context": 64, "d_model": 64, "n_layers": 2, "n_heads": 4, "dropout": 0.1}
@@ -176,6 +178,12 @@ def run_relay(home: Path, schedule: list[dict[str, Any]], name: str,
                started=started), attempts
 
 
+def startup_text(run: Run, run_dir: Path) -> str:
+    """Return a Relay run's start-up, part by part, from its ``airflow dags test`` log."""
+    log_file = run_dir.parents[2] / "logs" / f"{run.name.replace(' ', '-')}.log"
+    return format_startup(startup_parts(run.started, log_file, run_dir))
+
+
 def baseline_run(name: str, run: BaselineRun) -> Run:
     """Turn a supervised torchrun job into a row."""
     faults = [{"kind": r.kind, "lost_steps": r.lost_steps, "detected_after": r.detected_after,
@@ -245,6 +253,8 @@ def _relay_run(home: Path, schedule: list[dict[str, Any]]) -> tuple[Run, list[Pa
     if not schedule:
         free, attempts = run_relay(home, [], "relay fault-free")
         print(f"    relay fault-free: {free.wall:.1f}s; {ends(free, attempts)}", flush=True)
+        if attempts:  # where the start-up went (relay.tools.bench.startup_time)
+            print(f"      start-up {startup_text(free, attempts[0].parent.parent)}", flush=True)
         if attempts:  # what each segment boundary cost (relay.tools.bench.boundary_time)
             for row in boundaries(attempts[0].parent.parent):
                 print(f"      boundary {format_row(row)}", flush=True)

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 from relay.tools.airflow_env import airflow_env, ensure_airflow_db
 from relay.tools.bench.goodput import NODE_POOL, _job_yaml
+from relay.tools.bench.startup_time import stamp
 
-STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z")
 MARKS = [  # (what, pattern in the airflow dags test log, its last occurrence?)
     ("trigger completed", r"\[DAG TEST\] Trigger completed", True),
     ("stop of the last workload", r"Stopping process groups", True),
@@ -32,13 +30,6 @@ MARKS = [  # (what, pattern in the airflow dags test log, its last occurrence?)
     ("finalize ended", r"end task task_id=finalize", True),
     ("DagRun Finished", r"DagRun Finished", False),
 ]
-
-
-def stamp(lines: list[str], pattern: str, last: bool) -> float | None:
-    """Return the time of the first (or last) log line matching ``pattern``."""
-    hits = [line for line in lines if re.search(pattern, line)]
-    match = STAMP.match(hits[-1] if last else hits[0]) if hits else None
-    return datetime.fromisoformat(match.group(1) + "+00:00").timestamp() if match else None
 
 
 def main(steps: int = 400, segment: int = 200, every: int = 25) -> int:

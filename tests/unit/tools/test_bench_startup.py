@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from relay.lineage.resume_time import PREFLIGHT_FILE, TASK_FILE
+from relay.tools.bench.goodput import Run, startup_text
 from relay.tools.bench.startup_time import PARTS, format_parts, startup_parts
 from relay_train.protocol.launch import FIRST_STEP_FILE
 
@@ -61,3 +62,13 @@ def test_an_attempt_that_never_stepped_leaves_the_segments_parts_unknown(
     assert parts["preflight"] == pytest.approx(1.0)
     assert [parts[p] for p in PARTS[5:]] == [None] * 5
     assert format_parts(parts).startswith("incomplete = ")
+
+
+def test_goodput_reads_the_log_its_runner_wrote_for_the_run(tmp_path: Path) -> None:
+    log_file, run_dir = _run(tmp_path)
+    (tmp_path / "logs").mkdir()
+    log_file.rename(tmp_path / "logs" / "relay-fault-free.log")
+
+    text = startup_text(Run("relay fault-free", True, 40.0, 1, started=T0), run_dir)
+
+    assert text.startswith("9.00s = airflow_cli 2.00s + dag_parse_and_sync 2.00s + ")

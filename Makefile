@@ -71,7 +71,8 @@ cluster-up: $(STAMP)
 cluster-down: $(STAMP)
 	$(BIN)/relay testbed down
 
-# The test bed's own tests (marked cluster_ns; each brings hosts + Slurm up and down).
+# The test bed's own tests (marked cluster_ns; each brings hosts (+ Slurm) up and down),
+# and the Kubernetes launcher's pods run as rendered on such hosts.
 test-cluster: $(STAMP)
 	bash scripts/system-deps.sh slurm
 	$(BIN)/python -m pytest -q --tb=short -m cluster_ns tests/testbed

@@ -331,6 +331,16 @@ class FakeApiServer:
                         "exitCode": exit_code, "reason": "Error" if exit_code else "Completed"}}}]
             self._put("pods", pod, "MODIFIED")
 
+    def update_pod(self, name: str, status: dict[str, Any], ns: str = "default") -> bool:
+        """Merge ``status`` into a pod's status, as its kubelet reports; False if it is gone."""
+        with self.lock:
+            pod = self.objects.get(("pods", ns, name))
+            if pod is None:
+                return False
+            pod["status"] = {**pod.get("status", {}), **status}
+            self._put("pods", pod, "MODIFIED")
+            return True
+
     def mark_terminating(self, job_name: str, index: int, since_seconds: float,
                          ns: str = "default") -> None:
         """Mark a pod deleted ``since_seconds`` ago whose kubelet never finished the job."""

@@ -55,6 +55,12 @@ class PodHost:
     secrets: dict[str, dict[str, str]] = field(default_factory=dict)  # Secret -> key -> value
     extra_binds: dict[str, Path] = field(default_factory=dict)  # path in pod -> host folder
     folders: dict[str, Path] = field(default_factory=dict)
+    # On a namespace host (tests/k8s_kubelet.py) the pod shares the host's network: its IP is
+    # the host's, and /etc/hosts names its peers (what the cluster's DNS would answer).
+    address: str = "127.0.0.1"
+    peers: dict[str, str] = field(default_factory=dict)  # DNS name -> address
+    pod_name: str = ""
+    namespace: str = "default"
 
     @property
     def pod(self) -> dict[str, Any]:
@@ -75,8 +81,12 @@ class PodHost:
             elif "fieldRef" in source:
                 path = source["fieldRef"]["fieldPath"]
                 found = re.fullmatch(r"metadata\.annotations\['(.+)'\]", path)
-                resolved[item["name"]] = self.node if path == "spec.nodeName" \
-                    else annotations[found.group(1)] if found else ""
+                fields = {"spec.nodeName": self.node, "metadata.name": self.pod_name or
+                          self.hostname, "metadata.namespace": self.namespace,
+                          "status.podIP": self.address, "status.hostIP": self.address,
+                          "spec.serviceAccountName": self.pod.get("serviceAccountName", "")}
+                resolved[item["name"]] = annotations[found.group(1)] if found \
+                    else fields[path]
             elif "secretKeyRef" in source:
                 ref = source["secretKeyRef"]
                 resolved[item["name"]] = self.secrets[ref["name"]][ref["key"]]
@@ -112,7 +122,10 @@ class PodHost:
         hosts = self.work / "hosts"
         subdomain = self.pod.get("subdomain")
         names = f"{self.hostname}.{subdomain} {self.hostname}" if subdomain else self.hostname
-        hosts.write_text(f"127.0.0.1 localhost\n127.0.0.1 {names}\n")
+        if subdomain:
+            names = f"{self.hostname}.{subdomain}.{self.namespace}.svc.cluster.local {names}"
+        hosts.write_text(f"127.0.0.1 localhost\n{self.address} {names}\n" + "".join(
+            f"{address} {name}\n" for name, address in sorted(self.peers.items())))
         lines += [f"hostname {self.hostname}", f"mount --bind -o ro {hosts} {root}/etc/hosts"]
         for mount in container.get("volumeMounts", []):
             target = f"{root}{mount['mountPath']}"
@@ -180,15 +193,20 @@ class PodHost:
             (folder / key).chmod(0o644)
         return folder
 
-    def run(self, timeout: float, container_index: int = 0) -> subprocess.CompletedProcess[str]:
-        """Run the container to its end (or ``timeout``); return its output and exit code."""
+    def argv(self, net: bool = True, container_index: int = 0) -> list[str]:
+        """Return the command that runs the container in fresh mount, PID and UTS namespaces
+        (and a fresh network namespace with only loopback, unless ``net`` is False: then the
+        caller's network, e.g. a namespace host's). Killing the ``unshare`` ends the pod."""
         container = self.pod["containers"][container_index]
         script = self.work / "pod.sh"
         script.write_text(self.script(container, [str(Path(sys.executable).parent)]))
-        return subprocess.run(
-            ["unshare", "--mount", "--pid", "--net", "--uts", "--fork", "--kill-child",
-             "bash", str(script)], capture_output=True, text=True, timeout=timeout,
-            check=False)
+        return ["unshare", "--mount", "--pid", *(["--net"] if net else []), "--uts", "--fork",
+                "--kill-child", "bash", str(script)]
+
+    def run(self, timeout: float, container_index: int = 0) -> subprocess.CompletedProcess[str]:
+        """Run the container to its end (or ``timeout``); return its output and exit code."""
+        return subprocess.run(self.argv(container_index=container_index), capture_output=True,
+                              text=True, timeout=timeout, check=False)
 
 
 def expand(text: str, env: dict[str, str]) -> str:

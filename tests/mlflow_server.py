@@ -17,8 +17,9 @@ from relay.tools.services import free_port
 
 
 @contextlib.contextmanager
-def mlflow_server(root: Path, timeout: float = 180.0) -> Iterator[str]:
-    """Run an MLflow server storing under ``root``; yield its URL once it answers."""
+def mlflow_server(root: Path, timeout: float = 180.0, host: str = "127.0.0.1") -> Iterator[str]:
+    """Run an MLflow server storing under ``root``, listening on ``host`` (also the one Host
+    header it accepts besides its defaults); yield its URL once it answers."""
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     proc = None
     try:
@@ -26,12 +27,13 @@ def mlflow_server(root: Path, timeout: float = 180.0) -> Iterator[str]:
             port = free_port()
             proc = subprocess.Popen(
                 [str(Path(sys.executable).with_name("mlflow")), "server", "--host",
-                 "127.0.0.1", "--port", str(port), "--workers", "1",
+                 host, "--port", str(port), "--workers", "1",
+                 *(["--allowed-hosts", f"{host},{host}:{port}"] if host != "127.0.0.1" else []),
                  "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
                  "--artifacts-destination", str(root / "artifacts"), "--serve-artifacts"],
                 env=env, stdout=(root / "server.log").open("ab"), stderr=subprocess.STDOUT,
                 start_new_session=True)
-            url = f"http://127.0.0.1:{port}"
+            url = f"http://{host}:{port}"
             deadline = time.monotonic() + timeout
             while proc.poll() is None and time.monotonic() < deadline:
                 try:

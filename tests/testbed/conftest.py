@@ -1,9 +1,12 @@
-"""The `testbed` fixture: three node hosts and a controller host running Slurm (root only)."""
+"""Test-bed fixtures (root only): `testbed` (three node hosts and a controller host running
+Slurm) and `pod_hosts` (three bare node hosts, for Kubernetes pods)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +15,20 @@ import pytest
 from relay.tools.testbed import TestBed, hosts, slurm
 
 LEASE = Path("/run/lock/relay-testbed-lease.lock")  # held while a test's bed is up
+RANGE_WAIT_SECONDS = 600.0
+
+
+@contextlib.contextmanager
+def lease() -> Iterator[None]:
+    """Hold the machine's one test-bed lease (they share 198.18.0.0/24): wait for another
+    test's bed to go first."""
+    LEASE.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(LEASE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture(scope="module")
@@ -20,15 +37,31 @@ def testbed(relay_home: Path) -> Iterator[TestBed]:
     why = slurm.can_run_slurm()
     if why:
         pytest.skip(f"Slurm test bed: {why}")
-    # One bed per machine (they share 198.18.0.0/24): wait for another test's bed to go.
-    LEASE.parent.mkdir(parents=True, exist_ok=True)
-    lease = os.open(LEASE, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(lease, fcntl.LOCK_EX)
+    with lease():
         bed = slurm.up(3, hide=[str(relay_home)])
         try:
             yield bed
         finally:
             hosts.down(bed)
-    finally:
-        os.close(lease)
+
+
+@pytest.fixture
+def pod_hosts(relay_home: Path) -> Iterator[TestBed]:
+    """Namespace hosts node1..node3 (no Slurm); Relay's RELAY_HOME hidden in each."""
+    why = hosts.can_run_testbed()
+    if why:
+        pytest.skip(f"namespace hosts: {why}")
+    with lease():
+        deadline = time.monotonic() + RANGE_WAIT_SECONDS
+        while True:  # a bed made without the lease (an older checkout's) may hold the range
+            try:
+                bed = hosts.up(["node1", "node2", "node3"], hide=[str(relay_home)])
+                break
+            except hosts.TestBedError as err:
+                if "free in the root namespace" not in str(err) or time.monotonic() > deadline:
+                    raise
+                time.sleep(2)
+        try:
+            yield bed
+        finally:
+            hosts.down(bed)

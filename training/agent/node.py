@@ -22,6 +22,7 @@ it forks a preloaded copy of itself as the node's standby for the next attempt
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -37,7 +38,14 @@ from typing import Any
 
 from relay_train.agent.preload import preload_publisher, preload_worker
 from relay_train.agent.priority import yielding_thread
-from relay_train.agent.ranks import log_tail, rank_env, rank_log, start_rank, stop_ranks
+from relay_train.agent.ranks import (
+    log_tail,
+    rank_env,
+    rank_log,
+    ship_logs,
+    start_rank,
+    stop_ranks,
+)
 from relay_train.agent.server import AgentServer
 from relay_train.agent.standby import (
     announce_ready,
@@ -58,12 +66,18 @@ from relay_train.device import (
 from relay_train.protocol.channel_tls import server_context_from_env
 from relay_train.protocol.env import ENV_CHANNEL_SECRET, ENV_NODE
 from relay_train.protocol.heartbeat import node_clock
-from relay_train.protocol.launch import BUILTIN_ENTRYPOINT, Entrypoint, LaunchConfig
+from relay_train.protocol.launch import (
+    BUILTIN_ENTRYPOINT,
+    FIRST_STEP_FILE,
+    Entrypoint,
+    LaunchConfig,
+)
 from relay_train.protocol.routes import (
     AGENT_CLOCK,
     AGENT_PID,
     ERRORS,
     EXIT_CODES,
+    FIRST_STEP,
     PGID,
     RANK_PIDS,
     STANDBY_TTL_SECONDS,
@@ -98,6 +112,7 @@ class NodeAgent:
         self.state = NodeState.STARTING
         self.linger_seconds = linger_seconds
         self._error_tails: dict[int, str] = {}
+        self._first: dict[str, Any] | None = None
         self._address = (bind, cfg.agent_ports.get(node, 0) if port is None else port)
         self.server: AgentServer | None = None
         self._standby_asks: queue.SimpleQueue[StandbyAsk] = queue.SimpleQueue()
@@ -144,7 +159,18 @@ class NodeAgent:
             EXIT_CODES: {str(r): p.exitcode for r, p in procs.items()},
             ERRORS: self._errors(procs),
             AGENT_CLOCK: node_clock(),
+            FIRST_STEP: self._first_step(),
         }
+
+    def _first_step(self) -> dict[str, Any] | None:
+        """Return rank 0's first-step record if it runs here and wrote it (the time to
+        resume's last mark: Relay may not share this node's disk)."""
+        if self._first is None:
+            try:
+                self._first = json.loads((self.cfg.root / FIRST_STEP_FILE).read_text())
+            except (OSError, ValueError):
+                return None
+        return self._first
 
     def request_stop(self, reason: str) -> None:
         """Stop the ranks and end (Relay's stop over the channel, or SIGTERM)."""
@@ -229,6 +255,7 @@ class NodeAgent:
         signal.signal(signal.SIGTERM, self._on_term)
         try:
             code = self._supervise()
+            ship_logs(self.cfg, self.node)
             self._linger()
         finally:
             if self.server is not None:

@@ -110,3 +110,20 @@ def stop_ranks(running: list[BaseProcess], reason: str,
         if proc.exitcode is None:
             proc.kill()
             proc.join()
+
+
+def ship_logs(cfg: LaunchConfig, node: str) -> None:
+    """Log this node's rank logs to the attempt's MLflow run (``logs/<node>/``), when the
+    launch asks for it: on a pod or a host of its own they would die with its disk."""
+    if not cfg.logs_to_mlflow or not cfg.log_dir.is_dir():
+        return
+    from mlflow.tracking import MlflowClient
+
+    from relay_train.checkpoints.publish import metrics_retrying
+
+    try:
+        metrics_retrying()(MlflowClient(cfg.tracking_uri).log_artifacts, cfg.run_id,
+                           str(cfg.log_dir), f"logs/{node}")
+        log.info("rank logs of %s logged to MLflow run %s (logs/%s)", node, cfg.run_id, node)
+    except Exception as exc:  # noqa: BLE001 - the logs are a report; the outcome stands
+        log.warning("rank logs of %s not logged to MLflow run %s: %s", node, cfg.run_id, exc)

@@ -153,6 +153,9 @@ class LaunchConfig:
     total_steps: int = 0
     # The spec's steps_per_epoch (0: not given): session.batches(loader) checks len(loader).
     steps_per_epoch: int = 0
+    # Each node agent logs its ranks' logs to the MLflow run when they end (set by
+    # launchers whose nodes do not share Relay's disk: relay_train.agent.ranks.ship_logs).
+    logs_to_mlflow: bool = False
 
     @property
     def job_steps(self) -> int:

@@ -72,6 +72,7 @@ AGENT_CLOCK = "agent_clock"  # the agent's wall clock when it answered
 HEARTBEATS = "heartbeats"  # the node's ranks' heartbeat records, each with its two ages:
 AGE_SECONDS = "age_seconds"  # since the record was written, on the node's clock
 PHASE_AGE_SECONDS = "phase_age_seconds"  # since the rank entered its phase, likewise
+FIRST_STEP = "first_step"  # rank 0's first productive step (launch.FIRST_STEP_FILE's record)
 CROSSED = "crossed"  # the last segment boundaries rank 0 recorded crossing (rank 0's node)
 
 # -- POST stop -------------------------------------------------------------------------

@@ -43,16 +43,19 @@ import urllib.parse
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from relay.core.exceptions import StaleAgentError
 from relay_train.protocol.channel_auth import NONCE_HEADER, reply_is_signed, sign
-from relay_train.protocol.heartbeat import Heartbeat
+from relay_train.protocol.heartbeat import Heartbeat, write_atomically
+from relay_train.protocol.launch import FIRST_STEP_FILE
 from relay_train.protocol.routes import (
     AGE_SECONDS,
     ATTEMPT,
     CROSSED,
     ERROR,
+    FIRST_STEP,
     HEARTBEATS,
     PHASE_AGE_SECONDS,
     Route,
@@ -106,6 +109,19 @@ class AgentChannel:
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, Future[NodeReport | None]] = {}
         self.silent: set[str] = set()  # nodes known not to answer (a frozen node): not asked
+
+    def keep_first_step(self, attempt_dir: Path) -> None:
+        """Write rank 0's first-step record, as its agent sent it, into Relay's attempt
+        folder when the ranks wrote theirs elsewhere (a pod's or a host's own disk): the
+        time to resume reads it there (relay.lineage.resume_time)."""
+        target = attempt_dir / FIRST_STEP_FILE
+        if target.exists():
+            return
+        for report in self.reports.values():
+            found = report.record.get(FIRST_STEP)
+            if isinstance(found, dict):
+                write_atomically(target, json.dumps(found))
+                return
 
     def mark_silent(self, nodes: set[str]) -> None:
         """Stop asking ``nodes`` (a fault found them frozen): each ask would only cost its

@@ -52,6 +52,11 @@ if TYPE_CHECKING:
     from relay_train.protocol.launch import LaunchConfig
 
 
+# How a launcher says a node was taken away (evicted, preempted, reclaimed), not crashed:
+# a FAILED NodeStatus whose detail starts "preempted:" (the fault kind's name).
+PREEMPTED = "preempted"
+
+
 @dataclass
 class NodeStatus:
     """One node agent's state as the launcher sees it.

@@ -138,6 +138,26 @@ class JobSpec(BaseModel):
             )
         return value
 
+    @field_validator("launcher")
+    @classmethod
+    def _paths_in_the_pods(cls, value: str, info: ValidationInfo) -> str:
+        """On Kubernetes, the ranks see the image, not the spec's folder: a script, working
+        folder or corpus file must be an absolute path there (or a module, a builtin)."""
+        if value != "kubernetes":
+            return value
+        entry, data = info.data.get("entrypoint"), info.data.get("data")
+        named = {"entrypoint.script": entry and entry.script,
+                 "entrypoint.workdir": entry and entry.workdir,
+                 "data.corpus": data and not data.corpus.startswith("builtin:") and data.corpus}
+        for field, path in named.items():
+            if path and not Path(path).is_absolute():
+                raise FieldValueError(
+                    f"{field} as an absolute path inside the worker image with launcher: "
+                    "kubernetes (the pods do not have the spec's folder)", path,
+                    f"write {field} as the path the image holds it at (e.g. /app/{path}), "
+                    "or use entrypoint.module of a package installed in the image")
+        return value
+
     @field_validator("kubernetes")
     @classmethod
     def _kubernetes_when_used(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
@@ -15,6 +16,10 @@ from relay_train.protocol.launch import Entrypoint
 MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+# A label key: an optional DNS-subdomain prefix and "/", then a name of up to 63 characters.
+LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
 # A Kubernetes resource quantity as people write them: "4", "500m", "16Gi", "1.5".
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 
@@ -140,6 +145,43 @@ def _from_spec(name: str, spec_file: Path) -> str:
     return str(path if path.is_absolute() else Path(spec_file).resolve().parent / path)
 
 
+class Toleration(BaseModel):
+    """One taint the attempt's pods tolerate (a Kubernetes ``core/v1`` Toleration)."""
+
+    model_config = FROZEN
+
+    key: str | None = Field(None, strict=True, pattern=LABEL_KEY_PATTERN)
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: str | None = Field(None, strict=True)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(None, strict=True, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Toleration:
+        """Refuse what the API server would: a value with Exists, a key-less Equal, seconds
+        without NoExecute."""
+        shown = ", ".join(f"{k}: {v}" for k, v in (("key", self.key), ("operator",
+                          self.operator), ("value", self.value)) if v is not None)
+        if self.operator == "Exists" and self.value:
+            raise FieldValueError("no value with operator Exists", None,
+                                  "drop value, or write operator: Equal", shown=shown)
+        if self.operator == "Equal" and not self.key:
+            raise FieldValueError("a key with operator Equal", None,
+                                  "name the taint's key, or write operator: Exists to "
+                                  "tolerate every taint", shown=shown)
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise FieldValueError("toleration_seconds only with effect NoExecute", None,
+                                  "write effect: NoExecute, or drop toleration_seconds",
+                                  shown=f"effect: {self.effect}")
+        return self
+
+    def manifest(self) -> dict[str, Any]:
+        """Return the toleration as the pod spec writes it."""
+        raw = {"key": self.key, "operator": self.operator, "value": self.value,
+               "effect": self.effect, "tolerationSeconds": self.toleration_seconds}
+        return {k: v for k, v in raw.items() if v is not None}
+
+
 class KubernetesSpec(BaseModel):
     """Where and how segment attempts run when ``launcher: kubernetes``."""
 
@@ -164,6 +206,9 @@ class KubernetesSpec(BaseModel):
                                            pattern=DNS_LABEL_PATTERN)
     channel_ca_secret: str | None = Field("relay-channel-ca", strict=True,
                                           pattern=DNS_LABEL_PATTERN)
+    # Where the pods may go: the nodes' labels they require, the taints they tolerate.
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
 
     @field_validator("active_deadline", mode="before")
     @classmethod
@@ -178,6 +223,19 @@ class KubernetesSpec(BaseModel):
         if isinstance(value, int | float) and not isinstance(value, bool):
             return format(value, "g")
         return value
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        """Require label keys and values the API server accepts."""
+        for label, wanted in value.items():
+            if not re.match(LABEL_KEY_PATTERN, label) or not re.match(LABEL_VALUE_PATTERN,
+                                                                       wanted):
+                raise FieldValueError(
+                    "node labels as key: value (a key like kubernetes.io/arch or pool, a "
+                    "value of up to 63 letters, digits, '-', '_' or '.')", f"{label}: {wanted}",
+                    "write the label exactly as `kubectl get nodes --show-labels` shows it")
+        return value
+
     @model_validator(mode="after")
     def _tls_both_or_neither(self) -> KubernetesSpec:
         """Require the agents' TLS Secret and the CA Secret together (or neither: clear text)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from relay.core.attempt import AttemptState
 from relay.core.faults import Fault, FaultKind
-from relay.launchers.base import LaunchStatus
+from relay.launchers.base import PREEMPTED, LaunchStatus
 from relay_train.protocol.launch import SHORT_SEGMENT_EXIT, parse_short_segment
 from relay_train.protocol.routes import NodeState
 
@@ -56,6 +56,14 @@ def classify_exit(status: LaunchStatus, node_ranks: dict[str, list[int]]) -> Fau
         last = next((line for line in reversed(error.splitlines()) if line.strip()), "")
         evidence["summary"] = f"{summary}: {last.strip()}"
         evidence["log_tail"] = error
+    taken = {n.node: n.detail for n in status.nodes.values()
+             if n.detail.startswith(f"{PREEMPTED}:")}
+    if taken:  # the platform took a node away: its peers' exits follow from that
+        node = min(taken)
+        evidence.update(summary=taken[node], preempted=taken)
+        kind = FaultKind(PREEMPTED) if PREEMPTED in FaultKind._value2member_map_ \
+            else FaultKind.CRASH  # until relay.core.faults names it (branch preempt)
+        return Fault(kind, None, node, evidence)
     short = _short_segment(culprit_rank, failed, error or "")
     if short is not None:
         return Fault(FaultKind.SHORT_SEGMENT, culprit_rank, culprit_node,

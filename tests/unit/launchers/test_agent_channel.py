@@ -361,3 +361,20 @@ def test_a_closing_server_notices_at_the_next_short_poll(
     served = ServedAttempt(root, {"node-a": [0]})
     served.close()
     assert polls == [SERVE_POLL_SECONDS] and SERVE_POLL_SECONDS <= 0.1
+
+
+def test_rank_0s_first_step_sent_over_the_channel_lands_in_relays_attempt_folder(
+        tmp_path: Path) -> None:
+    from relay.launchers.agent_client import NodeReport
+    from relay_train.protocol.launch import FIRST_STEP_FILE
+    from relay_train.protocol.routes import FIRST_STEP
+
+    channel = AgentChannel("attempt", {}, "secret")
+    channel.reports["pod-1"] = NodeReport("pod-1", 1.0, {FIRST_STEP: None})
+    channel.keep_first_step(tmp_path)
+    assert not (tmp_path / FIRST_STEP_FILE).exists()
+
+    first = {"step": 41, "at": 5.0, "node": "pod-0", "spawned_at": 1.0, "startup": {}}
+    channel.reports["pod-0"] = NodeReport("pod-0", 2.0, {FIRST_STEP: first})
+    channel.keep_first_step(tmp_path)
+    assert json.loads((tmp_path / FIRST_STEP_FILE).read_text()) == first

@@ -202,6 +202,30 @@ def test_a_failed_pod_is_a_crash_of_its_node(fake: FakeApiServer, tmp_path: Path
     assert fault.culprit_node == "pod-1"
 
 
+def test_an_evicted_pod_is_a_preemption_of_its_node_not_a_crash(
+        fake: FakeApiServer, tmp_path: Path) -> None:
+    """What the cluster does on an eviction (kubernetes.io/docs/tasks/job/pod-failure-policy):
+    the pod gets DisruptionTarget and fails, the Job's FailJob rule fails the Job."""
+    launcher = make_launcher(fake, tmp_path)
+    cfg, name = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-2"])
+    pod = fake.pod_of(name, 1)["metadata"]["name"]
+    fake.update_pod(pod, {"conditions": [{"type": "DisruptionTarget", "status": "True",
+                                          "reason": "EvictionByEvictionAPI",
+                                          "message": "Eviction API: evicting"}]})
+    fake.set_phase(name, 1, "Failed", 143)
+    fake.fail_job(name, "PodFailurePolicy", f"Pod default/{pod} has condition "
+                  "DisruptionTarget matching FailJob rule at index 0")
+
+    obs = observe(launcher, cfg)
+    fault = Detector(Detection()).check(obs)
+
+    assert obs.launch.state is AttemptState.FAILED
+    assert obs.launch.nodes["pod-1"].detail.startswith(
+        f"preempted: pod {pod} on gpu-2: EvictionByEvictionAPI"), obs.launch.nodes["pod-1"]
+    assert fault is not None and fault.culprit_node == "pod-1"
+    assert fault.evidence["preempted"] == {"pod-1": obs.launch.nodes["pod-1"].detail}
+
+
 def test_job_deadline_exceeded_fails_the_attempt(fake: FakeApiServer, tmp_path: Path) -> None:
     launcher = make_launcher(fake, tmp_path)
     cfg, name = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-2"])

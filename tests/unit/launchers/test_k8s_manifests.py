@@ -45,7 +45,12 @@ SETTINGS = [
     KubernetesSpec(image="registry.example.com/relay-worker:0.1.0"),
     KubernetesSpec(image="registry.example.com/relay-worker:0.1.0", namespace="relay",
                    gpus_per_pod=8, active_deadline=90, taint_quarantine=True,
-                   service_account="trainer"),
+                   service_account="trainer",
+                   node_selector={"cloud.google.com/gke-nodepool": "a100", "pool": "train"},
+                   tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists",
+                                 "effect": "NoSchedule"},
+                                {"key": "spot", "value": "true", "effect": "NoExecute",
+                                 "toleration_seconds": 30}]),
 ]
 
 
@@ -78,6 +83,30 @@ def test_job_shape_follows_the_settings() -> None:
         "spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert "nodeAffinity" not in job_manifest(KEY, SETTINGS[0], ["pod-0"], 1, [], 0.0)["spec"][
         "template"]["spec"]["affinity"]
+
+
+def test_the_pods_go_where_the_spec_says_and_tolerate_its_taints() -> None:
+    pod = job_manifest(KEY, SETTINGS[1], ["pod-0"], 8, [], 1.7e9)["spec"]["template"]["spec"]
+
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-nodepool": "a100", "pool": "train"}
+    assert pod["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "spot", "operator": "Equal", "value": "true", "effect": "NoExecute",
+         "tolerationSeconds": 30}]
+    plain = job_manifest(KEY, SETTINGS[0], ["pod-0"], 1, [], 0.0)["spec"]["template"]["spec"]
+    assert "nodeSelector" not in plain and "tolerations" not in plain
+
+
+def test_a_disrupted_pod_fails_the_job_at_once_and_nothing_else_is_retried() -> None:
+    """Job API rules (kubernetes.io/docs/tasks/job/pod-failure-policy): podFailurePolicy
+    needs restartPolicy Never; FailJob ends the Job at the first matching pod, which
+    backoffLimit 0 alone would not tell from a crash."""
+    spec = job_manifest(KEY, SETTINGS[0], ["pod-0", "pod-1"], 1, [], 0.0)["spec"]
+
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+    assert spec["backoffLimit"] == 0
+    assert spec["podFailurePolicy"] == {"rules": [{"action": "FailJob", "onPodConditions": [
+        {"type": "DisruptionTarget", "status": "True"}]}]}
 
 
 def test_quarantine_taint_validates_on_a_node() -> None:

@@ -71,6 +71,46 @@ def test_kubernetes_without_its_section_is_a_clear_spec_error(tmp_path: Path) ->
     assert "Fix: add kubernetes: {image:" in text
 
 
+@pytest.mark.parametrize(("section", "line", "field", "expected"), [
+    ("  tolerations:\n  - operator: Exists\n    value: x\n", 9, "kubernetes.tolerations.0",
+     "no value with operator Exists"),
+    ("  tolerations:\n  - key: spot\n    effect: NoSchedule\n    toleration_seconds: 5\n",
+     9, "kubernetes.tolerations.0", "toleration_seconds only with effect NoExecute"),
+    ("  tolerations:\n  - key: spot\n    effect: Sometimes\n", 10,
+     "kubernetes.tolerations.0.effect", "NoSchedule"),
+    ("  node_selector:\n    pool: 'a b'\n", 8, "kubernetes.node_selector", "node labels"),
+])
+def test_a_bad_placement_is_a_spec_error_at_its_line(tmp_path: Path, section: str, line: int,
+                                                    field: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_job_spec(spec_file(tmp_path, "launcher: kubernetes\nkubernetes:\n"
+                                "  image: reg/relay-worker:1\n" + section))
+
+    text = str(raised.value)
+    assert f"{tmp_path / 'job.yaml'}:{line}: {field}" in text, text
+    assert expected in text, text
+
+
+@pytest.mark.parametrize(("before", "field"), [
+    ("entrypoint:\n  script: train.py\n", "entrypoint.script"),
+    ("entrypoint:\n  module: mypkg.train\n  workdir: work\n", "entrypoint.workdir"),
+    ("data:\n  corpus: corpus.txt\n", "data.corpus"),
+])
+def test_a_path_the_pods_do_not_have_is_a_spec_error(tmp_path: Path, before: str,
+                                                     field: str) -> None:
+    kubernetes = "launcher: kubernetes\nkubernetes:\n  image: reg/relay-worker:1\n"
+    with pytest.raises(ConfigError) as raised:
+        load_job_spec(spec_file(tmp_path, before + kubernetes))
+
+    text = str(raised.value)
+    assert f"job.yaml:{before.count(chr(10)) + 5}: launcher" in text, text
+    assert f"expected {field} as an absolute path inside the worker image" in text, text
+    absolute = before.replace("train.py", "/app/train.py").replace("work\n", "/app\n")
+    spec = load_job_spec(spec_file(tmp_path, absolute.replace("corpus.txt", "/data/c.txt")
+                                   + kubernetes))
+    assert spec.launcher == "kubernetes"
+
+
 def test_unknown_launcher_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="expected 'local' or 'kubernetes', found 'slurm'"):
         launcher_from({"kind": "slurm"})

@@ -186,7 +186,8 @@ class KubernetesLauncher(KubernetesNodes):
         cfg.write(cfg.root / LAUNCH_FILE)  # for this worker's reports; the record travels
         pod_cfg = replace(cfg, attempt_dir=POD_ATTEMPT_DIR, master_addr=master_addr(key),
                           master_port=RENDEZVOUS_PORT, attempt_id=attempt_id_of(cfg.root),
-                          checkpoint_keys={})  # not in a ConfigMap: the pods mount KEYS_SECRET
+                          checkpoint_keys={},  # not in a ConfigMap: the pods mount KEYS_SECRET
+                          logs_to_mlflow=True)  # the pod's disk goes with it
         _ = self.channel_tls  # no CA Secret, no pods: Relay could not talk to them
         held = NodePool().quarantines()
         self.enforce_quarantines(held)
@@ -296,6 +297,7 @@ class KubernetesLauncher(KubernetesNodes):
                  for i, slot in enumerate(slots)}
         channel = self.channel(attempt, slots)
         channel.poll([s for s, n in nodes.items() if n.state == NodeState.RUNNING])
+        channel.keep_first_step(attempt.runs_in)  # the pods wrote theirs on their own disk
         for slot, node in nodes.items():
             merge_agent_report(node, channel.reports.get(slot))
         failure = job_failure(job)

@@ -43,6 +43,7 @@ ANNOTATION_NODES = f"{GROUP}/nodes"
 ANNOTATION_LAUNCHED_AT = f"{GROUP}/launched-at"
 QUARANTINE_TAINT_KEY = f"{GROUP}/quarantined"
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+DISRUPTION_CONDITION = "DisruptionTarget"  # the pod condition of an eviction or preemption
 LAUNCH_MOUNT = "/relay/launch"
 POD_ATTEMPT_DIR = "/relay/attempt"
 CHANNEL_TLS_MOUNT = "/relay/channel-tls"  # the agents' certificate and key (their TLS Secret)
@@ -306,6 +307,10 @@ def job_manifest(key: AttemptKey, k8s: KubernetesSpec, nodes: list[str], ranks_p
         "containers": [_container(k8s, key, keys)],
         "volumes": _volumes(key),
     }
+    if k8s.node_selector:
+        pod_spec["nodeSelector"] = dict(k8s.node_selector)
+    if k8s.tolerations:
+        pod_spec["tolerations"] = [t.manifest() for t in k8s.tolerations]
     add_channel_tls(pod_spec, k8s.channel_tls_secret)
     return {
         "apiVersion": "batch/v1",
@@ -316,11 +321,23 @@ def job_manifest(key: AttemptKey, k8s: KubernetesSpec, nodes: list[str], ranks_p
             "completions": count,
             "parallelism": count,
             "backoffLimit": 0,  # the recovery policy decides retries, not Kubernetes
+            "podFailurePolicy": pod_failure_policy(),
             "activeDeadlineSeconds": max(1, int(k8s.active_deadline)),
             "ttlSecondsAfterFinished": FINISHED_TTL_SECONDS,
             "template": {"metadata": {"labels": key.labels()}, "spec": pod_spec},
         },
     }
+
+
+def pod_failure_policy() -> dict[str, Any]:
+    """Return the Job's podFailurePolicy: a disrupted pod (preempted, evicted, its node
+    drained or tainted NoExecute: the pod condition DisruptionTarget) fails the Job at once
+    (FailJob), named in the Job's condition; relay.launchers.k8s.status reads it as a
+    preemption, not a crash. Not Ignore: the Job controller would start a replacement pod
+    for that index behind Relay's back, into a world its peers have left. Every other
+    failure counts against backoffLimit 0, as without a policy. Needs restartPolicy Never."""
+    return {"rules": [{"action": "FailJob", "onPodConditions": [
+        {"type": DISRUPTION_CONDITION, "status": "True"}]}]}
 
 
 def service_manifest(key: AttemptKey, namespace: str, owner: dict[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 Each node slot gets one :class:`~relay.launchers.base.NodeStatus`: the pod's phase,
 unless the pod outlived its deletion deadline or its node has a problem, which
-makes the slot ``unresponsive`` (:class:`~relay_train.protocol.routes.NodeState`);
+makes the slot ``unresponsive`` (:class:`~relay_train.protocol.routes.NodeState`), or
+it carries the condition DisruptionTarget (evicted, preempted, drained), which makes it
+failed with a detail starting ``preempted:``;
 what its agent said over the channel adds exit codes, failed ranks' log tails and
 when it last answered. No API calls here;
 :mod:`relay.launchers.k8s.launcher` fetches the objects and asks the agents.
@@ -12,8 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from relay.launchers.base import NodeStatus
-from relay.launchers.k8s.objects import INDEX_ANNOTATION
+from relay.launchers.base import PREEMPTED, NodeStatus
+from relay.launchers.k8s.objects import DISRUPTION_CONDITION, INDEX_ANNOTATION
 from relay_train.protocol.routes import ERRORS, EXIT_CODES, SETTLED, STATE, NodeState
 
 if TYPE_CHECKING:
@@ -58,6 +60,9 @@ def slot_status(slot: str, pod: Any, problems: dict[str, str | None],  # noqa: A
     phase = pod.status.phase if pod.status else None
     if phase == "Succeeded":
         return NodeStatus(slot, NodeState.SUCCEEDED, host=host)
+    disrupted = disruption(pod)
+    if disrupted and phase != "Succeeded":  # evicted or preempted: failing, not crashed
+        return NodeStatus(slot, NodeState.FAILED, detail=disrupted, host=host)
     if phase == "Failed":
         return NodeStatus(slot, NodeState.FAILED, detail=failure_detail(pod), host=host)
     if stuck(pod, now):
@@ -93,6 +98,16 @@ def merge_agent_report(node: NodeStatus, report: NodeReport | None) -> None:
         node.detail = f"ranks exited with {failed}" if failed else node.detail
 
 
+def disruption(pod: Any) -> str | None:  # noqa: ANN401 - V1Pod
+    """Return ``"preempted: ..."`` when the pod carries the condition DisruptionTarget (an
+    eviction, a preemption, a drain, a NoExecute taint), else None."""
+    for cond in (pod.status.conditions or []) if pod.status else []:
+        if cond.type == DISRUPTION_CONDITION and cond.status == "True":
+            return (f"{PREEMPTED}: pod {pod.metadata.name} on {pod.spec.node_name}: "
+                    f"{cond.reason or 'disrupted'}: {cond.message or 'no message'}")
+    return None
+
+
 def failure_detail(pod: Any) -> str:  # noqa: ANN401
     for cs in pod.status.container_statuses or []:
         done = cs.state.terminated if cs.state else None
@@ -115,6 +130,8 @@ def pending_detail(pod: Any) -> str:  # noqa: ANN401
 def job_failure(job: Any) -> str | None:  # noqa: ANN401
     for cond in (job.status.conditions or []) if job.status else []:
         if cond.type == "Failed" and cond.status == "True":
+            # reason PodFailurePolicy: the policy's FailJob rule matched a disrupted pod
+            # (objects.pod_failure_policy); that pod's slot says preempted.
             return f"Job failed: {cond.reason}: {cond.message}"
     if job.status and job.status.failed:  # before the condition: a pod failed or vanished
         return f"Job has {job.status.failed} failed pod(s)"

@@ -37,6 +37,7 @@ from relay.core.exceptions import NotOursError
 from relay.core.proctree import group_members
 from relay.launchers import launch_record
 from relay.launchers.agent_client import MAX_PARALLEL, AgentChannel
+from relay.launchers.agent_groups import Group
 from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
 from relay.launchers.local.signals import LocalSignals
 from relay.launchers.local.warm_agents import (
@@ -200,6 +201,18 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return {}
 
+    def _groups(self, attempt: Attempt) -> list[Group]:
+        """Return the attempt's aggregators (``aggregators`` in its handle: name -> port and
+        nodes; relay.launchers.agent_groups), if it has any."""
+        try:
+            return [Group(str(name), f"http://127.0.0.1:{int(g['port'])}",
+                          tuple(str(n) for n in g["nodes"]))
+                    for name, g in (self.handle(attempt).get("aggregators") or {}).items()]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            log.warning("The aggregators in the handle of %s are unreadable: asking every agent "
+                        "directly", attempt.runs_in)
+            return []
+
     def started_at(self, attempt: Attempt) -> float:
         """Return when the attempt was launched (epoch seconds)."""
         found = self.handle(attempt)
@@ -215,7 +228,8 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
             attempt_id = str(self.handle(attempt).get("attempt_id") or attempt_id_of(root))
             addresses = {n: f"http://127.0.0.1:{ids['port']}"
                          for n, ids in self._handle(attempt).items() if ids["port"] is not None}
-            self._channels[root] = AgentChannel(attempt_id, addresses, channel_secret(root))
+            self._channels[root] = AgentChannel(attempt_id, addresses, channel_secret(root),
+                                                groups=self._groups(attempt))
         return self._channels[root]
 
     def status(self, attempt: Attempt) -> LaunchStatus:

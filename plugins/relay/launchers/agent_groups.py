@@ -77,14 +77,9 @@ def groups_of(nodes: list[str], size: int = GROUP_SIZE) -> list[list[str]]:
     return [nodes[i:i + size] for i in range(0, len(nodes), size)]
 
 
-def _short(value: Any) -> Any:  # noqa: ANN401
-    """Return a float cut to what detection can use (a tenth of a millisecond; 6 digits)."""
-    return float(f"{value:.6g}") if isinstance(value, float) else value
-
-
 def beat_row(record: dict[str, Any]) -> list[Any]:
-    """Return one status heartbeat record (with its ages) as a summary row."""
-    row = [_short(record.get(name)) for name in BEAT_FIELDS]
+    """Return one status heartbeat record (with its ages, to a tenth of a ms) as a summary row."""
+    row = [record.get(name) for name in BEAT_FIELDS]
     row[_AGE_COLUMN] = round(float(row[_AGE_COLUMN]), 4)
     row[_AGE_COLUMN + 1] = round(float(row[_AGE_COLUMN + 1]), 4)
     return row

@@ -37,6 +37,7 @@ node listens.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -64,6 +65,12 @@ STEP_SECONDS = 0.1  # a healthy step
 COMPUTE_SHARE = 0.5  # of a step; the rest is the collective
 HEARTBEAT_SECONDS = 0.5  # how often a rank writes its heartbeat (the job spec's default)
 JITTER = 0.03  # each rank's compute differs from the median by up to this share
+
+
+@functools.cache
+def _jitter(rank: int) -> float:
+    """Return how much longer (or shorter) ``rank``'s compute is than the median's."""
+    return 1.0 + JITTER * ((zlib.crc32(str(rank).encode()) % 201) / 100.0 - 1.0)
 
 
 @dataclass(frozen=True)
@@ -152,7 +159,7 @@ class Cluster:
         return before + after, before * compute + after * compute * mine
 
     def _jitter(self, rank: int) -> float:
-        return 1.0 + JITTER * ((zlib.crc32(str(rank).encode()) % 201) / 100.0 - 1.0)
+        return _jitter(rank)
 
     def last_written(self, rank: int, now: float) -> float | None:
         """Return when ``rank`` last wrote its heartbeat by ``now`` (None: not yet)."""

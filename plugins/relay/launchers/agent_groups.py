@@ -47,10 +47,12 @@ GROUP_SIZE = 32  # nodes per aggregator
 DIRECT_MAX_NODES = 32  # up to this many nodes, the watcher asks every agent itself
 AGGREGATE_SECONDS = 0.2  # how often an aggregator asks its group's agents
 GROUP_WAIT_SECONDS = 0.5  # a poll waits this long for the summaries
-# An aggregator with no fresh summary for this long is down: its nodes are asked directly.
+# An aggregator with no fresh summary for this long while others give theirs is down: its
+# nodes are asked directly (GroupWatch).
 # Their answers reach the watcher at most a heartbeat interval + an aggregator round + this
 # + a poll late: under the default 2 s heartbeat_timeout.
 DOWN_AFTER_SECONDS = 0.8
+ALL_DOWN_AFTER_SECONDS = 1.5  # ...likewise, when no aggregator gave one for this long
 # A summary whose every node was last heard longer ago than this is its aggregator's
 # silence (its loop stuck), not its nodes': that group is asked directly.
 STALE_SUMMARY_SECONDS = 1.0
@@ -150,9 +152,12 @@ def fresh(summary: dict[str, Any]) -> bool:
 class GroupWatch:
     """Which groups' aggregators speak for them now; the others' nodes are asked directly.
 
-    An aggregator is down once it has given no fresh, signed summary for
-    :data:`DOWN_AFTER_SECONDS` (a late answer on a loaded host is not a silence: its nodes
-    keep their last answers meanwhile, which age honestly).
+    An aggregator is down once its last fresh, signed summary is :data:`DOWN_AFTER_SECONDS`
+    older than another aggregator's latest (one frozen among others that answer), or
+    :data:`ALL_DOWN_AFTER_SECONDS` old (all of them silent). Late answers all round are the
+    watcher's own host starved, which asking every agent directly would only make worse
+    (ten times the requests); meanwhile the nodes keep their last answers, which age
+    honestly.
     """
 
     def __init__(self, groups: list[Group], now: float | None = None) -> None:
@@ -167,15 +172,16 @@ class GroupWatch:
 
     def direct_nodes(self, now: float) -> set[str]:
         """Return the nodes to ask directly at ``now``: those of the aggregators down."""
+        newest = max(self.heard.values(), default=now)
         for name, group in self.groups.items():
-            working = now - self.heard[name] <= DOWN_AFTER_SECONDS
+            heard = self.heard[name]
+            working = newest - heard <= DOWN_AFTER_SECONDS and now - heard <= ALL_DOWN_AFTER_SECONDS
             if working and name in self.down:
                 log.info("Aggregator %s answers again: its %d nodes are read through it",
                          name, len(group.nodes))
                 self.down.discard(name)
             elif not working and name not in self.down:
                 log.warning("Aggregator %s gave no fresh summary for %.1fs: asking its %d nodes "
-                            "directly until it does", name, now - self.heard[name],
-                            len(group.nodes))
+                            "directly until it does", name, now - heard, len(group.nodes))
                 self.down.add(name)
         return {n for name in self.down for n in self.groups[name].nodes}

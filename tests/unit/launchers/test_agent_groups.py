@@ -134,12 +134,22 @@ def test_a_summary_is_fresh_only_while_some_node_was_heard_lately() -> None:
     assert fresh({NODES: {"a": stale, "b": {SEEN_AGE_SECONDS: 0.1}}})
 
 
-def test_an_aggregator_is_down_once_silent_for_down_after_and_up_when_it_answers() -> None:
-    watch = GroupWatch([Group("g", "http://x", ("a", "b"))], now=100.0)
-    assert watch.direct_nodes(100.0 + groups_module.DOWN_AFTER_SECONDS) == set()
-    assert watch.direct_nodes(100.1 + groups_module.DOWN_AFTER_SECONDS) == {"a", "b"}
-    watch.answered("g", 101.0)
-    assert watch.direct_nodes(101.1) == set()
+def test_an_aggregator_is_down_once_silent_while_others_answer_and_up_when_it_answers() -> None:
+    watch = GroupWatch([Group("g", "http://x", ("a", "b")), Group("h", "http://y", ("c",))],
+                       now=100.0)
+    later = 100.1 + groups_module.DOWN_AFTER_SECONDS
+    assert watch.direct_nodes(later) == set()  # both late: the watcher's host, maybe
+    watch.answered("h", later)  # h answers, g does not: g is down
+    assert watch.direct_nodes(later) == {"a", "b"}
+    watch.answered("g", later + 0.1)
+    assert watch.direct_nodes(later + 0.1) == set()
+
+
+def test_every_aggregator_is_down_once_all_are_silent_for_long() -> None:
+    watch = GroupWatch([Group("g", "http://x", ("a",)), Group("h", "http://y", ("c",))],
+                       now=100.0)
+    assert watch.direct_nodes(100.0 + groups_module.ALL_DOWN_AFTER_SECONDS) == set()
+    assert watch.direct_nodes(100.1 + groups_module.ALL_DOWN_AFTER_SECONDS) == {"a", "c"}
 
 
 def test_the_watcher_reads_every_node_through_its_aggregator_and_asks_none(tree: Tree) -> None:

@@ -107,6 +107,9 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
 
         self._channels: dict[Path, AgentChannel] = {}
         self._attached: dict[Path, dict[str, Any]] = {}  # root -> a handle that travelled
+        # root -> (handle.json's stat, what it said): a poll reads it twice, and at 1,024
+        # nodes parsing it cost more than the detector
+        self._read: dict[Path, tuple[tuple[int, int, int], dict[str, Any]]] = {}
         self.continuity = LocalContinuity(self)
 
     def config(self) -> dict[str, Any]:
@@ -178,7 +181,11 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
         if root in self._attached:
             return dict(self._attached[root])
         try:
-            return dict(json.loads((root / HANDLE_FILE).read_text()))
+            seen = (root / HANDLE_FILE).stat()
+            key = (seen.st_mtime_ns, seen.st_size, seen.st_ino)
+            if root not in self._read or self._read[root][0] != key:
+                self._read[root] = (key, dict(json.loads((root / HANDLE_FILE).read_text())))
+            return dict(self._read[root][1])
         except (OSError, ValueError, TypeError):
             return {}
 
@@ -237,9 +244,13 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
         channel = self.channel(attempt)
         channel.poll()
         nodes: dict[str, NodeStatus] = {}
+        running: dict[tuple[int | None, int | None], bool] = {}  # each process looked up once
         for node, ids in self._handle(attempt).items():
             report = channel.reports.get(node)  # its latest answer, if it ever answered
-            alive = pids.is_running(ids["pid"], ids["started"])
+            process = (ids["pid"], ids["started"])
+            if process not in running:  # (one simulator process serves every node: the bench)
+                running[process] = pids.is_running(ids["pid"], ids["started"])
+            alive = running[process]
             if report is None:
                 state = NodeState.STARTING if alive else NodeState.FAILED
                 detail = "" if alive else "agent exited before reporting any status"

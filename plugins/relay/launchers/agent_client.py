@@ -120,6 +120,9 @@ class AgentChannel:
         self.beats: dict[int, Heartbeat] = {}
         self.crossed: set[int] = set()  # every boundary rank 0 was heard to have crossed
         self._pool: ThreadPoolExecutor | None = None
+        # The aggregators' own threads: a summary never queues behind the direct requests
+        # to a down aggregator's nodes (which made the others late, then down, in turn).
+        self._group_pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, Future[NodeReport | None]] = {}
         self.silent: set[str] = set()  # nodes known not to answer (a frozen node): not asked
 
@@ -306,12 +309,14 @@ class AgentChannel:
     def _poll_groups(self) -> set[str]:
         """Ask every aggregator for its summary and keep what the fresh ones say; return the
         nodes not to ask directly (those of the aggregators not down)."""
-        assert self._pool is not None
         watch = self.groups
+        if self._group_pool is None:
+            self._group_pool = ThreadPoolExecutor(max_workers=min(len(watch.groups), MAX_PARALLEL),
+                                                  thread_name_prefix="relay-aggregators")
         sent = []
         for name in watch.groups:
             if name not in self._inflight:
-                self._inflight[name] = self._pool.submit(self._summary, name)
+                self._inflight[name] = self._group_pool.submit(self._summary, name)
                 if name not in watch.down:  # a down one's answer is used when it comes
                     sent.append(self._inflight[name])
         wait(sent, timeout=GROUP_WAIT_SECONDS)
@@ -347,9 +352,10 @@ class AgentChannel:
 
     def close(self) -> None:
         """Give up the requests in flight (a frozen agent's) and free the threads."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        for pool in (self._pool, self._group_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._group_pool = None
         self._inflight.clear()
 
     def _status(self, node: str) -> NodeReport | None:

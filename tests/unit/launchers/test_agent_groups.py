@@ -8,6 +8,7 @@ hand (``aggregator.channel.poll()``), so nothing waits on its loop.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,7 @@ from relay_train.protocol.routes import (
     PHASE_AGE_SECONDS,
     SEEN_AGE_SECONDS,
     STATE,
+    NodeState,
     Route,
 )
 
@@ -244,3 +246,65 @@ def test_a_summary_speaks_only_for_its_own_groups_nodes(tree: Tree) -> None:
 def test_a_nan_loss_survives_the_fast_json_decoder() -> None:
     assert _json(b'{"loss": NaN}')["loss"] != _json(b'{"loss": NaN}')["loss"]  # NaN
     assert _json(b"not json") == {}
+
+
+def test_the_local_launcher_reads_through_aggregator_processes(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The aggregator as the launcher would run it (``python -m relay.launchers.aggregator``,
+    the secret on stdin), named in the attempt's handle: the launcher's status reads every
+    node through the two of them, and asks no agent directly (none counts as down here,
+    however slowly the processes start: the fallback is the tests' above)."""
+    import json
+    import subprocess
+    import sys
+
+    from relay.launchers.local.launcher import HANDLE_FILE, LocalLauncher, agent_handle, free_port
+
+    monkeypatch.setattr(groups_module, "DOWN_AFTER_SECONDS", 3600.0)
+    monkeypatch.setattr(groups_module, "ALL_DOWN_AFTER_SECONDS", 3600.0)
+    agents = ServedAttempt(root, NODES_OF)
+    procs: list[subprocess.Popen[bytes]] = []
+    launcher = LocalLauncher()
+    try:
+        aggregators = {}
+        for name, nodes in GROUPS.items():
+            port = free_port()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "relay.launchers.aggregator", attempt_id_of(root), name,
+                 str(port), *(f"{n}={agents.addresses[n]}" for n in nodes)],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs.append(proc)
+            assert proc.stdin is not None
+            proc.stdin.write(f"{agents.secret}\n".encode())
+            proc.stdin.close()
+            aggregators[name] = {"port": port, "nodes": list(nodes)}
+        me = agent_handle(os.getpid())
+        (root / HANDLE_FILE).write_text(json.dumps({
+            "nodes": {n: {**me, "port": int(a.rsplit(":", 1)[1])}
+                      for n, a in agents.addresses.items()},
+            "aggregators": aggregators, "started_at": time.time(),
+            "attempt_id": attempt_id_of(root)}))
+        channel = launcher.channel(Attempt(root))
+        asked: list[str] = []
+        real = channel._status
+        channel._status = lambda node: (asked.append(node), real(node))[1]  # type: ignore[method-assign]
+        deadline = time.monotonic() + 60  # the aggregators start (an interpreter each)
+        while len(channel.reports) < len(NODES_OF) and time.monotonic() < deadline:
+            launcher.status(Attempt(root))
+            time.sleep(0.1)  # an aggregator not yet listening refuses at once
+        status = launcher.status(Attempt(root))
+        assert sorted(status.heartbeats) == list(range(8))
+        assert {s.state for s in status.nodes.values()} == {NodeState.RUNNING}
+        assert asked == []
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        launcher.channel(Attempt(root)).close()
+        agents.close()

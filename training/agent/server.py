@@ -19,6 +19,8 @@ its launcher gave it (127.0.0.1 locally, the pod's address on Kubernetes):
   node's next attempt (see :mod:`relay_train.agent.standby`): a copy of this agent, already
   preloaded, that leaves this attempt's process group and waits in ``directory``;
   answers its ``pid``;
+- ``GET /v1/summary``: only where the served agent is an aggregator of a group of nodes
+  (:mod:`relay.launchers.aggregator`): their agents' status in one signed answer;
 - ``POST /v1/claim`` (``by``): who acts on this attempt's fault (Relay's
   ``execute_complete`` or its warden, maybe on different machines). The agent
   grants the first claimer and names it to every later one (``granted``,
@@ -260,7 +262,8 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         route = {Route.STATUS: self._status, Route.RESCUE: self._rescue_state,
-                 Route.RESCUE_FILE: self._rescue_file, Route.STACKS: self._stacks}
+                 Route.RESCUE_FILE: self._rescue_file, Route.STACKS: self._stacks,
+                 Route.SUMMARY: self._summary}
         handler = {route_path(r): h for r, h in route.items()}.get(url.path)
         if handler is None:
             self._reply(404, {wire.ERROR: f"no such path {url.path[:200]}"})
@@ -312,6 +315,13 @@ class _Handler(BaseHTTPRequestHandler):
         beats = heartbeat_report(self.agent.root / "heartbeats", self.agent.ranks, now)
         crossed = crossed_report(self.agent.root, self.agent.ranks)
         return {**self.agent.status_record(), wire.HEARTBEATS: beats, wire.CROSSED: crossed}
+
+    def _summary(self, _query: dict[str, Any]) -> dict[str, Any]:
+        """An aggregator's group summary (relay.launchers.aggregator); a node agent has none."""
+        summary = getattr(self.agent, "summary_record", None)
+        if summary is None:
+            raise FileNotFoundError("this agent is no aggregator: it serves no summary")
+        return dict(summary())
 
     def _stop(self, body: dict[str, Any]) -> dict[str, Any]:
         self.agent.request_stop(str(body.get(wire.REASON) or "Relay asked over the channel"))

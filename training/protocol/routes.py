@@ -30,6 +30,7 @@ class Route(StrEnum):
     STACKS_SIGNAL = "stacks/signal"  # POST: have silent ranks dump their stacks from C
     CLAIM = "claim"  # POST: who acts on this attempt's fault (the first claimer wins)
     STANDBY = "standby"  # POST: fork a preloaded standby agent for the next attempt
+    SUMMARY = "summary"  # GET (an aggregator's only): its group's agents' status in one answer
 
 
 def route_path(route: Route) -> str:
@@ -74,6 +75,14 @@ AGE_SECONDS = "age_seconds"  # since the record was written, on the node's clock
 PHASE_AGE_SECONDS = "phase_age_seconds"  # since the rank entered its phase, likewise
 FIRST_STEP = "first_step"  # rank 0's first productive step (launch.FIRST_STEP_FILE's record)
 CROSSED = "crossed"  # the last segment boundaries rank 0 recorded crossing (rank 0's node)
+
+# -- GET summary: the answer of an aggregator (relay.launchers.aggregator) ---------------
+NODES = "nodes"  # node -> its agent's latest status (STATE, EXIT_CODES, ERRORS, CROSSED) and:
+SEEN_AGE_SECONDS = "seen_age_seconds"  # since the aggregator last heard that agent, on its clock
+BEATS = "beats"  # the node's heartbeats, each a list of BEAT_FIELDS' values in that order
+BEAT_FIELDS = ("rank", "pid", "pid_started", "step", "phase", "compute_seconds", "compute_total",
+               "samples_per_second", "loss", "nonfinite_step", "seq", AGE_SECONDS,
+               PHASE_AGE_SECONDS)
 
 # -- POST stop -------------------------------------------------------------------------
 REASON = "reason"  # request: why (for the agent's log)

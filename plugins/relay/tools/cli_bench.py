@@ -54,7 +54,7 @@ def _cmd_bench_watcher(args: argparse.Namespace) -> int:
     from relay.tools.bench.watcher import main as bench_main
 
     return bench_main(nodes=args.nodes, seconds=args.seconds, per_node=args.ranks_per_node,
-                      smoke=args.smoke)
+                      smoke=args.smoke, direct=args.direct)
 
 
 def _counts(text: str) -> list[int]:
@@ -100,6 +100,8 @@ def add_commands(sub: Any) -> None:  # noqa: ANN401 - argparse's private subpars
     watcher.add_argument("--ranks-per-node", type=int, default=8)
     watcher.add_argument("--smoke", action="store_true", help="8 nodes, 3 s fault-free")
     watcher.add_argument("--seconds", type=float, default=30.0)
+    watcher.add_argument("--direct", action="store_true",
+                         help="ask every agent directly, no aggregators (the design before)")
     watcher.set_defaults(func=_cmd_bench_watcher)
     goodput = bench.add_parser("goodput", help="ETTR under faults: Relay vs a torchrun baseline")
     goodput.add_argument("--steps", type=int, default=1200)

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from relay.tools.bench.agent_sim import HEARTBEAT_SECONDS, Cluster, SimFault
+from relay.launchers.agent_groups import AGGREGATE_SECONDS, decode_node
+from relay.tools.bench.agent_sim import (
+    HEARTBEAT_SECONDS,
+    Cluster,
+    SimAgent,
+    SimAggregator,
+    SimFault,
+)
 from relay_train.protocol.heartbeat import Phase
+from relay_train.protocol.routes import NODES, SEEN_AGE_SECONDS
 
 T0 = 1_000_000.0
 
@@ -94,3 +104,26 @@ def test_a_bad_script_line_is_refused(raw: dict[str, object]) -> None:
 def test_a_script_line_round_trips() -> None:
     fault = SimFault.from_dict({"kind": "partition", "at": 3.0, "node": "node-1", "until": 4.0})
     assert fault == SimFault("partition", 3.0, node="node-1", until=4.0)
+
+
+def test_an_aggregator_reports_its_group_as_of_its_last_round(tmp_path: Path) -> None:
+    job = cluster(SimFault("stop_node", T0 + 5.0, node="node-1"))
+    agents = [SimAgent(job, job.node_name(n), "a", tmp_path) for n in (0, 1)]
+    aggregator = SimAggregator(job, "aggregator-0", agents, "a", offset=T0)
+    aggregator.summary_record(T0 + 4.9)  # asked while node-1 still answered (last round 4.8)
+    now = T0 + 9.03
+    summary = aggregator.summary_record(now)[NODES]
+    assert sorted(summary) == ["node-0", "node-1"]
+    assert summary["node-0"][SEEN_AGE_SECONDS] == pytest.approx(0.03)  # its last round: 9.0
+    assert summary["node-1"][SEEN_AGE_SECONDS] == pytest.approx(now - (T0 + 4.8))
+    _, _, beats, _ = decode_node("node-1", summary["node-1"], now)  # frozen: it ages as it would
+    assert sorted(beats) == job.ranks_of("node-1")
+    assert all(now - b.wall_clock > 3.5 for b in beats.values())
+    _, _, fresh, _ = decode_node("node-0", summary["node-0"], now)
+    assert all(now - b.wall_clock < HEARTBEAT_SECONDS + AGGREGATE_SECONDS for b in fresh.values())
+
+
+def test_stop_node_on_an_aggregators_name_freezes_that_aggregator() -> None:
+    job = cluster(SimFault("stop_node", T0 + 5.0, node="aggregator-0"))
+    assert job.answers("aggregator-0", T0 + 4.0) and not job.answers("aggregator-0", T0 + 6.0)
+    assert job.answers("node-0", T0 + 6.0)

@@ -49,7 +49,7 @@ def test_the_wire_spells_routes_and_states_as_before() -> None:
     # What agents of an earlier install and Relay already exchange: never renamed by accident.
     assert {route_path(r) for r in Route} == {
         "/v1/status", "/v1/stop", "/v1/drain", "/v1/rescue", "/v1/rescue/file", "/v1/stacks",
-        "/v1/stacks/signal", "/v1/claim", "/v1/standby"}
+        "/v1/stacks/signal", "/v1/claim", "/v1/standby", "/v1/summary"}
     assert [s.value for s in NodeState] == [
         "starting", "running", "succeeded", "failed", "unresponsive"]
     assert SETTLED == {"succeeded", "failed"}

@@ -37,6 +37,7 @@ from relay.core.exceptions import NotOursError
 from relay.core.proctree import group_members
 from relay.launchers import launch_record
 from relay.launchers.agent_client import MAX_PARALLEL, AgentChannel
+from relay.launchers.agent_groups import Group
 from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
 from relay.launchers.local.signals import LocalSignals
 from relay.launchers.local.warm_agents import (
@@ -106,6 +107,9 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
 
         self._channels: dict[Path, AgentChannel] = {}
         self._attached: dict[Path, dict[str, Any]] = {}  # root -> a handle that travelled
+        # root -> (handle.json's stat, what it said): a poll reads it twice, and at 1,024
+        # nodes parsing it cost more than the detector
+        self._read: dict[Path, tuple[tuple[int, int, int], dict[str, Any]]] = {}
         self.continuity = LocalContinuity(self)
 
     def config(self) -> dict[str, Any]:
@@ -177,7 +181,11 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
         if root in self._attached:
             return dict(self._attached[root])
         try:
-            return dict(json.loads((root / HANDLE_FILE).read_text()))
+            seen = (root / HANDLE_FILE).stat()
+            key = (seen.st_mtime_ns, seen.st_size, seen.st_ino)
+            if root not in self._read or self._read[root][0] != key:
+                self._read[root] = (key, dict(json.loads((root / HANDLE_FILE).read_text())))
+            return dict(self._read[root][1])
         except (OSError, ValueError, TypeError):
             return {}
 
@@ -200,6 +208,18 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return {}
 
+    def _groups(self, attempt: Attempt) -> list[Group]:
+        """Return the attempt's aggregators (``aggregators`` in its handle: name -> port and
+        nodes; relay.launchers.agent_groups), if it has any."""
+        try:
+            return [Group(str(name), f"http://127.0.0.1:{int(g['port'])}",
+                          tuple(str(n) for n in g["nodes"]))
+                    for name, g in (self.handle(attempt).get("aggregators") or {}).items()]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            log.warning("The aggregators in the handle of %s are unreadable: asking every agent "
+                        "directly", attempt.runs_in)
+            return []
+
     def started_at(self, attempt: Attempt) -> float:
         """Return when the attempt was launched (epoch seconds)."""
         found = self.handle(attempt)
@@ -215,7 +235,8 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
             attempt_id = str(self.handle(attempt).get("attempt_id") or attempt_id_of(root))
             addresses = {n: f"http://127.0.0.1:{ids['port']}"
                          for n, ids in self._handle(attempt).items() if ids["port"] is not None}
-            self._channels[root] = AgentChannel(attempt_id, addresses, channel_secret(root))
+            self._channels[root] = AgentChannel(attempt_id, addresses, channel_secret(root),
+                                                groups=self._groups(attempt))
         return self._channels[root]
 
     def status(self, attempt: Attempt) -> LaunchStatus:
@@ -223,9 +244,13 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
         channel = self.channel(attempt)
         channel.poll()
         nodes: dict[str, NodeStatus] = {}
+        running: dict[tuple[int | None, int | None], bool] = {}  # each process looked up once
         for node, ids in self._handle(attempt).items():
             report = channel.reports.get(node)  # its latest answer, if it ever answered
-            alive = pids.is_running(ids["pid"], ids["started"])
+            process = (ids["pid"], ids["started"])
+            if process not in running:  # (one simulator process serves every node: the bench)
+                running[process] = pids.is_running(ids["pid"], ids["started"])
+            alive = running[process]
             if report is None:
                 state = NodeState.STARTING if alive else NodeState.FAILED
                 detail = "" if alive else "agent exited before reporting any status"

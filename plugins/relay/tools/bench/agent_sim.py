@@ -22,13 +22,22 @@ JSON object a line on stdin, after the channel secret); their kinds are those of
 - ``partition``: the node's agent is unreachable (no answer) until ``until``; its ranks
   carry on.
 
-Run: ``python -m relay.tools.bench.agent_sim ROOT NODES RANKS_PER_NODE ATTEMPT_ID`` with the
-channel secret as stdin's first line; it writes ``ports.json`` (node -> port, and its
-``started_at``) in ROOT once every node listens.
+With ``GROUP_SIZE`` > 0 it also serves one aggregator per group of that many nodes
+(:mod:`relay.launchers.agent_groups`): the real server's ``summary`` route, its answer
+built by the real :func:`~relay.launchers.agent_groups.encode_summary` from what the
+group's agents said at the aggregator's last round (every ``AGGREGATE_SECONDS``), so its
+nodes' answers age as a real aggregator's do. ``stop_node`` on an aggregator's name
+freezes that aggregator.
+
+Run: ``python -m relay.tools.bench.agent_sim ROOT NODES RANKS_PER_NODE ATTEMPT_ID
+[GROUP_SIZE]`` with the channel secret as stdin's first line; it writes ``ports.json`` (node
+-> port, aggregators: name -> port and nodes, and its ``started_at``) in ROOT once every
+node listens.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -42,10 +51,11 @@ from pathlib import Path
 from socketserver import StreamRequestHandler
 from typing import Any
 
+from relay.launchers.agent_groups import AGGREGATE_SECONDS, encode_summary, groups_of
 from relay_train.agent.server import AgentServer
 from relay_train.protocol import routes as wire
 from relay_train.protocol.heartbeat import Heartbeat, Phase, write_atomically
-from relay_train.protocol.routes import EXIT_CODES, STATE, NodeState
+from relay_train.protocol.routes import EXIT_CODES, HEARTBEATS, STATE, NodeState
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +65,12 @@ STEP_SECONDS = 0.1  # a healthy step
 COMPUTE_SHARE = 0.5  # of a step; the rest is the collective
 HEARTBEAT_SECONDS = 0.5  # how often a rank writes its heartbeat (the job spec's default)
 JITTER = 0.03  # each rank's compute differs from the median by up to this share
+
+
+@functools.cache
+def _jitter(rank: int) -> float:
+    """Return how much longer (or shorter) ``rank``'s compute is than the median's."""
+    return 1.0 + JITTER * ((zlib.crc32(str(rank).encode()) % 201) / 100.0 - 1.0)
 
 
 @dataclass(frozen=True)
@@ -143,7 +159,7 @@ class Cluster:
         return before + after, before * compute + after * compute * mine
 
     def _jitter(self, rank: int) -> float:
-        return 1.0 + JITTER * ((zlib.crc32(str(rank).encode()) % 201) / 100.0 - 1.0)
+        return _jitter(rank)
 
     def last_written(self, rank: int, now: float) -> float | None:
         """Return when ``rank`` last wrote its heartbeat by ``now`` (None: not yet)."""
@@ -225,6 +241,45 @@ class SimAgent:
         return None
 
 
+class SimAggregator:
+    """One simulated aggregator: what its group's agents said at its last round."""
+
+    def __init__(self, cluster: Cluster, name: str, agents: list[SimAgent], attempt_id: str,
+                 offset: float) -> None:
+        self.cluster = cluster
+        self.node = name
+        self.attempt_id = attempt_id
+        self.root = Path()
+        self.ranks: list[int] = []
+        self.agents = agents
+        self.offset = offset  # aggregators ask out of step with one another
+        self.round = float("-inf")
+        self.heard: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    def status_record(self) -> dict[str, Any]:
+        """Say it runs."""
+        return {STATE: NodeState.RUNNING}
+
+    def summary_record(self, now: float | None = None) -> dict[str, Any]:
+        """Return the group's summary as the aggregator's last round left it."""
+        now = time.time() if now is None else now
+        at = self.offset + math.floor((now - self.offset) / AGGREGATE_SECONDS) * AGGREGATE_SECONDS
+        if at > self.round:
+            self.round = at
+            for agent in self.agents:
+                if self.cluster.answers(agent.node, at):
+                    self.heard[agent.node] = (at, {**agent.status_record(),
+                                                   HEARTBEATS: self.cluster.report(agent.node, at)})
+        return encode_summary(self.heard, now)
+
+    def request_stop(self, reason: str) -> None:
+        """Nothing to stop."""
+
+    def request_standby(self, directory: Path, ttl: float, linger: float) -> int | None:
+        """Fork no standby."""
+        return None
+
+
 class _NoDeadline:
     """One request at a time, on loopback: no timer thread per request."""
 
@@ -241,6 +296,8 @@ def _sim_handler(base: type[StreamRequestHandler], cluster: Cluster) -> type:
             self.deadline = _NoDeadline()
 
         def _status(self, _query: dict[str, Any]) -> dict[str, Any]:
+            if not isinstance(self.agent, SimAgent):
+                return self.agent.status_record()
             now = time.time()
             return {**self.agent.status_record(),
                     wire.HEARTBEATS: cluster.report(self.agent.node, now), wire.CROSSED: []}
@@ -251,23 +308,42 @@ def _sim_handler(base: type[StreamRequestHandler], cluster: Cluster) -> type:
 class Simulator:
     """Serve every simulated node's channel from one thread."""
 
-    def __init__(self, cluster: Cluster, attempt_id: str, root: Path, secret: str) -> None:
+    def __init__(self, cluster: Cluster, attempt_id: str, root: Path, secret: str,
+                 group_size: int = 0) -> None:
         self.cluster = cluster
         self.servers: dict[str, Any] = {}  # node -> its (never started) AgentServer's httpd
+        agents = {}
         for n in range(cluster.nodes):
             node = cluster.node_name(n)
-            server = AgentServer(SimAgent(cluster, node, attempt_id, root), "127.0.0.1", 0,
-                                 secret=secret)
-            httpd = server.httpd
-            httpd.RequestHandlerClass = _sim_handler(httpd.RequestHandlerClass, cluster)
-            self.servers[node] = httpd
+            agents[node] = SimAgent(cluster, node, attempt_id, root)
+            self.servers[node] = self._serve(agents[node], secret)
+        self.groups: dict[str, list[str]] = {}  # aggregator -> its nodes
+        cut = groups_of(list(agents), group_size) if group_size > 0 else []
+        for g, nodes in enumerate(cut):
+            name = f"aggregator-{g}"
+            self.groups[name] = nodes
+            offset = cluster.started_at + AGGREGATE_SECONDS * g / max(len(cut), 1)
+            self.servers[name] = self._serve(SimAggregator(
+                cluster, name, [agents[n] for n in nodes], attempt_id, offset), secret)
         self.selector = selectors.DefaultSelector()
         self.listening: set[str] = set()
         self.stop = threading.Event()
 
+    def _serve(self, agent: SimAgent | SimAggregator, secret: str) -> Any:  # noqa: ANN401
+        """Return a (never started) real AgentServer's httpd for ``agent``."""
+        httpd = AgentServer(agent, "127.0.0.1", 0, secret=secret).httpd
+        httpd.RequestHandlerClass = _sim_handler(httpd.RequestHandlerClass, self.cluster)
+        return httpd
+
     def ports(self) -> dict[str, int]:
         """Return each node's port."""
-        return {node: int(httpd.server_address[1]) for node, httpd in self.servers.items()}
+        return {node: int(httpd.server_address[1]) for node, httpd in self.servers.items()
+                if node not in self.groups}
+
+    def aggregators(self) -> dict[str, dict[str, Any]]:
+        """Return each aggregator's port and nodes."""
+        return {name: {"port": int(self.servers[name].server_address[1]), "nodes": nodes}
+                for name, nodes in self.groups.items()}
 
     def _listen_to_answering(self, now: float) -> None:
         """Serve the nodes that answer now; leave the others' connections unanswered."""
@@ -318,10 +394,12 @@ def _read_faults(cluster: Cluster) -> None:
 def main(argv: list[str]) -> int:
     """Serve ``NODES`` simulated agents until killed."""
     root, nodes, per_node, attempt_id = Path(argv[0]), int(argv[1]), int(argv[2]), argv[3]
+    group_size = int(argv[4]) if len(argv) > 4 else 0
     secret = sys.stdin.readline().strip()  # the channel secret: not on the command line
     cluster = Cluster(nodes, per_node, time.time())
-    sim = Simulator(cluster, attempt_id, root, secret)
+    sim = Simulator(cluster, attempt_id, root, secret, group_size)
     write_atomically(root / PORTS_FILE, json.dumps({"ports": sim.ports(),
+                                                    "aggregators": sim.aggregators(),
                                                     "started_at": cluster.started_at}))
     threading.Thread(target=_read_faults, args=(cluster,), daemon=True).start()
     try:

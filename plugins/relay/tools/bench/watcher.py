@@ -12,7 +12,11 @@ watcher's own. Per size it reports:
   p50/p99; it must stay silent;
 - one run per scripted fault (a frozen node, a hang, a straggler), struck after a warm-up:
   the detection latency (the event's ``detected_at`` - the strike), and whether the
-  watcher named the right kind and culprit.
+  watcher named the right kind and culprit;
+- above ``DIRECT_MAX_NODES`` nodes (unless ``direct``), the watcher reads them through the
+  simulator's aggregators (:mod:`relay.launchers.agent_groups`, ``GROUP_SIZE`` nodes each),
+  and one more run freezes an aggregator: the watcher must stay silent (its nodes are
+  asked directly).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import relay
+from relay.launchers.agent_groups import DIRECT_MAX_NODES, GROUP_SIZE
 from relay.launchers.local.launcher import HANDLE_FILE, agent_handle
 from relay.policy.model import Detection, load_policy
 from relay.tools.bench.agent_sim import PORTS_FILE, SimFault
@@ -44,6 +49,7 @@ from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig
 ATTEMPT_ID = "bench/watcher/segment-000/try-1"
 WARMUP_SECONDS = 5.0  # before a fault strikes: past the straggler rule's start-up
 DETECT_WITHIN_SECONDS = 20.0
+QUIET_SECONDS = 10.0  # watched after an aggregator froze: no event may come
 DEFAULT_POLICY = Path(relay.__file__).resolve().parents[2] / "policies" / "default.yaml"
 
 
@@ -72,8 +78,10 @@ def default_detection() -> Detection:
 
 
 @contextmanager
-def simulated(nodes: int, per_node: int) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
-    """Start the simulator for ``nodes`` nodes; yield the attempt folder and the process."""
+def simulated(nodes: int, per_node: int, group_size: int = 0,
+              ) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
+    """Start the simulator for ``nodes`` nodes (and their aggregators, ``group_size`` nodes
+    each: 0 for none); yield the attempt folder and the process."""
     with tempfile.TemporaryDirectory(prefix="relay-bench-watcher-") as tmp:
         root = Path(tmp)
         secret = new_secret()
@@ -84,7 +92,7 @@ def simulated(nodes: int, per_node: int) -> Iterator[tuple[Path, subprocess.Pope
                      channel_secret=secret).write(root / LAUNCH_FILE)
         sim = subprocess.Popen(
             [sys.executable, "-m", "relay.tools.bench.agent_sim", str(root), str(nodes),
-             str(per_node), ATTEMPT_ID], stdin=subprocess.PIPE)
+             str(per_node), ATTEMPT_ID, str(group_size)], stdin=subprocess.PIPE)
         try:
             assert sim.stdin is not None
             sim.stdin.write(f"{secret}\n".encode())
@@ -97,7 +105,8 @@ def simulated(nodes: int, per_node: int) -> Iterator[tuple[Path, subprocess.Pope
             handle = {node: {**agent_handle(sim.pid), "port": port}
                       for node, port in ports["ports"].items()}
             (root / HANDLE_FILE).write_text(json.dumps({
-                "nodes": handle, "started_at": ports["started_at"], "attempt_id": ATTEMPT_ID}))
+                "nodes": handle, "aggregators": ports.get("aggregators") or {},
+                "started_at": ports["started_at"], "attempt_id": ATTEMPT_ID}))
             yield root, sim
         finally:
             sim.kill()
@@ -176,11 +185,12 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def healthy(nodes: int, per_node: int, seconds: float, detection: Detection) -> dict[str, Any]:
+def healthy(nodes: int, per_node: int, seconds: float, detection: Detection,
+            group_size: int = 0) -> dict[str, Any]:
     """Watch a fault-free job for ``seconds``: CPU, memory, poll latency, and every event
     (a false alarm ends a trigger's run: a fresh one goes on watching, as a retry's would)."""
     events: list[dict[str, Any]] = []
-    with simulated(nodes, per_node) as (root, sim), PollTimer() as polls:
+    with simulated(nodes, per_node, group_size) as (root, sim), PollTimer() as polls:
         cpu0, wall0, sim0 = time.process_time(), time.perf_counter(), _cpu_seconds(sim.pid)
         while (left := seconds - (time.perf_counter() - wall0)) > 0:
             event = asyncio.run(_first_event(_trigger(root, nodes, per_node, detection), left))
@@ -203,11 +213,12 @@ def _said(events: list[dict[str, Any]]) -> str:
     return f"{len(events)} FALSE ALARM(S): " + ", ".join(kinds)
 
 
-def detect(nodes: int, per_node: int, trial: Trial, detection: Detection) -> dict[str, Any]:
+def detect(nodes: int, per_node: int, trial: Trial, detection: Detection,
+           group_size: int = 0) -> dict[str, Any]:
     """Strike ``trial``'s fault after the warm-up; return the latency and what was called."""
     node, rank = f"node-{nodes - 1}", (nodes - 1) * per_node + 1
     struck: list[float] = []
-    with simulated(nodes, per_node) as (root, sim):
+    with simulated(nodes, per_node, group_size) as (root, sim):
         def fire() -> None:
             at = time.time()
             struck.append(at)
@@ -223,11 +234,24 @@ def detect(nodes: int, per_node: int, trial: Trial, detection: Detection) -> dic
     return {"latency": latency, "right": right, "called": fault.get("kind") or event}
 
 
-def measure(nodes: int, per_node: int, seconds: float, faults: bool = True) -> int:
+def aggregator_frozen(nodes: int, per_node: int, detection: Detection,
+                      group_size: int) -> list[dict[str, Any]]:
+    """Freeze the last aggregator after the warm-up; return the events of QUIET_SECONDS."""
+    with simulated(nodes, per_node, group_size) as (root, sim):
+        name = f"aggregator-{(nodes - 1) // group_size}"
+        trigger = _trigger(root, nodes, per_node, detection)
+        event = asyncio.run(_first_event(trigger, WARMUP_SECONDS + QUIET_SECONDS, lambda: strike(
+            sim, SimFault("stop_node", time.time(), node=name))))
+    return [event] if event is not None else []
+
+
+def measure(nodes: int, per_node: int, seconds: float, faults: bool = True,
+            direct: bool = False) -> int:
     """Print one size's figures; return 0 if every figure is as it must be (silent when
     healthy, every fault named rightly)."""
     detection = default_detection()
-    h = healthy(nodes, per_node, seconds, detection)
+    group_size = 0 if direct or nodes <= DIRECT_MAX_NODES else GROUP_SIZE
+    h = healthy(nodes, per_node, seconds, detection, group_size)
     needed = h["cpu_per_poll"] / detection.poll_interval
     print(f"  {nodes:>5} nodes x {per_node} ranks: watcher CPU {h['cpu_per_poll'] * 1000:.0f} ms "
           f"per poll = {needed:.0%} of one core at the {detection.poll_interval:g}s poll (used: "
@@ -242,11 +266,16 @@ def measure(nodes: int, per_node: int, seconds: float, faults: bool = True) -> i
         print(f"  {'':5} {trial.name:<12} detected after {said} "
               f"({d['called']}{'' if d['right'] else ': WRONG'})", flush=True)
         bad = bad or not d["right"]
+    if faults and group_size:
+        events = aggregator_frozen(nodes, per_node, detection, group_size)
+        print(f"  {'':5} {'frozen aggregator':<12} events in {QUIET_SECONDS:g}s: "
+              f"{_said(events)}", flush=True)
+        bad = bad or bool(events)
     return int(bad)
 
 
 def main(nodes: list[int] | None = None, seconds: float = 30.0, per_node: int = 8,
-         smoke: bool = False) -> int:
+         smoke: bool = False, direct: bool = False) -> int:
     """Measure the watcher at each node count."""
     counts = nodes or [128, 256, 512, 1024]
     if smoke:
@@ -259,4 +288,4 @@ def main(nodes: list[int] | None = None, seconds: float = 30.0, per_node: int = 
           f"{'(smoke: none)' if smoke else 'one'} run per fault struck after "
           f"{WARMUP_SECONDS:g}s. Compared with: one core, and issue 32's goal at 1,024 nodes "
           "x 8 ranks (<= 10% of one core, detection <= 2 s)", flush=True)
-    return max(measure(n, per_node, seconds, faults=not smoke) for n in counts)
+    return max(measure(n, per_node, seconds, faults=not smoke, direct=direct) for n in counts)

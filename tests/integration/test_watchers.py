@@ -141,7 +141,11 @@ COMPUTE_BOUND_MODEL = {"context": 64, "d_model": 128, "n_layers": 2, "n_heads": 
     ("command", "kind", "culprit"),
     [
         (["kill-rank", "1"], "crash", (1, "node-a")),
-        (["stop-node", "node-b"], "node_unresponsive", (None, "node-b")),
+        # `make test` sees a frozen node called node_unresponsive in test_channel_runs (the
+        # same SIGSTOP of a node's process group, the real watcher); this one, the culprit
+        # among two nodes, runs in `make test-slow` with the frozen-node recoveries.
+        pytest.param(["stop-node", "node-b"], "node_unresponsive", (None, "node-b"),
+                     marks=pytest.mark.slow),
         (["slow-rank", "2", "--factor", "3", "--seconds", "25"], "straggler", (2, "node-b")),
     ],
     ids=["kill-rank", "stop-node", "slow-rank"],

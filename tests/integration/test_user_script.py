@@ -97,7 +97,12 @@ def _broken(store: Store, root: Path, entry: Entrypoint) -> dict[str, Any]:
         return watch(cfg, detection, timeout=90)
 
 
-@pytest.mark.parametrize("case", ["import_error", "missing_file", "exits_2"])
+# Each case is a 4-rank launch (two agents importing the training stack): the user's own exit
+# message, the general path, stays in `make test`; the two messages of the launch's own checks
+# run in `make test-slow` (CI runs it).
+@pytest.mark.parametrize("case", [pytest.param("import_error", marks=pytest.mark.slow),
+                                  pytest.param("missing_file", marks=pytest.mark.slow),
+                                  "exits_2"])
 def test_broken_entrypoint_is_a_launch_failure_with_its_own_message(
     case: str, tmp_path: Path
 ) -> None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -59,17 +60,19 @@ def test_fault_is_classified_with_its_culprit(
     assert 0 <= record["latency"] < DETECTION_BOUND_SECONDS[scenario.expected_kind], record
 
 
-@pytest.mark.parametrize("detection", [Detection(), Detection(
-    derive_hang_timeout=HangFromStepTime())], ids=["as-written", "derived-hang-timeout"])
-def test_step_time_jitter_raises_no_false_alarm(
-    detection: Detection, store: Store, tmp_path: Path
-) -> None:
-    # Every rank loses up to 60 ms per step at random, for 180 steps.
+def test_step_time_jitter_raises_no_false_alarm(store: Store, tmp_path: Path) -> None:
+    # Every rank loses up to 60 ms per step at random, for 180 steps. Two watchers at once on
+    # the one workload (watching twice is harmless): the hang timeout as written, and derived.
     jitter = {"kind": "jitter", "step": 0, "seconds": 0.06, "attempt": None}
     cfg = launch_config(store, tmp_path / "attempt", steps=180, chaos=[jitter])
-    with launched(cfg):
-        event = watch(cfg, detection, timeout=240)
-    assert event["status"] == "completed", event
+    detections = {"as-written": Detection(),
+                  "derived-hang-timeout": Detection(derive_hang_timeout=HangFromStepTime())}
+    with launched(cfg), ThreadPoolExecutor(len(detections)) as pool:
+        watching = {name: pool.submit(watch, cfg, detection, 240)
+                    for name, detection in detections.items()}
+        events = {name: future.result() for name, future in watching.items()}
+    for name, event in events.items():
+        assert event["status"] == "completed", (name, event)
 
 
 def _simulate_job(folder: Path, ranks: int, silent_rank: int | None, seconds: float) -> None:
@@ -141,7 +144,11 @@ COMPUTE_BOUND_MODEL = {"context": 64, "d_model": 128, "n_layers": 2, "n_heads": 
     ("command", "kind", "culprit"),
     [
         (["kill-rank", "1"], "crash", (1, "node-a")),
-        (["stop-node", "node-b"], "node_unresponsive", (None, "node-b")),
+        # `make test` sees a frozen node called node_unresponsive in test_channel_runs (the
+        # same SIGSTOP of a node's process group, the real watcher); this one, the culprit
+        # among two nodes, runs in `make test-slow` with the frozen-node recoveries.
+        pytest.param(["stop-node", "node-b"], "node_unresponsive", (None, "node-b"),
+                     marks=pytest.mark.slow),
         (["slow-rank", "2", "--factor", "3", "--seconds", "25"], "straggler", (2, "node-b")),
     ],
     ids=["kill-rank", "stop-node", "slow-rank"],

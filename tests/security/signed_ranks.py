@@ -71,3 +71,10 @@ def resume_ranks(rank: int, launch: dict[str, Any], sharded: bool) -> None:
         outcome = {"refused": str(exc)}
     out.write_text(json.dumps(outcome))
     session.close()
+
+
+def resume_each(rank: int, launches: list[dict[str, Any]], sharded: bool) -> None:
+    """:func:`resume_ranks` for each launch in turn, in one process per rank (a new Session
+    and process group each): one interpreter start-up, torch imported once, for them all."""
+    for launch in launches:
+        resume_ranks(rank, launch, sharded)

@@ -140,20 +140,18 @@ def test_a_forged_checkpoint_is_refused_before_unpickling_and_the_run_resumes_be
     again, corrupt_again = lineage.resume_point(parent, tmp_path / "again")
     assert corrupt_again == [] and again is not None and again.manifest.step == GOOD
 
-    # The ranks: they resume from the previous checkpoint, bit for bit ...
-    good_root = tmp_path / "try-2"
-    _spawn(signed_ranks.resume_ranks, _launch(good_root, lineage, retry, latest.resume_from()),
-           sharded)
-    weights = signed_ranks.model_state(GOOD)["model"]["weight"].flatten().tolist()
-    assert _outcomes(good_root) == [{"loaded": GOOD, "weights": weights}] * 2
-
-    # ... and handed the forgery itself, every rank refuses it before fetching a byte.
+    # The ranks (the same two processes, one launch after the other): they resume from the
+    # previous checkpoint, bit for bit, and handed the forgery itself, every rank refuses it
+    # before fetching a byte.
+    good_root, forged_root = tmp_path / "try-2", tmp_path / "try-3"
     point = dataclasses.replace(latest.resume_from(), step=FORGED, sha256=forged.sha256,
                                 files=dict(forged.files), manifest=forged.to_json(),
                                 artifact=latest.artifact_uri.replace(
                                     f"step-{GOOD:08d}", f"step-{FORGED:08d}"))
-    forged_root = tmp_path / "try-3"
-    _spawn(signed_ranks.resume_ranks, _launch(forged_root, lineage, retry, point), sharded)
+    _spawn(signed_ranks.resume_each, [_launch(good_root, lineage, retry, latest.resume_from()),
+                                      _launch(forged_root, lineage, retry, point)], sharded)
+    weights = signed_ranks.model_state(GOOD)["model"]["weight"].flatten().tolist()
+    assert _outcomes(good_root) == [{"loaded": GOOD, "weights": weights}] * 2
     for outcome in _outcomes(forged_root):
         assert outcome["refused"].startswith(f"checkpoint at step {FORGED} of run {first}: "
                                              f"{expected}")

@@ -13,7 +13,7 @@ from relay.core.exceptions import ConfigError
 from relay.spec.entry_check import import_problem, script_imports
 from relay.spec.job import load_job_spec
 from relay_train.protocol.launch import Entrypoint
-from relay_train.worker import enter_world
+from relay_train.worker import enter_world, run_entrypoint
 
 HEAD = """\
 job: user
@@ -125,3 +125,15 @@ def test_the_rank_enters_its_world(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert sys.path[:2] == [str(work / "lib"), str(work)]
     problem = enter_world(Entrypoint(module="m", workdir=str(tmp_path / "gone")), attempt)
     assert problem is not None and "entrypoint.workdir" in problem
+
+
+def test_a_missing_script_or_module_fails_the_rank_saying_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the watcher reports as the launch failure's summary (the rank's stderr); end to
+    end, test_user_script's broken entrypoints (these two in `make test-slow`)."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert run_entrypoint(Entrypoint(script=str(tmp_path / "absent.py"))) == 2
+    assert f"entrypoint script {tmp_path / 'absent.py'}: no such file" in capsys.readouterr().err
+    with pytest.raises(ImportError, match="No module named no_such_relay_user_module"):
+        run_entrypoint(Entrypoint(module="no_such_relay_user_module"))

@@ -73,6 +73,14 @@ HEARTBEATS = "heartbeats"  # the node's ranks' heartbeat records, each with its 
 AGE_SECONDS = "age_seconds"  # since the record was written, on the node's clock
 PHASE_AGE_SECONDS = "phase_age_seconds"  # since the rank entered its phase, likewise
 CROSSED = "crossed"  # the last segment boundaries rank 0 recorded crossing (rank 0's node)
+# Only from an agent that received a preemption notice (SIGTERM that was not Relay's stop):
+# {grace_seconds, drain_seconds, age_seconds}: the platform's grace, how long after the notice
+# the ranks may train (the agent stops them then, to end before the platform's SIGKILL), and
+# the notice's age on the node's clock.
+PREEMPTED = "preempted"
+GRACE_SECONDS = "grace_seconds"
+DRAIN_SECONDS = "drain_seconds"
+DEFAULT_PREEMPT_GRACE_SECONDS = 30.0  # Kubernetes' default terminationGracePeriodSeconds
 
 # -- POST stop -------------------------------------------------------------------------
 REASON = "reason"  # request: why (for the agent's log)

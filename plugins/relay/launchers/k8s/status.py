@@ -3,8 +3,8 @@
 Each node slot gets one :class:`~relay.launchers.base.NodeStatus`: the pod's phase,
 unless the pod outlived its deletion deadline or its node has a problem, which
 makes the slot ``unresponsive`` (:class:`~relay_train.protocol.routes.NodeState`);
-what its agent said over the channel adds exit codes, failed ranks' log tails and
-when it last answered. No API calls here;
+what its agent said over the channel adds exit codes, failed ranks' log tails, a
+preemption notice and when it last answered. No API calls here;
 :mod:`relay.launchers.k8s.launcher` fetches the objects and asks the agents.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from relay.launchers.base import NodeStatus
+from relay.launchers.base import NodeStatus, notice_of
 from relay.launchers.k8s.objects import INDEX_ANNOTATION
 from relay_train.protocol.routes import ERRORS, EXIT_CODES, SETTLED, STATE, NodeState
 
@@ -87,6 +87,7 @@ def merge_agent_report(node: NodeStatus, report: NodeReport | None) -> None:
     node.last_seen = report.received_at
     node.exit_codes = {int(r): c for r, c in (record.get(EXIT_CODES) or {}).items()}
     node.errors = {int(r): str(t) for r, t in (record.get(ERRORS) or {}).items()}
+    node.notice = notice_of(record, report.received_at)
     if node.state == NodeState.RUNNING and record.get(STATE) in SETTLED:
         node.state = NodeState(record[STATE])
         failed = {r: c for r, c in node.exit_codes.items() if c not in (None, 0)}

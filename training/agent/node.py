@@ -58,6 +58,7 @@ from relay_train.device import (
     rank_environment,
     rank_start_method,
 )
+from relay_train.protocol import run_lease
 from relay_train.protocol.channel_tls import server_context_from_env
 from relay_train.protocol.env import ENV_CHANNEL_SECRET, ENV_NODE
 from relay_train.protocol.heartbeat import node_clock
@@ -300,6 +301,10 @@ class NodeAgent:
                 self.notice is not None and self.notice.expired()):
             self._fork_standbys()
             time.sleep(0.1)
+            # (the lease is read during one second in five: a run nobody orchestrates)
+            if int(deadline - time.monotonic()) % 5 == 0 and run_lease.attempt_lapsed(self.root):
+                log.info("the run's orchestrator lease lapsed: no one will ask; leaving")
+                return
 
     def _on_term(self, _signum: int, _frame: object) -> None:
         """Take a SIGTERM as the platform's preemption notice, unless Relay asked to stop

@@ -29,8 +29,10 @@ The handshake, in the DAG run's ``resident`` folder, ``<node>`` being the node:
   between the two is given up on after ``TAKEN_WAIT_SECONDS``).
 
 A resident leaves when its run is over: stopped by the run's end (or ``make
-down``), or by itself once no rank of its run has written a heartbeat for
-``idle_seconds`` (a run whose Airflow worker died never tells it).
+down``), or by itself once its run's orchestrator lease has lapsed
+(:mod:`relay_train.protocol.run_lease`: its Airflow task and triggerer were killed, or
+a newer run took over and no one renews this one) or, in a run folder with no lease,
+once no rank of its run has written a heartbeat for ``idle_seconds``.
 
 A resident can also be started before its DAG run exists (prestarted: Relay's own
 ``airflow dags test`` runner starts it beside Airflow's start-up, see
@@ -57,6 +59,7 @@ import uuid
 from pathlib import Path
 
 from relay_train.agent.priority import restore_session, yield_session, yielding_thread
+from relay_train.protocol import run_lease
 from relay_train.protocol.heartbeat import write_atomically
 
 log = logging.getLogger("relay_train.agent.resident")
@@ -205,6 +208,11 @@ class Resident:
                 take_by = None  # a run took it: its heartbeats decide now
             if now - checked > IDLE_CHECK_SECONDS:
                 checked = now
+                run_dir = self._run_dir()
+                if run_dir is not None and run_lease.lapsed(run_dir):
+                    log.info("resident on %s: no one renewed its run's orchestrator lease "
+                             "(%s); leaving", self.node, run_dir / run_lease.LEASE_FILE)
+                    break
                 last_active = max(last_active, now - self._heartbeat_age())
                 if now - last_active > self.idle_seconds:
                     log.info("resident on %s: its run is over (no heartbeat for %.0fs); "

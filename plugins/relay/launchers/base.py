@@ -225,6 +225,11 @@ class Continuity(Protocol):
         """Start the planned spare (blocking: a watcher calls it off its event loop)."""
         ...
 
+    def keep_run(self, run_dir: Path, seconds: float) -> None:
+        """Renew the DAG run's orchestrator lease for ``seconds``: what is kept warm for the
+        run leaves by itself once nobody renews it (its orchestrator was killed)."""
+        ...
+
     def end_run(self, run_dir: Path) -> list[Path]:
         """Stop what still trains for a DAG run that is over, and its warm agents; return
         the workloads stopped."""

@@ -49,6 +49,7 @@ from relay.spec.chaos_conf import chaos_faults
 from relay.spec.job import JobSpec
 from relay.watch.triggers import SegmentWatchTrigger
 from relay_train.protocol.launch import LaunchConfig
+from relay_train.protocol.run_lease import RUN_LEASE_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ class TrainSegmentOperator(RelayOperator):
             steps_per_epoch=spec.steps_per_epoch or 0,
         )
         launch_called = time.time()
+        if continuity is not None:  # what it keeps warm for this run leaves without renewals
+            continuity.keep_run(seg_dir.parent, RUN_LEASE_SECONDS)
         attempt = launcher.launch(cfg)
         journal.write(context, seg_dir, AttemptState.RUNNING, attempt_dir=str(folder),
                       run_id=run_id, nodes=nodes,

@@ -59,6 +59,7 @@ from relay.recover.save_state import (
 )
 from relay.recover.warden_record import Stopped, fetch
 from relay_train.protocol.routes import STANDBY_TTL_SECONDS
+from relay_train.protocol.run_lease import RUN_LEASE_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,8 @@ def _begin(r: Recovery, t: TaskSide, decision: Decision) -> None:
                       launch_record.config_of(r.attempt.runs_in, r.cfg), r.launcher)})
     continuity = r.launcher.continuity
     if decision.retry and continuity is not None:
+        # Hold the run through the backoff: no watcher renews its lease meanwhile.
+        continuity.keep_run(r.attempt.run_dir, decision.backoff_seconds + RUN_LEASE_SECONDS)
         out = {n for n in (decision.quarantine_node, decision.avoid_node) if n}
         nodes = NodePool().next_lease(t.holder, t.nodes_needed, out)
         if nodes:  # else the retry waits for nodes: nothing to warm up

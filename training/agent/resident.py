@@ -174,8 +174,14 @@ class Resident:
         started = time.perf_counter()
         yielded = yield_session()  # before torch's import; its standbys start anew (setsid)
         thread = yielding_thread(_preload_stack, "preload")  # where sessions do not count
+        checked = time.monotonic()
         while thread.is_alive():  # no thread is left when the main thread forks
             thread.join(POLL_SECONDS)
+            if time.monotonic() - checked > IDLE_CHECK_SECONDS:  # at the lowest weight on a
+                checked = time.monotonic()  # loaded host, a preload takes minutes
+                if self._lease_lapsed():
+                    self.stopping = True  # run() leaves; the import thread dies with it
+                    break
             if yielded is not None and any(asks_dir(self.directory, self.node).glob("*.ask")):
                 log.info("resident on %s: asked for a standby while preloading; no longer "
                          "yielding the CPU", self.node)
@@ -188,6 +194,8 @@ class Resident:
     def run(self) -> int:
         """Preload, announce, then answer requests until stopped or idle."""
         preloaded = self.preload()  # SIGTERM meanwhile ends it at once (its default)
+        if self.stopping:
+            return 0
         signal.signal(signal.SIGTERM, self._on_term)
         write_atomically(ready_file(self.directory, self.node), json.dumps(
             {"pid": os.getpid(), "ready_at": time.time(), "preload_seconds": preloaded}))
@@ -208,10 +216,7 @@ class Resident:
                 take_by = None  # a run took it: its heartbeats decide now
             if now - checked > IDLE_CHECK_SECONDS:
                 checked = now
-                run_dir = self._run_dir()
-                if run_dir is not None and run_lease.lapsed(run_dir):
-                    log.info("resident on %s: no one renewed its run's orchestrator lease "
-                             "(%s); leaving", self.node, run_dir / run_lease.LEASE_FILE)
+                if self._lease_lapsed():
                     break
                 last_active = max(last_active, now - self._heartbeat_age())
                 if now - last_active > self.idle_seconds:
@@ -260,6 +265,15 @@ class Resident:
         except OSError:
             return None
         return Path(owner) if owner else None
+
+    def _lease_lapsed(self) -> bool:
+        """Return whether no one renewed the run's orchestrator lease in time (and say so)."""
+        run_dir = self._run_dir()
+        if run_dir is None or not run_lease.lapsed(run_dir):
+            return False
+        log.info("resident on %s: no one renewed its run's orchestrator lease (%s); leaving",
+                 self.node, run_dir / run_lease.LEASE_FILE)
+        return True
 
     def _heartbeat_age(self) -> float:
         """Return the seconds since any rank of this run wrote a heartbeat (inf: none yet)."""

@@ -154,12 +154,14 @@ class ChaosMonkey:
 
     def before_step(self, step: int) -> None:
         """Strike the one-shot process faults planned for ``step``."""
-        for index, fault in self._due(step, ("crash", "stop_rank", "stop_node")):
+        for index, fault in self._due(step, ("crash", "stop_rank", "stop_node", "preempt")):
             self._record(index, fault, step)
             if fault.kind == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "stop_rank":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif fault.kind == "preempt":
+                _notify_agent()
             else:
                 _freeze_node()
 
@@ -207,6 +209,13 @@ def child_pids() -> dict[int, list[int]]:
                 continue
             children.setdefault(ppid, []).append(int(entry.name))
     return children
+
+
+def _notify_agent() -> None:
+    """SIGTERM this rank's node agent (a preemption notice), while it is still its parent."""
+    agent = int(os.environ.get(ENV_NODE_AGENT_PID) or os.getppid())
+    if agent == os.getppid() and agent > 1:
+        os.kill(agent, signal.SIGTERM)
 
 
 def _freeze_node() -> None:

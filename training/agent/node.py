@@ -7,7 +7,9 @@ defers) and can be stopped as a group. It answers Relay over the network
 the ranks' heartbeats with their ages on this node's clock, and Relay's
 requests (stop, drain, rescue, stacks). Once its ranks have ended it keeps
 answering for ``--linger`` seconds, until Relay stops it, so the final state
-is read over the channel too.
+is read over the channel too. A SIGTERM Relay did not ask for is the platform's
+preemption notice (:mod:`relay_train.agent.notice`): the ranks train on, the channel
+says ``preempted``, and Relay drains them within the grace.
 
 The agent is a fork server: it imports what every rank needs once (torch,
 the training loop, the optimizer's lazy imports, MLflow on the node hosting
@@ -36,6 +38,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from relay_train.agent.notice import Notice, grace_from_env
 from relay_train.agent.preload import preload_publisher, preload_worker
 from relay_train.agent.priority import yielding_thread
 from relay_train.agent.ranks import (
@@ -63,12 +66,14 @@ from relay_train.device import (
     rank_environment,
     rank_start_method,
 )
+from relay_train.protocol import run_lease
 from relay_train.protocol.channel_tls import server_context_from_env
 from relay_train.protocol.env import ENV_CHANNEL_SECRET, ENV_NODE
 from relay_train.protocol.heartbeat import node_clock
 from relay_train.protocol.launch import (
     BUILTIN_ENTRYPOINT,
     FIRST_STEP_FILE,
+    PREEMPTED_EXIT,
     Entrypoint,
     LaunchConfig,
 )
@@ -79,6 +84,7 @@ from relay_train.protocol.routes import (
     EXIT_CODES,
     FIRST_STEP,
     PGID,
+    PREEMPTED,
     RANK_PIDS,
     STANDBY_TTL_SECONDS,
     STATE,
@@ -117,6 +123,8 @@ class NodeAgent:
         self.server: AgentServer | None = None
         self._standby_asks: queue.SimpleQueue[StandbyAsk] = queue.SimpleQueue()
         self._behind: threading.Thread | None = None  # MLflow's import, once the ranks run
+        self.grace_seconds = grace_from_env()  # a preemption notice's (see _on_term)
+        self.notice: Notice | None = None
 
     def preload(self) -> float:
         """Import what the ranks need, once, before forking them; return the seconds it took."""
@@ -151,7 +159,9 @@ class NodeAgent:
     def status_record(self) -> dict[str, Any]:
         """Return this node's state for the channel: state, PIDs, exit codes, errors."""
         procs = dict(self.procs)
+        notice = self.notice
         return {
+            **({PREEMPTED: notice.record()} if notice is not None else {}),
             STATE: self.state,
             AGENT_PID: os.getpid(),
             PGID: os.getpgid(0),
@@ -260,7 +270,7 @@ class NodeAgent:
         finally:
             if self.server is not None:
                 self.server.close()
-        return code
+        return PREEMPTED_EXIT if self.notice is not None else code
 
     def _serve(self) -> None:
         """Open the channel: after the ranks are forked, so none holds its socket or a lock."""
@@ -271,7 +281,7 @@ class NodeAgent:
             log.info("preloaded the training stack in %.2fs", self.preload())
         else:  # a standby preloaded already: this imports nothing new
             self.preload()
-        if self.stopping:
+        if self.stopping or self.notice is not None:  # nothing trains yet: nothing to drain
             self.set_state(NodeState.FAILED)
             self._serve()  # to say so
             return 1
@@ -288,6 +298,8 @@ class NodeAgent:
             return 1
         while True:
             codes = {r: p.exitcode for r, p in self.procs.items()}
+            if self.notice is not None and not self.stopping and self.notice.due():
+                self.stopping = True  # no stop from Relay in time: beat the platform's SIGKILL
             if self.stopping:
                 self.stop_ranks("agent asked to stop")
             elif any(c not in (None, 0) for c in codes.values()):
@@ -308,12 +320,20 @@ class NodeAgent:
     def _linger(self) -> None:
         """Keep answering (the final state) until Relay stops us or ``linger_seconds`` pass."""
         deadline = time.monotonic() + self.linger_seconds
-        while not self.stopping and time.monotonic() < deadline:
+        while not self.stopping and time.monotonic() < deadline and not (
+                self.notice is not None and self.notice.expired()):
             self._fork_standbys()
             time.sleep(0.1)
+            # (the lease is read during one second in five: a run nobody orchestrates)
+            if int(deadline - time.monotonic()) % 5 == 0 and run_lease.attempt_lapsed(self.root):
+                log.info("the run's orchestrator lease lapsed: no one will ask; leaving")
+                return
 
     def _on_term(self, _signum: int, _frame: object) -> None:
-        self.stopping = True
+        """Take a SIGTERM as the platform's preemption notice, unless Relay asked to stop
+        (its stop asks over the channel first) or a notice came already (it is repeated)."""
+        if not self.stopping and self.notice is None:
+            self.notice = Notice(self.grace_seconds)  # logged by _supervise: no lock here
 
 
 def fork_standby(node: str, directory: Path, ttl: float, linger: float) -> int:

@@ -29,8 +29,10 @@ The handshake, in the DAG run's ``resident`` folder, ``<node>`` being the node:
   between the two is given up on after ``TAKEN_WAIT_SECONDS``).
 
 A resident leaves when its run is over: stopped by the run's end (or ``make
-down``), or by itself once no rank of its run has written a heartbeat for
-``idle_seconds`` (a run whose Airflow worker died never tells it).
+down``), or by itself once its run's orchestrator lease has lapsed
+(:mod:`relay_train.protocol.run_lease`: its Airflow task and triggerer were killed, or
+a newer run took over and no one renews this one) or, in a run folder with no lease,
+once no rank of its run has written a heartbeat for ``idle_seconds``.
 
 A resident can also be started before its DAG run exists (prestarted: Relay's own
 ``airflow dags test`` runner starts it beside Airflow's start-up, see
@@ -57,6 +59,7 @@ import uuid
 from pathlib import Path
 
 from relay_train.agent.priority import restore_session, yield_session, yielding_thread
+from relay_train.protocol import run_lease
 from relay_train.protocol.heartbeat import write_atomically
 
 log = logging.getLogger("relay_train.agent.resident")
@@ -171,8 +174,14 @@ class Resident:
         started = time.perf_counter()
         yielded = yield_session()  # before torch's import; its standbys start anew (setsid)
         thread = yielding_thread(_preload_stack, "preload")  # where sessions do not count
+        checked = time.monotonic()
         while thread.is_alive():  # no thread is left when the main thread forks
             thread.join(POLL_SECONDS)
+            if time.monotonic() - checked > IDLE_CHECK_SECONDS:  # at the lowest weight on a
+                checked = time.monotonic()  # loaded host, a preload takes minutes
+                if self._lease_lapsed():
+                    self.stopping = True  # run() leaves; the import thread dies with it
+                    break
             if yielded is not None and any(asks_dir(self.directory, self.node).glob("*.ask")):
                 log.info("resident on %s: asked for a standby while preloading; no longer "
                          "yielding the CPU", self.node)
@@ -185,6 +194,8 @@ class Resident:
     def run(self) -> int:
         """Preload, announce, then answer requests until stopped or idle."""
         preloaded = self.preload()  # SIGTERM meanwhile ends it at once (its default)
+        if self.stopping:
+            return 0
         signal.signal(signal.SIGTERM, self._on_term)
         write_atomically(ready_file(self.directory, self.node), json.dumps(
             {"pid": os.getpid(), "ready_at": time.time(), "preload_seconds": preloaded}))
@@ -205,6 +216,8 @@ class Resident:
                 take_by = None  # a run took it: its heartbeats decide now
             if now - checked > IDLE_CHECK_SECONDS:
                 checked = now
+                if self._lease_lapsed():
+                    break
                 last_active = max(last_active, now - self._heartbeat_age())
                 if now - last_active > self.idle_seconds:
                     log.info("resident on %s: its run is over (no heartbeat for %.0fs); "
@@ -252,6 +265,15 @@ class Resident:
         except OSError:
             return None
         return Path(owner) if owner else None
+
+    def _lease_lapsed(self) -> bool:
+        """Return whether no one renewed the run's orchestrator lease in time (and say so)."""
+        run_dir = self._run_dir()
+        if run_dir is None or not run_lease.lapsed(run_dir):
+            return False
+        log.info("resident on %s: no one renewed its run's orchestrator lease (%s); leaving",
+                 self.node, run_dir / run_lease.LEASE_FILE)
+        return True
 
     def _heartbeat_age(self) -> float:
         """Return the seconds since any rank of this run wrote a heartbeat (inf: none yet)."""

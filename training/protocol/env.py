@@ -62,6 +62,12 @@ ENV_CLOCK_SKEW = "RELAY_CLOCK_SKEW_SECONDS"
 # environment once read, so that neither its ranks nor a standby it forks inherit it.
 ENV_CHANNEL_SECRET = "RELAY_CHANNEL_SECRET"
 
+# Set by a launcher whose platform gives a node notice before taking it back (a Kubernetes
+# pod's terminationGracePeriodSeconds, Slurm's --signal=TERM@N, a spot reclaim's warning):
+# the seconds from the SIGTERM its node agent receives to the platform's SIGKILL. Unset: the
+# agent assumes relay_train.protocol.routes.DEFAULT_PREEMPT_GRACE_SECONDS.
+ENV_PREEMPT_GRACE = "RELAY_PREEMPT_GRACE_SECONDS"
+
 
 # What the rank's environment gets from torchrun's contract and Relay: a job spec's
 # ``entrypoint.env`` may not set these (names, or a prefix ending in ``_``).

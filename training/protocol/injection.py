@@ -14,7 +14,8 @@ defaults to 1 so Airflow's retry runs clean; ``null`` means every attempt).
 One-shot kinds (:data:`ONE_SHOT`) strike once at ``step``: ``crash`` (SIGKILL
 the rank), ``hang`` (the rank stops stepping but stays alive), ``stop_rank``
 (SIGSTOP the rank: it goes silent), ``stop_node`` (SIGSTOP the rank's whole
-process group: the node's agent and every rank on it), ``nan`` (the loss
+process group: the node's agent and every rank on it), ``preempt`` (SIGTERM
+the rank's node agent, as a platform's preemption notice would), ``nan`` (the loss
 becomes NaN) and ``launch_failure`` (the rank never starts; ``step`` is
 ignored). Lasting kinds (:data:`LASTING`) hold from ``step`` on: ``straggler``
 (compute takes ``factor`` x as long), ``jitter`` (up to ``seconds`` of random
@@ -34,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ONE_SHOT = ("crash", "hang", "stop_rank", "stop_node", "nan", "launch_failure")
+ONE_SHOT = ("crash", "hang", "stop_rank", "stop_node", "preempt", "nan", "launch_failure")
 LASTING = ("straggler", "jitter", "pace")
 KINDS = ONE_SHOT + LASTING
 CHAOS_LOG = "chaos.jsonl"  # in the attempt folder: one line per strike

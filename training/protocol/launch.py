@@ -37,6 +37,9 @@ BUILTIN_ENTRYPOINT = "relay_train.examples.charlm"  # what a spec without an ent
 # with this code (sysexits' EX_CONFIG) after writing short_segment_message() as the last line
 # of its log; Relay's watcher needs both (a script's own sys.exit(78) is a crash).
 SHORT_SEGMENT_EXIT = 78
+# A node agent that received a preemption notice (SIGTERM while its ranks ran, not Relay's
+# stop) exits with this code (sysexits' EX_TEMPFAIL): the node was taken back, not broken.
+PREEMPTED_EXIT = 75
 _SHORT_SEGMENT = re.compile(r"relay_train: short segment: rank (\d+) .* at step (\d+); "
                             r"expected .* to step (\d+)")
 

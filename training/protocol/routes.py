@@ -75,6 +75,14 @@ AGE_SECONDS = "age_seconds"  # since the record was written, on the node's clock
 PHASE_AGE_SECONDS = "phase_age_seconds"  # since the rank entered its phase, likewise
 FIRST_STEP = "first_step"  # rank 0's first productive step (launch.FIRST_STEP_FILE's record)
 CROSSED = "crossed"  # the last segment boundaries rank 0 recorded crossing (rank 0's node)
+# Only from an agent that received a preemption notice (SIGTERM that was not Relay's stop):
+# {grace_seconds, drain_seconds, age_seconds}: the platform's grace, how long after the notice
+# the ranks may train (the agent stops them then, to end before the platform's SIGKILL), and
+# the notice's age on the node's clock.
+PREEMPTED = "preempted"
+GRACE_SECONDS = "grace_seconds"
+DRAIN_SECONDS = "drain_seconds"
+DEFAULT_PREEMPT_GRACE_SECONDS = 30.0  # Kubernetes' default terminationGracePeriodSeconds
 
 # -- GET summary: the answer of an aggregator (relay.launchers.aggregator) ---------------
 NODES = "nodes"  # node -> its agent's latest status (STATE, EXIT_CODES, ERRORS, CROSSED) and:

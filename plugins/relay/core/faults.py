@@ -29,6 +29,10 @@ class FaultKind(StrEnum):
     # A rank's script returned (exit 0) before its segment's end: the job's configuration or
     # script is wrong, and the same launch would end the same way; never retried.
     SHORT_SEGMENT = "short_segment"
+    # The platform takes a healthy node back after a grace (a Kubernetes eviction, Slurm's
+    # --signal=TERM@N, a spot reclaim): drain within the grace, retry elsewhere, never
+    # quarantine the node.
+    PREEMPTED = "preempted"
 
 
 # After these the other ranks are healthy and merely waiting in a collective, holding

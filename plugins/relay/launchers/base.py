@@ -26,7 +26,9 @@ Per node, :class:`NodeStatus` says what its agent reports, a
 :class:`~relay_train.protocol.routes.NodeState`: ``starting``, ``running``,
 ``succeeded``, ``failed``, or ``unresponsive`` (the platform says the node
 stopped answering: a NotReady Kubernetes node, a pod stuck terminating); the
-detector turns ``unresponsive`` into a ``node_unresponsive`` fault at once.
+detector turns ``unresponsive`` into a ``node_unresponsive`` fault at once. A node
+whose agent got the platform's preemption notice carries it (:class:`Notice`,
+read by :func:`notice_of`); the detector turns it into a ``preempted`` fault.
 
 A launcher whose agents outlive an attempt (the local one) also offers
 :class:`Continuity` as ``launcher.continuity``: agents kept warm for the next
@@ -42,7 +44,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from relay.core.attempt import Attempt, AttemptState
-from relay_train.protocol.routes import NodeState
+from relay_train.protocol.routes import (
+    AGE_SECONDS,
+    DRAIN_SECONDS,
+    GRACE_SECONDS,
+    PREEMPTED,
+    NodeState,
+)
 
 if TYPE_CHECKING:
     from relay.launchers.agent_client import AgentChannel
@@ -53,8 +61,33 @@ if TYPE_CHECKING:
 
 
 # How a launcher says a node was taken away (evicted, preempted, reclaimed), not crashed:
-# a FAILED NodeStatus whose detail starts "preempted:" (the fault kind's name).
-PREEMPTED = "preempted"
+# a FAILED NodeStatus whose detail starts "preempted:" (PREEMPTED, the fault kind's name).
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A preemption notice a node's agent received: the platform takes the node back
+    ``grace_seconds`` after it, and the agent stops its ranks at ``drain_by`` (epoch
+    seconds on Relay's clock), so a drain must be done by then."""
+
+    grace_seconds: float
+    drain_by: float
+
+
+def notice_of(record: dict[str, Any], received_at: float) -> Notice | None:
+    """Return the notice an agent's status ``record`` reports (None: none, or malformed),
+    placed on Relay's clock by when the answer was received."""
+    raw = record.get(PREEMPTED)
+    if not isinstance(raw, dict):
+        return None
+    try:
+        grace, age = float(raw[GRACE_SECONDS]), float(raw[AGE_SECONDS])
+        drain = float(raw.get(DRAIN_SECONDS, grace))
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not (grace >= 0 and age >= 0 and drain >= 0):
+        return None
+    return Notice(grace, received_at - age + min(drain, grace))
 
 
 @dataclass
@@ -72,6 +105,7 @@ class NodeStatus:
     last_seen: float | None = None
     host: str | None = None
     errors: dict[int, str] = field(default_factory=dict)  # failed rank -> the end of its log
+    notice: Notice | None = None  # the platform's preemption notice, if one came
 
 
 @dataclass
@@ -193,6 +227,11 @@ class Continuity(Protocol):
 
     def warm_spare(self, spare: dict[str, Any], why: str) -> None:
         """Start the planned spare (blocking: a watcher calls it off its event loop)."""
+        ...
+
+    def keep_run(self, run_dir: Path, seconds: float) -> None:
+        """Renew the DAG run's orchestrator lease for ``seconds``: what is kept warm for the
+        run leaves by itself once nobody renews it (its orchestrator was killed)."""
         ...
 
     def end_run(self, run_dir: Path) -> list[Path]:

@@ -131,14 +131,16 @@ class NodePool:
         free = [n for n in self.available(holder) if n not in (leave_out or set())]
         return free[:count] if len(free) >= count else None
 
-    def _lease(self, count: int, holder: str, seconds: float) -> list[str] | None:
+    def _lease(self, count: int, holder: str, seconds: float,
+               leave_out: frozenset[str] = frozenset()) -> list[str] | None:
         """Lease ``count`` free healthy nodes to ``holder`` in one locked step, or None."""
         now = time.time()
         with self._locked() as state:
             held = {n for n, q in state["quarantines"].items() if Quarantine(**q).active(now)}
             leases = {n: lease for n, lease in state["leases"].items()
                       if lease.get("until", 0) > now and lease.get("holder") != holder}
-            free = [n for n in self.nodes if n not in held and n not in leases]
+            free = [n for n in self.nodes
+                    if n not in held and n not in leases and n not in leave_out]
             if len(free) < count:
                 return None
             chosen = free[:count]
@@ -156,16 +158,18 @@ class NodePool:
         return freed
 
     def select(self, count: int, wait_up_to: float = 0.0, poll_seconds: float = 2.0,
-               holder: str | None = None, lease_seconds: float = LEASE_SECONDS) -> list[str]:
+               holder: str | None = None, lease_seconds: float = LEASE_SECONDS,
+               leave_out: frozenset[str] = frozenset()) -> list[str]:
         """Pick ``count`` healthy nodes, waiting up to ``wait_up_to`` for quarantines (and
-        other holders' leases) to end; with a ``holder``, lease them to it."""
+        other holders' leases) to end; with a ``holder``, lease them to it. ``leave_out``:
+        nodes not to pick this time although healthy (a preempted node, for one retry)."""
         deadline = time.monotonic() + wait_up_to
         while True:
             if holder is not None:
-                chosen = self._lease(count, holder, lease_seconds)
+                chosen = self._lease(count, holder, lease_seconds, leave_out)
                 if chosen is not None:
                     return chosen
-            elif len(healthy := self.healthy()) >= count:
+            elif len(healthy := [n for n in self.healthy() if n not in leave_out]) >= count:
                 return healthy[:count]
             if time.monotonic() >= deadline:
                 raise NotEnoughNodesError(self._shortage(count, holder))

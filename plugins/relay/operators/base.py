@@ -29,6 +29,7 @@ from relay.spec.chaos_conf import chaos_faults
 from relay.spec.entry_check import import_problem
 from relay.spec.job import JobSpec, load_job_spec
 from relay_train.protocol.heartbeat import write_atomically
+from relay_train.protocol.run_lease import RUN_LEASE_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ class PreflightOperator(RelayOperator):
             return
         nodes = NodePool().next_lease(lease_holder(spec.dag_id, dag_run_id), spec.nodes)
         # No nodes: the segment waits for nodes (or fails); a prestarted resident is let go.
+        launcher.continuity.keep_run(segment_dir(spec, dag_run_id, 0).parent, RUN_LEASE_SECONDS)
         launcher.continuity.prepare_run(segment_dir(spec, dag_run_id, 0).parent,
                                         launcher.slots(nodes) if nodes else [], conf,
                                         spec.dag_id)

@@ -49,6 +49,7 @@ from relay.spec.chaos_conf import chaos_faults
 from relay.spec.job import JobSpec
 from relay.watch.triggers import SegmentWatchTrigger
 from relay_train.protocol.launch import LaunchConfig
+from relay_train.protocol.run_lease import RUN_LEASE_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +113,9 @@ class TrainSegmentOperator(RelayOperator):
         if resume_step != start:
             log.warning("Segment %d starts at step %d; resuming from the latest valid checkpoint "
                         "at step %d", index, start, resume_step)
+        avoid = journal.avoided_node(context, seg_dir)
         nodes = launcher.slots(self._nodes(spec, policy, lease_holder(spec.dag_id,
-                                                                      dag_run.run_id)))
+                                                                      dag_run.run_id), avoid))
         interval = interval_for(spec, lineage)  # checkpoint_every: auto reads the job's record
         run_id = lineage.attempt_run(parent, index, try_number, {
             **interval.params(), **attempt_params(spec, policy, index, try_number, nodes,
@@ -137,6 +139,8 @@ class TrainSegmentOperator(RelayOperator):
             steps_per_epoch=spec.steps_per_epoch or 0,
         )
         launch_called = time.time()
+        if continuity is not None:  # what it keeps warm for this run leaves without renewals
+            continuity.keep_run(seg_dir.parent, RUN_LEASE_SECONDS)
         attempt = launcher.launch(cfg)
         journal.write(context, seg_dir, AttemptState.RUNNING, attempt_dir=str(folder),
                       run_id=run_id, nodes=nodes,
@@ -156,11 +160,15 @@ class TrainSegmentOperator(RelayOperator):
         except ChaosConfError as exc:
             raise AirflowFailException(str(exc)) from exc
 
-    def _nodes(self, spec: JobSpec, policy: LoadedPolicy, holder: str) -> list[str]:
+    def _nodes(self, spec: JobSpec, policy: LoadedPolicy, holder: str,
+               avoid: str | None = None) -> list[str]:
         rules = policy.policy.nodes
         wait = rules.wait_up_to if rules.when_too_few == "wait" else 0.0
+        if avoid is not None:
+            log.info("Leaving %s out of this try: the last one was preempted there", avoid)
         try:
-            return NodePool().select(spec.nodes, wait_up_to=wait, holder=holder)
+            return NodePool().select(spec.nodes, wait_up_to=wait, holder=holder,
+                                     leave_out=frozenset({avoid} if avoid else ()))
         except NotEnoughNodesError as exc:
             message = f"Segment {self.segment} of {spec.dag_id}: {exc}"
             escalate(policy.policy.escalation.target, message, policy.policy.escalation,

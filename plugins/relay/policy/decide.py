@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from relay.core.faults import Fault, FaultKind
-from relay.policy.rules import Action, Mode
+from relay.policy.rules import HEALTHY_NODE, Action, Mode
 
 
 def ordinal(n: int) -> str:
@@ -36,6 +36,9 @@ class Decision:
     policy_sha256: str
     reason: str
     observe: bool = False  # observe mode: recorded and notified, not applied
+    # The node the next attempt runs without, that attempt only (a preempted node: healthy,
+    # so not quarantined); a quarantined node is kept out by the pool instead.
+    avoid_node: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -117,8 +120,9 @@ def _enforced(
         )
     moves = action in (Action.RESTART_ELSEWHERE, Action.CHECKPOINT_AND_MIGRATE)
     node = fault.culprit_node if rule.quarantine is not None else None
+    avoid = fault.culprit_node if moves and fault.kind in HEALTHY_NODE else None
     backoff = rule.backoff.seconds(occurrence)
-    where = f" without {node}" if moves and node else ""
+    where = f" without {node or avoid}" if moves and (node or avoid) else ""
     return Decision(
         action=action.value, retry=True, backoff_seconds=backoff,
         quarantine_node=node,
@@ -127,5 +131,5 @@ def _enforced(
         rollback=action is Action.ROLLBACK, notify=None,
         reason=f"{nth} (limit {rule.max_attempts}): {name} says {action.value}; "
         f"next attempt{where} in {backoff:g}s",
-        **base,
+        avoid_node=avoid, **base,
     )

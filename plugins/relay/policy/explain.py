@@ -11,7 +11,7 @@ from relay.policy.model import (
     Detection,
     LoadedPolicy,
 )
-from relay.policy.rules import JOB_WIDE, Action, Escalation, Mode, Rule
+from relay.policy.rules import HEALTHY_NODE, JOB_WIDE, Action, Escalation, Mode, Rule
 from relay.spec.job import JobSpec
 
 _UNITS = ((86400, "day"), (3600, "hour"), (60, "minute"), (1, "second"))
@@ -56,6 +56,9 @@ def fault_sentence(kind: FaultKind, d: Detection) -> str:
         "was saved (corrupt_checkpoint)",
         FaultKind.SHORT_SEGMENT: "a rank's script returns before its segment's end "
         "(short_segment): it exits cleanly at an earlier step than the segment's last",
+        FaultKind.PREEMPTED: "the platform takes a node back (preempted): its agent gets a "
+        "preemption notice, a SIGTERM with a grace period (a Kubernetes eviction, Slurm's "
+        "--signal, a spot reclaim); the node is healthy",
     }[kind]
 
 
@@ -111,6 +114,11 @@ def _action_sentence(kind: FaultKind, rule: Rule) -> str:
     if rule.quarantine is not None and kind not in JOB_WIDE:
         text += (f"; the culprit's node is kept out of every job for "
                  f"{humanize(rule.quarantine)}")
+    if kind in HEALTHY_NODE and action in (Action.RESTART_ELSEWHERE,
+                                           Action.CHECKPOINT_AND_MIGRATE):
+        text += (" without the preempted node, for that attempt only (it is not quarantined); "
+                 "the checkpoint must be done within the notice's grace, else the retry "
+                 "resumes from the latest valid checkpoint")
     return text + "."
 
 

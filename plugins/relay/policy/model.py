@@ -156,6 +156,8 @@ FIXES = {
     "rules.corrupt_checkpoint": "e.g. corrupt_checkpoint: {action: rollback}",
     "rules.short_segment": "e.g. short_segment: {action: abort} (a retry would end as "
     "early; only abort or escalate)",
+    "rules.preempted": "e.g. preempted: {action: checkpoint_and_migrate, max_attempts: 5} (no "
+    "quarantine: the node is healthy)",
     "escalation.timeout": "bound one delivery try to at most a minute, e.g. timeout: 10s",
 }
 

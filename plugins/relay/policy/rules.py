@@ -74,9 +74,13 @@ ACTION_MEANING = {
 }
 
 # Faults whose ranks are all alive when detected, so they can still checkpoint.
-CAN_CHECKPOINT = frozenset({FaultKind.STRAGGLER, FaultKind.THROUGHPUT_DEGRADED})
+CAN_CHECKPOINT = frozenset({FaultKind.STRAGGLER, FaultKind.THROUGHPUT_DEGRADED,
+                            FaultKind.PREEMPTED})
 # Faults with no culprit node: nothing to move away from or to quarantine.
 JOB_WIDE = frozenset({FaultKind.THROUGHPUT_DEGRADED, FaultKind.CORRUPT_CHECKPOINT})
+# Faults whose culprit node is healthy (its platform took it back): the next attempt runs
+# without it, and nothing quarantines it.
+HEALTHY_NODE = frozenset({FaultKind.PREEMPTED})
 
 
 class Backoff(BaseModel):
@@ -205,6 +209,9 @@ class Rules(BaseModel):
     # A kind added after policies were written: a policy without it still loads, and a
     # short segment aborts (the only safe answer; `relay policy explain` shows it).
     short_segment: Rule = Field(default_factory=lambda: Rule(action=Action.ABORT))
+    # Likewise: a policy without it drains the preempted attempt and moves on.
+    preempted: Rule = Field(default_factory=lambda: Rule(
+        action=Action.CHECKPOINT_AND_MIGRATE, max_attempts=5))
 
     @field_validator(*(k.value for k in FaultKind), mode="after")
     @classmethod
@@ -230,7 +237,12 @@ class Rules(BaseModel):
                 f"a {kind.value} fault leaves a rank unable to take part in a checkpoint; "
                 "use action: restart_elsewhere",
             )
-        if moves and kind not in JOB_WIDE and rule.quarantine is None:
+        if rule.quarantine is not None and kind in HEALTHY_NODE:
+            raise FieldValueError(
+                "no quarantine", f"{kind.value}: quarantine set",
+                "a preempted node is healthy (its platform took it back); the next attempt "
+                "runs without it anyway. Remove quarantine")
+        if moves and kind not in JOB_WIDE | HEALTHY_NODE and rule.quarantine is None:
             raise FieldValueError(
                 "a quarantine duration", f"{found} without quarantine",
                 f"{rule.action.value} keeps the culprit's node out, so say for how long, "

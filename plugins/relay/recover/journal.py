@@ -83,6 +83,17 @@ def write(context: Mapping[str, Any], segment_dir: Path, state: AttemptState,
     return str(segment_dir / FILE)
 
 
+AVOID_NODE = "avoid_node"  # in a recorded entry: the node the next try runs without
+
+
+def avoided_node(context: Mapping[str, Any], segment_dir: Path) -> str | None:
+    """Return the node the previous try's decision said the next try runs without (a
+    preempted node: healthy, not quarantined, left out of this one try only)."""
+    entry = read(context, segment_dir) or {}
+    node = entry.get(AVOID_NODE) if entry.get("state") == AttemptState.RECORDED.value else None
+    return node if isinstance(node, str) and node else None
+
+
 def read(context: Mapping[str, Any], segment_dir: Path) -> dict[str, Any] | None:
     """Return the segment's latest entry, if any."""
     store = _store(context)

@@ -59,6 +59,7 @@ from relay.recover.save_state import (
 )
 from relay.recover.warden_record import Stopped, fetch
 from relay_train.protocol.routes import STANDBY_TTL_SECONDS
+from relay_train.protocol.run_lease import RUN_LEASE_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,9 @@ def _decide(r: Recovery, t: TaskSide) -> Decision:
     if decision.quarantine_node:
         host = r.launcher.host_of(r.attempt, decision.quarantine_node)
         decision = dataclasses.replace(decision, quarantine_node=host)
+    if decision.avoid_node:
+        host = r.launcher.host_of(r.attempt, decision.avoid_node)
+        decision = dataclasses.replace(decision, avoid_node=host)
     return decision
 
 
@@ -142,7 +146,9 @@ def _begin(r: Recovery, t: TaskSide, decision: Decision) -> None:
                       launch_record.config_of(r.attempt.runs_in, r.cfg), r.launcher)})
     continuity = r.launcher.continuity
     if decision.retry and continuity is not None:
-        out = {decision.quarantine_node} if decision.quarantine_node else set()
+        # Hold the run through the backoff: no watcher renews its lease meanwhile.
+        continuity.keep_run(r.attempt.run_dir, decision.backoff_seconds + RUN_LEASE_SECONDS)
+        out = {n for n in (decision.quarantine_node, decision.avoid_node) if n}
         nodes = NodePool().next_lease(t.holder, t.nodes_needed, out)
         if nodes:  # else the retry waits for nodes: nothing to warm up
             # They wait out the backoff too, and leave by themselves if no retry comes.
@@ -252,7 +258,8 @@ def _record(r: Recovery, t: TaskSide, decision: Decision, saved: Saved, survivor
                                 lost=lost)
     entry = {"fault": r.fault.to_event()["fault"], "decision": decision.to_dict(),
              "progress_step": progress, "next_resume_step": resumed, "lost_steps": lost,
-             "drained_at_step": saved.drained_at, "rescued": rescue_record,
+             "drained_at_step": saved.drained_at, "drain_note": saved.note,
+             "rescued": rescue_record,
              "survivors": survivors, "notification": None,
              "refused": t.refused + r.launcher.channel(r.attempt).refused,
              "time_to_resume": clock.to_dict(), "policy_file": str(t.policy.path),
@@ -268,7 +275,8 @@ def _record(r: Recovery, t: TaskSide, decision: Decision, saved: Saved, survivor
                            saved.evidence, clock, journal.observations(t.context,
                                                                        r.attempt.folder))
     journal.write(t.context, r.attempt.segment_dir, AttemptState.RECORDED,
-                  attempt_dir=str(r.attempt.runs_in), record_dir=str(r.attempt.folder))
+                  attempt_dir=str(r.attempt.runs_in), record_dir=str(r.attempt.folder),
+                  **{journal.AVOID_NODE: decision.avoid_node} if decision.avoid_node else {})
     # The one line per fault, then its details (the evidence is summarised by now).
     log.error("%s", line)
     log.info("Details of the decision above:\n%s", record.decision_details(

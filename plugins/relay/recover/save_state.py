@@ -2,8 +2,9 @@
 
 While the ranks still answer, the pipeline asks every rank for its stacks and
 collective trace (where is it stuck?), and, as the decision says, either has
-the ranks drain to a checkpoint a few steps ahead (``checkpoint_and_migrate``)
-or has a healthy rank hand over its in-memory state (a rescue, after a hang or
+the ranks drain to a checkpoint a few steps ahead (``checkpoint_and_migrate``;
+after a preemption notice, within what is left of its grace) or has a healthy
+rank hand over its in-memory state (a rescue, after a hang or
 a lost rank or node). Whoever acts, the segment task or its warden, saves the
 same way; a task that finds the warden already did uses what it saved.
 """
@@ -11,6 +12,7 @@ same way; a task that finds the warden already did uses what it saved.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 
 # What is saved before the stop, as the decision's rule says.
 RESCUE, DRAIN, STOP = "rescue", "drain", "stop"
+MIN_DRAIN_SECONDS = 1.0  # less of a notice's grace left: no drain is tried
 
 
 def save_step(decision: Decision, kind: FaultKind) -> str:
@@ -59,6 +62,7 @@ class Saved:
     drained_at: int | None = None  # the step the ranks drained to
     rescued: RescueResult | None = None  # a healthy rank's in-memory state
     asked: EvidenceRequest | None = None  # the stacks asked for (their answers are on disk)
+    note: str | None = None  # why nothing was drained although the decision said to
 
 
 def save_state(attempt: Attempt, cfg: LaunchConfig, fault: Fault, step: str,
@@ -73,7 +77,15 @@ def save_state(attempt: Attempt, cfg: LaunchConfig, fault: Fault, step: str,
     try:
         saved.asked = ask_for_evidence(attempt, fault, cfg, launcher)
         if step == DRAIN:
-            saved.drained_at = drain(attempt, timeouts["checkpoint_timeout"], launcher)
+            window, saved.note = drain_window(fault, timeouts["checkpoint_timeout"], time.time())
+            if window > 0:
+                saved.drained_at = drain(attempt, window, launcher)
+            if saved.drained_at is None and fault.kind is FaultKind.PREEMPTED:
+                saved.note = saved.note or (
+                    f"the ranks did not drain within the notice's grace (the {window:.1f}s "
+                    "left of it); the retry resumes from the latest valid checkpoint")
+            if saved.note:
+                log.warning("%s", saved.note)
         elif step == RESCUE:
             saved.rescued = request_rescue(attempt, cfg, fault, timeouts["checkpoint_timeout"],
                                            launcher)
@@ -82,6 +94,20 @@ def save_state(attempt: Attempt, cfg: LaunchConfig, fault: Fault, step: str,
     except Exception:  # noqa: BLE001 - logged; the retry resumes from the last checkpoint
         log.exception("Could not save the state of %s before stopping it", attempt)
     return saved
+
+
+def drain_window(fault: Fault, timeout: float, now: float) -> tuple[float, str | None]:
+    """Return how long a drain may take (``timeout``, or what is left of a preemption
+    notice's grace, if less) and, when nothing is left, why no drain is tried."""
+    drain_by = fault.evidence.get("drain_by") if fault.kind is FaultKind.PREEMPTED else None
+    if not isinstance(drain_by, int | float):
+        return timeout, None
+    left = drain_by - now
+    if left >= MIN_DRAIN_SECONDS:
+        return min(timeout, left), None
+    return 0.0, (f"the preemption notice's grace ({fault.evidence.get('grace_seconds')}s) left "
+                 f"{max(left, 0.0):.1f}s, too short to drain; the retry resumes from the latest "
+                 "valid checkpoint")
 
 
 def from_warden(stopped: Stopped, decision: Decision, fault: Fault,

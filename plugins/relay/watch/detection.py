@@ -21,7 +21,7 @@ from relay.core.faults import Fault, FaultKind
 from relay.launchers.agent_client import FRESH_WAIT_SECONDS
 from relay.launchers.base import LaunchStatus
 from relay.policy.model import Detection
-from relay.watch.exits import classify_exit, only_secondary_exits
+from relay.watch.exits import classify_exit, only_secondary_exits, preemption
 from relay.watch.slowness import StragglerRule, ThroughputRule
 from relay.watch.steptime import HangLimit, StepTimes
 from relay_train.protocol.heartbeat import Heartbeat, Phase
@@ -113,6 +113,7 @@ class Detector:
         if self.cfg.derive_hang_timeout is not None:
             self._steps.observe(obs.heartbeats, self.cfg.derive_hang_timeout.warmup_steps)
         rules = (
+            ({FaultKind.PREEMPTED}, self._preempted),  # before the exits its stop may cause
             ({FaultKind.CRASH, FaultKind.LAUNCH_FAILURE, FaultKind.SHORT_SEGMENT}, self._exits),
             ({FaultKind.NAN_LOSS}, self._nan),
             ({FaultKind.LAUNCH_FAILURE}, self._startup),
@@ -129,7 +130,10 @@ class Detector:
                     return fault
         return None
 
-    # -- exits and start-up -------------------------------------------------
+    # -- notices, exits and start-up -----------------------------------------
+
+    def _preempted(self, obs: Observation) -> Fault | None:
+        return None if obs.launch is None else preemption(obs.launch, obs.now)
 
     def _exits(self, obs: Observation) -> Fault | None:
         if obs.launch is None or obs.launch.state is not AttemptState.FAILED:

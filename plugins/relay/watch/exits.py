@@ -1,4 +1,5 @@
-"""A failed launch as a crash fault: which rank died first, and of what.
+"""A failed launch as a crash fault: which rank died first, and of what; and a node
+taken back by its platform as a ``preempted`` fault (:func:`preemption`).
 
 The culprit is the rank that died of something other than its peers' death. A rank
 that ended cleanly before its segment's end (its worker's exit code
@@ -9,6 +10,7 @@ the step the job expected.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from relay.core.attempt import AttemptState
@@ -61,9 +63,7 @@ def classify_exit(status: LaunchStatus, node_ranks: dict[str, list[int]]) -> Fau
     if taken:  # the platform took a node away: its peers' exits follow from that
         node = min(taken)
         evidence.update(summary=taken[node], preempted=taken)
-        kind = FaultKind(PREEMPTED) if PREEMPTED in FaultKind._value2member_map_ \
-            else FaultKind.CRASH  # until relay.core.faults names it (branch preempt)
-        return Fault(kind, None, node, evidence)
+        return Fault(FaultKind.PREEMPTED, None, node, evidence)
     short = _short_segment(culprit_rank, failed, error or "")
     if short is not None:
         return Fault(FaultKind.SHORT_SEGMENT, culprit_rank, culprit_node,
@@ -88,3 +88,20 @@ def _short_segment(rank: int | None, failed: dict[int, int], log: str) -> dict[s
             f"expected it to train to step {expected}, its segment's end. Fix the script's "
             "loop (for step in session.steps()), then clear the segment task",
             "step": reached, "expected_step": expected}
+
+
+def preemption(status: LaunchStatus, now: float) -> Fault | None:
+    """Return a ``preempted`` fault for the first node whose agent got the platform's
+    notice (its ranks are healthy and still train: the recovery drains them)."""
+    noticed = [(n.notice.drain_by, n.node, n.notice, n.host) for n in status.nodes.values()
+               if n.notice is not None]
+    if not noticed:
+        return None
+    _, node, notice, host = min(noticed, key=lambda found: found[:2])
+    left = notice.drain_by - now
+    when = time.strftime("%H:%M:%S", time.localtime(notice.drain_by))
+    return Fault(FaultKind.PREEMPTED, None, node, {
+        "summary": f"{node}'s platform sent a preemption notice (SIGTERM) with a grace "
+        f"of {notice.grace_seconds:g}s: drain it by {when} ({max(left, 0.0):.1f}s left)",
+        "grace_seconds": notice.grace_seconds, "drain_by": notice.drain_by,
+        "host": host, "nodes": sorted(found[1] for found in noticed)}, now)

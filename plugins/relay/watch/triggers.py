@@ -11,6 +11,7 @@ matters across restarts, so running one twice is harmless.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import traceback
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from relay.recover.warden import start_warden
 from relay.watch.detection import Detector, Observation
 from relay.watch.warmer import Warmer, silent_nodes
 from relay_train.protocol.heartbeat import Phase, read_heartbeats
+from relay_train.protocol.run_lease import RUN_LEASE_SECONDS
 
 
 def observe_attempt(
@@ -100,6 +102,7 @@ def finishing(obs: Observation) -> bool:
 # than DUE_MIN_PAUSE_SECONDS after the last look, whatever the clocks say).
 DUE_MARGIN_SECONDS = 0.01
 DUE_MIN_PAUSE_SECONDS = 0.02
+LEASE_RENEW_SECONDS = 10.0  # how often a watcher renews its DAG run's orchestrator lease
 
 
 def next_pause(poll_interval: float, finishing_since: float | None, now: float,
@@ -206,7 +209,13 @@ class SegmentWatchTrigger(BaseTrigger):
                 launcher.attach(Attempt(root), dict(self.launch_record.get("handle") or {}))
             warmer = Warmer(self.spare, launcher)
             finishing_since: float | None = None  # when every rank's loop was seen ended
+            renewed = -math.inf  # when this watcher last renewed the run's orchestrator lease
             while True:
+                if launcher.continuity is not None and \
+                        time.monotonic() - renewed > LEASE_RENEW_SECONDS:
+                    renewed = time.monotonic()
+                    await asyncio.to_thread(launcher.continuity.keep_run,
+                                            Attempt(root).run_dir, RUN_LEASE_SECONDS)
                 obs = await asyncio.to_thread(
                     observe_attempt, root, self.node_ranks, self.heartbeat_interval_seconds,
                     launcher,

@@ -57,6 +57,4 @@ def test_the_fault_of_a_preempted_node_names_it_and_not_its_peers_exits() -> Non
 
     assert fault is not None and fault.culprit_node == "pod-1"
     assert fault.evidence["preempted"] == {"pod-1": status.nodes["pod-1"].detail}
-    expected = FaultKind(PREEMPTED) if PREEMPTED in FaultKind._value2member_map_ \
-        else FaultKind.CRASH
-    assert fault.kind == expected
+    assert fault.kind == FaultKind.PREEMPTED

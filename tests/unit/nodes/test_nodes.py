@@ -382,3 +382,13 @@ def test_next_lease_is_what_select_then_picks(pool: NodePool) -> None:
     assert pool.next_lease("relay_b/run-1", 1, leave_out={NODES[1]}) == [NODES[2]]
     assert pool.next_lease("relay_b/run-1", len(NODES)) is None  # one is leased to relay_a
     assert pool.select(2, holder="relay_b/run-1") == pool.next_lease("relay_b/run-1", 2)
+
+
+def test_select_leaves_a_preempted_node_out_of_one_lease_only(pool: NodePool) -> None:
+    first = pool.select(2, holder="run-1")
+    assert first == ["n1", "n2"]
+    again = pool.select(2, holder="run-1", leave_out=frozenset({"n1"}))
+    assert again == ["n2", "n3"]  # n1 is healthy, not quarantined: only left out this time
+    assert "n1" not in pool.leases() and pool.quarantines() == {}
+    assert pool.select(2, holder="run-1") == ["n1", "n2"]
+    assert pool.select(2, leave_out=frozenset({"n2"})) == ["n1", "n3"]  # no holder: the same

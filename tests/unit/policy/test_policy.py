@@ -34,6 +34,7 @@ rules:
   nan_loss:            {action: rollback, max_attempts: 2}
   corrupt_checkpoint:  {action: rollback, max_attempts: 2}
   short_segment:       {action: abort}
+  preempted:           {action: checkpoint_and_migrate, max_attempts: 5}
 """
 
 

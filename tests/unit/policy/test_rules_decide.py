@@ -31,8 +31,8 @@ ALL_ACTIONS = [a.value for a in Action]
 # Kinds whose fault names a culprit node (everything but the job-wide ones).
 CULPRIT_KINDS = [k for k in KINDS
                  if k not in (FaultKind.THROUGHPUT_DEGRADED, FaultKind.CORRUPT_CHECKPOINT)]
-NO_CHECKPOINT_KINDS = [k for k in KINDS
-                       if k not in (FaultKind.STRAGGLER, FaultKind.THROUGHPUT_DEGRADED)]
+NO_CHECKPOINT_KINDS = [k for k in KINDS if k not in (
+    FaultKind.STRAGGLER, FaultKind.THROUGHPUT_DEGRADED, FaultKind.PREEMPTED)]
 
 # A valid rule for every kind, as YAML flow mappings (one line each, so each has its own line).
 _RESTART = "{action: restart_elsewhere, max_attempts: 3, backoff: 1s, quarantine: %s}"
@@ -47,6 +47,7 @@ BASE_YAML = {
     "nan_loss": "{action: rollback, max_attempts: 2}",
     "corrupt_checkpoint": "{action: rollback, max_attempts: 2}",
     "short_segment": "{action: abort}",
+    "preempted": "{action: checkpoint_and_migrate, max_attempts: 5}",
 }
 
 # The same as Python data, for Policy.model_validate.
@@ -95,7 +96,8 @@ def test_base_rules_yaml_loads(tmp_path: Path) -> None:
     assert rules.crash.backoff == Backoff(initial=1.0, multiplier=2.0, max=30.0)
 
 
-@pytest.mark.parametrize("kind", [k.value for k in KINDS if k is not FaultKind.SHORT_SEGMENT])
+@pytest.mark.parametrize("kind", [k.value for k in KINDS
+                                  if k not in (FaultKind.SHORT_SEGMENT, FaultKind.PREEMPTED)])
 def test_missing_rule_for_a_kind_names_it_with_a_fix(tmp_path: Path, kind: str) -> None:
     path = write_rules(tmp_path, **{kind: None})
     error = load_error(path)
@@ -146,7 +148,15 @@ REJECTED_COMBINATIONS = [
              "quarantine: 30m"],
             id=f"restart_elsewhere-without-quarantine-on-{k.value}",
         )
-        for k in CULPRIT_KINDS if k is not FaultKind.SHORT_SEGMENT
+        for k in CULPRIT_KINDS if k not in (FaultKind.SHORT_SEGMENT, FaultKind.PREEMPTED)
+    ],
+    *[
+        pytest.param("preempted", flow,
+                     ["rules.preempted: expected no quarantine", "a preempted node is healthy",
+                      "Remove quarantine"], id=f"quarantine-on-preempted-{action}")
+        for action, flow in [
+            ("checkpoint_and_migrate", "{action: checkpoint_and_migrate, quarantine: 30m}"),
+            ("restart_elsewhere", "{action: restart_elsewhere, quarantine: 30m}")]
     ],
     pytest.param("straggler", "{action: checkpoint_and_migrate}",
                  ["rules.straggler: expected a quarantine duration",
@@ -339,12 +349,12 @@ def _actions_for(kind: FaultKind) -> list[dict[str, Any]]:
         return [r for r in rules if r["action"] in ("escalate", "abort")]
     if kind is not FaultKind.CORRUPT_CHECKPOINT:
         restart: dict[str, Any] = {"action": "restart_elsewhere", "backoff": "3s"}
-        if kind in CULPRIT_KINDS:
+        if kind in CULPRIT_KINDS and kind is not FaultKind.PREEMPTED:
             restart["quarantine"] = "45m"
         rules.append(restart)
-    if kind in (FaultKind.STRAGGLER, FaultKind.THROUGHPUT_DEGRADED):
+    if kind in (FaultKind.STRAGGLER, FaultKind.THROUGHPUT_DEGRADED, FaultKind.PREEMPTED):
         migrate: dict[str, Any] = {"action": "checkpoint_and_migrate", "backoff": "4s"}
-        if kind in CULPRIT_KINDS:
+        if kind in CULPRIT_KINDS and kind is not FaultKind.PREEMPTED:
             migrate["quarantine"] = "2h"
         rules.append(migrate)
     return rules
@@ -394,6 +404,8 @@ def test_decide_follows_every_rule(kind: FaultKind, raw_rule: dict[str, Any]) ->
         assert d.quarantine_seconds == rule.quarantine
     else:
         assert d.quarantine_node is None and d.quarantine_seconds is None
+    moves = action in (Action.RESTART_ELSEWHERE, Action.CHECKPOINT_AND_MIGRATE)
+    assert d.avoid_node == ("node-b" if moves and kind is FaultKind.PREEMPTED else None)
     assert d.reason.startswith(f"the 1st {kind.value} in this segment (limit 3): "
                                f"rules.{kind.value} says {action.value}")
     assert d.reason.endswith(f"in {rule.backoff.initial:g}s")
@@ -732,3 +744,27 @@ def test_cli_policy_rejects_a_bad_policy_with_file_line(
 def test_cli_policy_schema_prints_the_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["policy", "schema"]) == 0
     assert capsys.readouterr().out == policy_schema_text()
+
+
+# -- preempted: the node is healthy ----------------------------------------------------
+
+
+def test_a_policy_without_a_preempted_rule_drains_and_moves_on(tmp_path: Path) -> None:
+    rule = load_policy(write_rules(tmp_path, preempted=None)).policy.rules.preempted
+    assert (rule.action, rule.quarantine) == (Action.CHECKPOINT_AND_MIGRATE, None)
+
+
+def test_preempted_drains_runs_without_the_node_once_and_quarantines_nothing() -> None:
+    d = decide(fault(FaultKind.PREEMPTED, rank=None), [], make_policy(), SHA)
+
+    assert (d.action, d.retry, d.checkpoint_first) == ("checkpoint_and_migrate", True, True)
+    assert d.quarantine_node is None and d.quarantine_seconds is None
+    assert d.avoid_node == "node-b"
+    assert "next attempt without node-b" in d.reason
+
+
+def test_shipped_policies_name_preempted_without_quarantine() -> None:
+    for path in (DEFAULT, STRICT):
+        rule = load_policy(path).policy.rules.preempted
+        assert rule.action is Action.CHECKPOINT_AND_MIGRATE and rule.quarantine is None
+        assert "preempted:" in path.read_text()

@@ -30,6 +30,7 @@ from relay_train.protocol.env import (
     ENV_CHECKPOINT_KEYS_FILE,
     ENV_HOST,
     ENV_NODE_INDEX,
+    ENV_PREEMPT_GRACE,
     ENV_TRACKING_URI,
 )
 from relay_train.protocol.launch import LAUNCH_FILE
@@ -239,6 +240,8 @@ def _container(k8s: KubernetesSpec, key: AttemptKey, secret_keys: list[str]) -> 
         {"name": ENV_NODE_INDEX, "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
         {"name": ENV_HOST, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        # An eviction's SIGTERM is a preemption notice: the agent's grace is the pod's.
+        {"name": ENV_PREEMPT_GRACE, "value": str(TERMINATION_GRACE_SECONDS)},
         {"name": "MASTER_ADDR", "value": master_addr(key)},
         {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
         {"name": "OMP_NUM_THREADS", "value": "1"},

@@ -5,8 +5,8 @@ unless the pod outlived its deletion deadline or its node has a problem, which
 makes the slot ``unresponsive`` (:class:`~relay_train.protocol.routes.NodeState`), or
 it carries the condition DisruptionTarget (evicted, preempted, drained), which makes it
 failed with a detail starting ``preempted:``;
-what its agent said over the channel adds exit codes, failed ranks' log tails and
-when it last answered. No API calls here;
+what its agent said over the channel adds exit codes, failed ranks' log tails, a
+preemption notice and when it last answered. No API calls here;
 :mod:`relay.launchers.k8s.launcher` fetches the objects and asks the agents.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from relay.launchers.base import PREEMPTED, NodeStatus
+from relay.launchers.base import PREEMPTED, NodeStatus, notice_of
 from relay.launchers.k8s.objects import DISRUPTION_CONDITION, INDEX_ANNOTATION
 from relay_train.protocol.routes import ERRORS, EXIT_CODES, SETTLED, STATE, NodeState
 
@@ -92,6 +92,7 @@ def merge_agent_report(node: NodeStatus, report: NodeReport | None) -> None:
     node.last_seen = report.received_at
     node.exit_codes = {int(r): c for r, c in (record.get(EXIT_CODES) or {}).items()}
     node.errors = {int(r): str(t) for r, t in (record.get(ERRORS) or {}).items()}
+    node.notice = notice_of(record, report.received_at)
     if node.state == NodeState.RUNNING and record.get(STATE) in SETTLED:
         node.state = NodeState(record[STATE])
         failed = {r: c for r, c in node.exit_codes.items() if c not in (None, 0)}

@@ -10,6 +10,7 @@ and :mod:`.spare` (a standby warmed at a sign of a fault); handovers in
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,8 +19,10 @@ from relay.core.attempt import Attempt
 from relay.launchers.local import adopt, spare
 from relay.launchers.local import prestart as local_prestart
 from relay.launchers.local.warm_agents import STANDBY_DIR, release_run
+from relay_train.protocol import run_lease
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig
 from relay_train.protocol.routes import STANDBY_TTL_SECONDS
+from relay_train.protocol.run_lease import RUN_LEASE_SECONDS
 
 if TYPE_CHECKING:
     from relay.launchers.local.launcher import LocalLauncher
@@ -66,6 +69,11 @@ class LocalContinuity:
         log.warning("%s: warming a standby on %s for a retry", why, planned["node"])
         self.launcher.warm_standbys(Path(planned["directory"]), [planned["node"]],
                                float(planned["ttl"]))
+
+    def keep_run(self, run_dir: Path, seconds: float = RUN_LEASE_SECONDS) -> None:
+        """Renew the run's orchestrator lease (:mod:`relay_train.protocol.run_lease`), which
+        its resident and its lingering agents read."""
+        run_lease.renew(run_dir, seconds, by=f"relay pid {os.getpid()}")
 
     def end_run(self, run_dir: Path, stop_workloads: bool = True) -> list[Path]:
         """Stop the run's workloads Relay has not let go of (unless ``stop_workloads`` is

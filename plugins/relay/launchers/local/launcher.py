@@ -38,7 +38,7 @@ from relay.core.proctree import group_members
 from relay.launchers import launch_record
 from relay.launchers.agent_client import MAX_PARALLEL, AgentChannel
 from relay.launchers.agent_groups import Group
-from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
+from relay.launchers.base import LaunchStatus, NodeStatus, notice_of, overall_state
 from relay.launchers.local.signals import LocalSignals
 from relay.launchers.local.warm_agents import (
     LINGER_SECONDS,
@@ -264,7 +264,7 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
                 state, detail = NodeState.FAILED, "agent died without a final status (killed?)"
             errors = {int(r): str(t) for r, t in (record.get(ERRORS) or {}).items()}
             nodes[node] = NodeStatus(node, state, codes, detail, report.received_at,
-                                     errors=errors)
+                                     errors=errors, notice=notice_of(record, report.received_at))
         return LaunchStatus(overall_state(nodes), nodes, dict(channel.beats),
                             list(channel.refused), set(channel.crossed))
 

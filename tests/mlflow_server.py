@@ -17,21 +17,26 @@ from relay.tools.services import free_port
 
 
 @contextlib.contextmanager
-def mlflow_server(root: Path, timeout: float = 180.0) -> Iterator[str]:
-    """Run an MLflow server storing under ``root``; yield its URL once it answers."""
+def mlflow_server(root: Path, timeout: float = 180.0, host: str = "127.0.0.1",
+                  allowed_hosts: str = "") -> Iterator[str]:
+    """Run an MLflow server storing under ``root``, listening on ``host`` (answering requests
+    whose Host header ``allowed_hosts`` allows, besides its defaults); yield its URL once it
+    answers."""
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    if allowed_hosts:
+        env["MLFLOW_SERVER_ALLOWED_HOSTS"] = allowed_hosts
     proc = None
     try:
         while True:  # another process may take the free port first: pick again
             port = free_port()
             proc = subprocess.Popen(
                 [str(Path(sys.executable).with_name("mlflow")), "server", "--host",
-                 "127.0.0.1", "--port", str(port), "--workers", "1",
+                 host, "--port", str(port), "--workers", "1",
                  "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
                  "--artifacts-destination", str(root / "artifacts"), "--serve-artifacts"],
                 env=env, stdout=(root / "server.log").open("ab"), stderr=subprocess.STDOUT,
                 start_new_session=True)
-            url = f"http://127.0.0.1:{port}"
+            url = f"http://{host}:{port}"
             deadline = time.monotonic() + timeout
             while proc.poll() is None and time.monotonic() < deadline:
                 try:

@@ -1,6 +1,6 @@
 """What a node agent reads from its node's files to answer Relay: heartbeats with their
-ages, the boundaries rank 0 crossed, the ranks' stacks answers; and the one signal it
-sends a silent rank (its faulthandler's). Stdlib only.
+ages, the boundaries rank 0 crossed, its first step, the ranks' stacks answers; and the one
+signal it sends a silent rank (its faulthandler's). Stdlib only.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from relay_train.protocol import routes as wire
 from relay_train.protocol.heartbeat import read_heartbeats
-from relay_train.protocol.launch import BOUNDARIES_FILE
+from relay_train.protocol.launch import BOUNDARIES_FILE, FIRST_STEP_FILE
 from relay_train.protocol.pids import signal_process, start_time
 from relay_train.protocol.stacks_files import REQUEST_FILE as STACKS_REQUEST
 from relay_train.protocol.stacks_files import armed_path
@@ -47,6 +47,12 @@ def crossed_report(root: Path, ranks: list[int], last: int = CROSSED_REPORTED) -
         except (ValueError, KeyError, TypeError):
             continue  # a line being written
     return steps[-last:]
+
+
+def first_step_report(root: Path, ranks: list[int]) -> dict[str, Any] | None:
+    """Return rank 0's first-step record (its node's ``first_step.json``), for a Relay that
+    cannot read this node's disk; None elsewhere or before it is written."""
+    return read_json(root / FIRST_STEP_FILE) if 0 in ranks else None
 
 
 def signal_faulthandler(folder: Path, rank: int) -> bool:

@@ -66,6 +66,7 @@ from relay_train.agent.limits import (
 )
 from relay_train.agent.node_files import (
     crossed_report,
+    first_step_report,
     heartbeat_report,
     pending_request_id,
     rank_exited,
@@ -311,7 +312,9 @@ class _Handler(BaseHTTPRequestHandler):
         now = node_clock()
         beats = heartbeat_report(self.agent.root / "heartbeats", self.agent.ranks, now)
         crossed = crossed_report(self.agent.root, self.agent.ranks)
-        return {**self.agent.status_record(), wire.HEARTBEATS: beats, wire.CROSSED: crossed}
+        first = first_step_report(self.agent.root, self.agent.ranks)
+        return {**self.agent.status_record(), wire.HEARTBEATS: beats, wire.CROSSED: crossed,
+                **({wire.FIRST_STEP: first} if first else {})}
 
     def _stop(self, body: dict[str, Any]) -> dict[str, Any]:
         self.agent.request_stop(str(body.get(wire.REASON) or "Relay asked over the channel"))

@@ -73,6 +73,7 @@ HEARTBEATS = "heartbeats"  # the node's ranks' heartbeat records, each with its 
 AGE_SECONDS = "age_seconds"  # since the record was written, on the node's clock
 PHASE_AGE_SECONDS = "phase_age_seconds"  # since the rank entered its phase, likewise
 CROSSED = "crossed"  # the last segment boundaries rank 0 recorded crossing (rank 0's node)
+FIRST_STEP = "first_step"  # rank 0's first_step.json once written (rank 0's node), else absent
 
 # -- POST stop -------------------------------------------------------------------------
 REASON = "reason"  # request: why (for the agent's log)

@@ -72,8 +72,8 @@ def test_kubernetes_without_its_section_is_a_clear_spec_error(tmp_path: Path) ->
 
 
 def test_unknown_launcher_kind_is_refused() -> None:
-    with pytest.raises(ValueError, match="expected 'local' or 'kubernetes', found 'slurm'"):
-        launcher_from({"kind": "slurm"})
+    with pytest.raises(ValueError, match="expected 'local', 'kubernetes' or 'slurm', found 'pbs'"):
+        launcher_from({"kind": "pbs"})
 
 
 def test_an_unresponsive_node_from_the_platform_is_node_unresponsive() -> None:

@@ -263,3 +263,19 @@ def test_rank_0s_first_step_comes_back_over_the_channel_into_relays_folder(
     SlurmLauncher._keep_first_step(relay_root, channel)  # type: ignore[arg-type]
 
     assert json.loads((relay_root / FIRST_STEP_FILE).read_text())["at"] == 12.5
+
+
+def test_cancelling_a_job_slurm_already_ended_or_forgot_is_no_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    said = iter(["scancel: error: Kill job error on job id 2: Invalid job id specified",
+                 "scancel: error: Kill job error on job id 2: Job/step already completing or "
+                 "completed", "scancel: error: Unable to contact slurm controller"])
+
+    def refuse(argv: list[str], *args: Any) -> str:  # noqa: ANN401
+        raise SlurmError(f"scancel: expected exit 0; found 1: {next(said)}")
+
+    monkeypatch.setattr(commands, "run", refuse)
+    Slurm().cancel("2", "TERM")
+    Slurm().cancel("2")
+    with pytest.raises(SlurmError, match="Unable to contact"):
+        Slurm().cancel("2")

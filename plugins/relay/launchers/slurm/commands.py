@@ -27,6 +27,8 @@ UNFIT = UNRESPONSIVE | {"DRAIN", "DRAINED", "DRAINING", "MAINT", "REBOOT_ISSUED"
 # Job states after which no task of the job runs any more.
 ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
                    "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT"})
+# What scancel says of a job that is over (nothing left to signal).
+GONE = ("Invalid job id", "already completing or completed", "Job/step already")
 _KEY = re.compile(r"\s+(?=[A-Za-z][A-Za-z0-9_:/.]*=)")
 
 
@@ -196,7 +198,12 @@ class Slurm:
     def cancel(self, job_id: str, signal: str | None = None) -> None:
         """Signal every process of the job, batch shell included (``signal``), or end it."""
         argv = ["scancel", "--full", "-s", signal, job_id] if signal else ["scancel", job_id]
-        self._run(argv)
+        try:
+            self._run(argv)
+        except SlurmError as err:
+            if not any(gone in str(err) for gone in GONE):
+                raise
+            log.info("Slurm job %s: already over (%s)", job_id, err)
 
     def drain(self, node: str, reason: str) -> None:
         """Drain ``node`` in Slurm with ``reason`` (running jobs finish; no new ones start)."""

@@ -279,3 +279,13 @@ def test_cancelling_a_job_slurm_already_ended_or_forgot_is_no_error(
     Slurm().cancel("2")
     with pytest.raises(SlurmError, match="Unable to contact"):
         Slurm().cancel("2")
+
+
+def test_a_node_slurm_has_drained_or_lost_is_refused_at_launch_not_waited_for(
+        tmp_path: Path) -> None:
+    fake = FakeSlurm({}, NODE_DRAINED.replace("relay: test x", "bad fan"))  # node2, by an operator
+
+    with pytest.raises(SlurmError, match=r"nodes \['node2'\]: expected them up and not drained.*"
+                                         r"DRAIN\+IDLE \(bad fan\)"):
+        SlurmLauncher(slurm=fake).launch(cfg_at(tmp_path / "try-0", ["node2"]))
+    assert not [c for c in fake.calls if c[0] == "sbatch"]

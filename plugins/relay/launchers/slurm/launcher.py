@@ -160,6 +160,13 @@ class SlurmLauncher:
             raise SlurmError(f"nodes {unknown}: expected Relay's node pool (RELAY_NODES) to name "
                              f"Slurm nodes; Slurm has {sorted(cluster)}. Set RELAY_NODES to "
                              "Slurm node names")
+        unfit = {n: "+".join(sorted(cluster[n].states)) + (f" ({cluster[n].reason})"
+                                                           if cluster[n].reason else "")
+                 for n in cfg.nodes if cluster[n].unfit}
+        if unfit:
+            raise SlurmError(f"nodes {sorted(unfit)}: expected them up and not drained in Slurm; "
+                             f"found {unfit}. The job would wait for them: quarantine them in "
+                             "Relay (`relay nodes quarantine NODE`) or resume them in Slurm")
         low, high = self.settings.ports
         agent_port, master_port = random.sample(range(low, high), 2)
         root = cfg.root

@@ -16,10 +16,19 @@ from relay.core.proctree import descendants, stop_pids
 from relay.tools.services import free_port
 
 
+def _allowed(host: str, port: int, allowed_hosts: str) -> list[str]:
+    """Return the --allowed-hosts argument: ``allowed_hosts``, else ``host`` off loopback."""
+    if allowed_hosts:
+        return ["--allowed-hosts", allowed_hosts]
+    return ["--allowed-hosts", f"{host},{host}:{port}"] if host != "127.0.0.1" else []
+
+
 @contextlib.contextmanager
-def mlflow_server(root: Path, timeout: float = 180.0, host: str = "127.0.0.1") -> Iterator[str]:
-    """Run an MLflow server storing under ``root``, listening on ``host`` (also the one Host
-    header it accepts besides its defaults); yield its URL once it answers."""
+def mlflow_server(root: Path, timeout: float = 180.0, host: str = "127.0.0.1",
+                  allowed_hosts: str = "") -> Iterator[str]:
+    """Run an MLflow server storing under ``root``, listening on ``host`` (answering requests
+    whose Host header ``allowed_hosts`` allows, besides its defaults); yield its URL once it
+    answers."""
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     proc = None
     try:
@@ -28,7 +37,7 @@ def mlflow_server(root: Path, timeout: float = 180.0, host: str = "127.0.0.1") -
             proc = subprocess.Popen(
                 [str(Path(sys.executable).with_name("mlflow")), "server", "--host",
                  host, "--port", str(port), "--workers", "1",
-                 *(["--allowed-hosts", f"{host},{host}:{port}"] if host != "127.0.0.1" else []),
+                 *_allowed(host, port, allowed_hosts),
                  "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
                  "--artifacts-destination", str(root / "artifacts"), "--serve-artifacts"],
                 env=env, stdout=(root / "server.log").open("ab"), stderr=subprocess.STDOUT,

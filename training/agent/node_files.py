@@ -1,6 +1,6 @@
 """What a node agent reads from its node's files to answer Relay: heartbeats with their
-ages, the boundaries rank 0 crossed, the ranks' stacks answers; and the one signal it
-sends a silent rank (its faulthandler's). Stdlib only.
+ages, the boundaries rank 0 crossed, its first step, the ranks' stacks answers; and the one
+signal it sends a silent rank (its faulthandler's). Stdlib only.
 """
 
 from __future__ import annotations

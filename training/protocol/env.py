@@ -61,6 +61,9 @@ ENV_CLOCK_SKEW = "RELAY_CLOCK_SKEW_SECONDS"
 # set, it wins over the launch file's ``channel_secret``; the agent removes it from its
 # environment once read, so that neither its ranks nor a standby it forks inherit it.
 ENV_CHANNEL_SECRET = "RELAY_CHANNEL_SECRET"
+# The launch file itself (base64 of its JSON), where the node cannot read Relay's disk: a Slurm
+# batch script exports it and relay_train.agent.unpack writes it into a node-local folder.
+ENV_LAUNCH_B64 = "RELAY_LAUNCH_B64"
 
 # Set by a launcher whose platform gives a node notice before taking it back (a Kubernetes
 # pod's terminationGracePeriodSeconds, Slurm's --signal=TERM@N, a spot reclaim's warning):

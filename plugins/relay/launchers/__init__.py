@@ -1,4 +1,4 @@
-"""Where a segment runs: local processes or Kubernetes, behind one :class:`Launcher` seam.
+"""Where a segment runs: local processes, Kubernetes or Slurm, behind one :class:`Launcher` seam.
 
 Everything outside this package gets its launcher from :func:`launcher_from`
 (or :func:`launcher_for` a job spec) and uses only the protocol in
@@ -36,11 +36,21 @@ def launcher_from(config: Mapping[str, Any] | None = None) -> Launcher:
 
         conn_id = settings.pop("conn_id", None) or os.environ.get(ENV_KUBERNETES_CONN_ID)
         return KubernetesLauncher(KubernetesSpec.model_validate(settings), conn_id=conn_id)
-    raise ValueError(f"launcher kind: expected 'local' or 'kubernetes', found {kind!r}")
+    if kind == "slurm":
+        from relay.launchers.slurm.launcher import SlurmLauncher
+        from relay.spec.slurm import SlurmSpec
+
+        return SlurmLauncher(SlurmSpec.model_validate(settings))
+    raise ValueError(f"launcher kind: expected 'local', 'kubernetes' or 'slurm', found {kind!r}")
 
 
 def launcher_for(spec: JobSpec) -> Launcher:
-    """Return the launcher a job spec asks for (``launcher:`` and its ``kubernetes:`` section)."""
+    """Return the launcher a job spec asks for (``launcher:`` and its ``kubernetes:`` or
+    ``slurm:`` section)."""
+    from relay.spec.slurm import SlurmSpec
+
     if spec.launcher == "kubernetes" and spec.kubernetes is not None:
         return launcher_from({"kind": "kubernetes", **spec.kubernetes.model_dump()})
+    if spec.launcher == "slurm":
+        return launcher_from({"kind": "slurm", **(spec.slurm or SlurmSpec()).model_dump()})
     return launcher_from(None)

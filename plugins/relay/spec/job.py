@@ -28,6 +28,7 @@ from relay.spec.sections import (
     ModelSpec,
     OptimizerSpec,
 )
+from relay.spec.slurm import SlurmSpec
 from relay.spec.yamlsource import (
     FROZEN,
     FieldValueError,
@@ -71,11 +72,12 @@ class JobSpec(BaseModel):
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # see training/device.py
     deterministic: bool = Field(True, strict=True)  # bit-exact resume (deterministic GPU kernels)
     chaos: Literal["allowed", "forbidden"] = "forbidden"
-    launcher: Literal["local", "kubernetes"] = "local"
+    launcher: Literal["local", "kubernetes", "slurm"] = "local"
     # adopt: a segment's workload trains on past its end and the next segment's task adopts
     # it (relay.launchers.local.adopt); restart: every segment launches a fresh workload.
     segment_boundary: Literal["adopt", "restart"] = "adopt"
     kubernetes: KubernetesSpec | None = Field(None, validate_default=True)
+    slurm: SlurmSpec | None = None  # launcher: slurm (its defaults when left out)
 
     @field_validator("steps_per_epoch")
     @classmethod
@@ -320,8 +322,10 @@ FIXES: dict[str, str] = {
     ),
     "segment_boundary": "set segment_boundary to adopt (the next segment takes over the "
     "running workload at the boundary checkpoint) or restart (a fresh launch per segment)",
-    "launcher": "set launcher to local (processes on this machine) or kubernetes (a Job per "
-    "segment attempt), e.g. launcher: local",
+    "launcher": "set launcher to local (processes on this machine), kubernetes (a Job per "
+    "segment attempt) or slurm (a Slurm job per segment attempt), e.g. launcher: local",
+    "slurm": "write slurm as a mapping, e.g. slurm: {node_home: '/var/tmp/relay/{node}', "
+    "python: /opt/relay/bin/python} (see docs/slurm.md)",
     "kubernetes": "write kubernetes as a mapping, e.g. kubernetes: {image: "
     "registry.example.com/relay-worker:0.1.0, namespace: relay}",
     "kubernetes.image": "set kubernetes.image to the worker image the pods run, e.g. "

@@ -112,8 +112,8 @@ def test_a_path_the_pods_do_not_have_is_a_spec_error(tmp_path: Path, before: str
 
 
 def test_unknown_launcher_kind_is_refused() -> None:
-    with pytest.raises(ValueError, match="expected 'local' or 'kubernetes', found 'slurm'"):
-        launcher_from({"kind": "slurm"})
+    with pytest.raises(ValueError, match="expected 'local', 'kubernetes' or 'slurm', found 'pbs'"):
+        launcher_from({"kind": "pbs"})
 
 
 def test_an_unresponsive_node_from_the_platform_is_node_unresponsive() -> None:

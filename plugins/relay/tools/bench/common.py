@@ -75,9 +75,11 @@ async def _first_event(trigger: SegmentWatchTrigger, timeout: float) -> dict[str
 
 
 def watch(cfg: LaunchConfig, detection: Detection, timeout: float,
-          boundary_step: int | None = None) -> dict[str, Any]:
-    """Run the real segment watcher on a launch until its first event."""
-    trigger = SegmentWatchTrigger(
+          boundary_step: int | None = None,
+          launcher: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the real segment watcher on a launch (by ``launcher``, a launcher's config; None:
+    the local one) until its first event."""
+    trigger = SegmentWatchTrigger(launcher=launcher,
         attempt_dir=cfg.attempt_dir, node_ranks=node_ranks(cfg),
         detection=detection.model_dump(), heartbeat_interval_seconds=cfg.heartbeat_interval_seconds,
         poll_interval_seconds=detection.poll_interval, boundary_step=boundary_step,

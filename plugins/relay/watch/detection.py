@@ -22,6 +22,7 @@ from relay.launchers.agent_client import FRESH_WAIT_SECONDS
 from relay.launchers.base import LaunchStatus
 from relay.policy.model import Detection
 from relay.watch.exits import classify_exit, only_secondary_exits
+from relay.watch.lockstep import Lockstep
 from relay.watch.slowness import StragglerRule, ThroughputRule
 from relay.watch.steptime import HangLimit, StepTimes
 from relay_train.protocol.heartbeat import Heartbeat, Phase
@@ -92,6 +93,7 @@ class Detector:
                            if detection.straggler else None)
         self._throughput = ThroughputRule(detection.throughput) if detection.throughput else None
         self._stepped: dict[int, tuple[int, float]] = {}  # rank -> (step, when it was reached)
+        self._lockstep = Lockstep()  # a node unheard while the others step on is alive
         self._secondary_since: float | None = None
         self._watching_since: float | None = None  # this detector's first observation
         self._steps = StepTimes()  # for a hang threshold derived from the job's step time
@@ -110,6 +112,7 @@ class Detector:
             seen = stepped.get(rank)
             if seen is None or beat.step != seen[0]:
                 stepped[rank] = (beat.step, now)
+        self._lockstep.observe(obs.heartbeats)
         if self.cfg.derive_hang_timeout is not None:
             self._steps.observe(obs.heartbeats, self.cfg.derive_hang_timeout.warmup_steps)
         rules = (
@@ -260,13 +263,20 @@ class Detector:
                  if b.phase != _DONE and now - b.wall_clock > timeout}
         if not stale and not unheard:
             return None
+        # Other nodes' ranks that stepped on after a silent rank's last word prove it alive.
+        alive = self._lockstep.alive_since(list(obs.node_ranks), obs.node_of)
+        if alive:
+            stale = {r for r in stale if now - alive.get(obs.node_of(r) or "", 0.0) > timeout}
+            if not stale and not unheard:
+                return None
         grace = AGENT_STATUS_INTERVAL_SECONDS + 2 * obs.heartbeat_interval
         for node, ranks in obs.node_ranks.items():
             if FaultKind.NODE_UNRESPONSIVE not in self.enabled:
                 break
             agent_age = self._agent_age(obs, node)
             if ranks and set(ranks) <= stale | unheard and (
-                    agent_age is None or agent_age > agent_limit):
+                    agent_age is None or agent_age > agent_limit) and (
+                    node not in alive or now - alive[node] > agent_limit):
                 ages = {r: round(self._age(obs.heartbeats[r], obs.now), 2)
                         if r in obs.heartbeats else None for r in ranks}
                 return Fault(FaultKind.NODE_UNRESPONSIVE, None, node,

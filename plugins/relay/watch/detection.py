@@ -340,7 +340,7 @@ class Detector:
             slow = self._straggler.slow_ranks(obs.now)
             if slow:
                 return (f"rank {slow[0]} half way to a straggler (over "
-                        f"{self._straggler.rule.ratio:g}x the others' compute)")
+                        f"{self._straggler.ratio:.3g}x the others' compute)")
         return None
 
     def hang_limit(self, obs: Observation) -> HangLimit:

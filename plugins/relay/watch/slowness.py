@@ -142,6 +142,11 @@ class StragglerRule:
         self._totals: dict[int, tuple[int, float, float]] = {}
         self._spread = RatioSpread(rule.ratio)  # the ratio in force (relay.watch.spread)
 
+    @property
+    def ratio(self) -> float:
+        """Return the ratio in force: the policy's, raised by the job's own spread."""
+        return self._spread.ratio
+
     def _interval_excess(self, active: list[Heartbeat], now: float) -> dict[int, float]:
         """Return each rank's compute beyond the others' median over the steps it finished
         since the last poll (at most the time that passed), where every figure is known;

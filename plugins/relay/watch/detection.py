@@ -259,8 +259,11 @@ class Detector:
         agent_limit = self.cfg.heartbeat_timeout
         unheard = self._unheard(obs, agent_limit)
         now, timeout = obs.now, self.cfg.heartbeat_timeout  # _is_stale, inlined: every rank
+        # Until a rank steps, silence is start-up's (imports, rendezvous: on a loaded host an
+        # agent busy starting goes unheard for seconds): startup_timeout judges it (_startup).
+        idle = _DONE if _past_startup(obs) else _STARTING
         stale = {r for r, b in obs.heartbeats.items()
-                 if b.phase != _DONE and now - b.wall_clock > timeout}
+                 if b.phase != _DONE and b.phase != idle and now - b.wall_clock > timeout}
         if not stale and not unheard:
             return None
         # Other nodes' ranks that stepped on after a silent rank's last word prove it alive.

@@ -101,6 +101,8 @@ def labelled(store: Store, root: Path, detection: Detection, repeats: int,
     for scenario in [s for s in SCENARIOS if s.name in LOADED and (not only or s.name in only)]:
         for i in range(repeats):
             rec = run_trial(store, root / f"{scenario.name}-{i}", scenario, detection)
+            if rec["ok"] and (rec["latency"] is None or rec["latency"] < 0):
+                rec["ok"] = False  # called before the fault struck: a false alarm, not a find
             lat = f"{rec['latency']:.2f}s" if rec["latency"] is not None else "-"
             print(f"  {scenario.name:10} #{i + 1}: {rec.get('kind', rec['status']):20} culprit "
                   f"{rec.get('culprit')} after {lat} ({'ok' if rec['ok'] else 'WRONG'}) "

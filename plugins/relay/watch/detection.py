@@ -251,6 +251,14 @@ class Detector:
             return set()
         return {r for r in obs.expected_ranks if r not in obs.heartbeats}
 
+    def _first_step(self, obs: Observation) -> bool:
+        """Return whether a fresh job is still in its first step, within startup_timeout:
+        every record at step 0 (DDP's parameter broadcast and gloo's first connections
+        are start-up too; on a loaded host an agent still busy starting goes unheard for
+        seconds meanwhile). A node frozen then is called at startup_timeout."""
+        return (obs.now - obs.launched_at <= self.cfg.startup_timeout
+                and all(b.step == 0 for b in obs.heartbeats.values()))
+
     def _stale(self, obs: Observation) -> Fault | None:
         # A node is unresponsive once its ranks and its agent have all been silent for
         # heartbeat_timeout (the policy's "silent"). A frozen node's ranks fall silent
@@ -261,7 +269,10 @@ class Detector:
         now, timeout = obs.now, self.cfg.heartbeat_timeout  # _is_stale, inlined: every rank
         # Until a rank steps, silence is start-up's (imports, rendezvous: on a loaded host an
         # agent busy starting goes unheard for seconds): startup_timeout judges it (_startup).
-        idle = _DONE if _past_startup(obs) else _STARTING
+        past = _past_startup(obs)
+        if past and self._first_step(obs):
+            return None  # still start-up: the first step of a fresh job (see _first_step)
+        idle = _DONE if past else _STARTING
         stale = {r for r, b in obs.heartbeats.items()
                  if b.phase != _DONE and b.phase != idle and now - b.wall_clock > timeout}
         if not stale and not unheard:

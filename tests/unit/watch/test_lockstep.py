@@ -102,19 +102,25 @@ def test_the_proof_of_life_is_the_latest_step_of_another_node() -> None:
         "node-a": T0 + 1, "node-b": T0 + 2}
 
 
-def starting(now: float, node_b_age: float, node_a_phase: str) -> Observation:
-    """node-b's agent and its starting ranks unheard for ``node_b_age`` s; node-a's fresh."""
+def starting(now: float, node_b_age: float, node_a_phase: str, launched: float = 30.0,
+             node_b_phase: str = Phase.STARTING.value) -> Observation:
+    """node-b's agent and its starting ranks unheard for ``node_b_age`` s; node-a's fresh,
+    in ``node_a_phase`` at step 0 (its first step); launched ``launched`` s ago."""
     beats = {r: record(r, 0, now - 0.1, node_a_phase) for r in (0, 1)}
-    beats |= {r: record(r, 0, now - node_b_age, Phase.STARTING.value) for r in (2, 3)}
-    return Observation(now=now, launched_at=now - 30, heartbeats=beats, node_ranks=NODE_RANKS,
-                       heartbeat_interval=POLL,
+    beats |= {r: record(r, 0, now - node_b_age, node_b_phase) for r in (2, 3)}
+    return Observation(now=now, launched_at=now - launched, heartbeats=beats,
+                       node_ranks=NODE_RANKS, heartbeat_interval=POLL,
                        launch=status(now, {"node-a": now - 0.05, "node-b": now - node_b_age}))
 
 
-def test_a_node_unheard_during_start_up_is_left_to_startup_timeout() -> None:
+@pytest.mark.parametrize("node_a_phase", [Phase.STARTING.value, Phase.COMPUTE.value],
+                         ids=["all-starting", "node-a-in-its-first-step"])
+def test_a_node_unheard_during_start_up_is_left_to_startup_timeout(node_a_phase: str) -> None:
     silent = CFG.heartbeat_timeout + 2.0
-    assert Detector(CFG).check(starting(T0, silent, Phase.STARTING.value)) is None
-    # once a rank is past start-up, every rank rendezvoused: the same silence is a fault
-    fault = Detector(CFG).check(starting(T0, silent, Phase.COMPUTE.value))
+    assert Detector(CFG).check(starting(T0, silent, node_a_phase)) is None
+    # (node-b silent in its first step once startup_timeout has passed is a fault)
+    fault = Detector(CFG).check(starting(T0, silent, Phase.COMPUTE.value,
+                                         launched=CFG.startup_timeout + 1.0,
+                                         node_b_phase=Phase.COMPUTE.value))
     assert fault is not None and fault.kind is FaultKind.NODE_UNRESPONSIVE
     assert fault.culprit_node == "node-b"

@@ -15,6 +15,12 @@ def _cmd_bench_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_detect(args: argparse.Namespace) -> int:
+    if args.load:
+        from relay.tools.bench.detect_load import main as load_main
+
+        return load_main(minutes=0.5 if args.smoke else args.minutes,
+                         repeats=1 if args.smoke else args.repeats, only=args.only,
+                         policy=args.policy)
     from relay.tools.bench.detect import main as bench_main
 
     return bench_main(repeats=1 if args.smoke else args.repeats, only=args.only,
@@ -87,6 +93,12 @@ def add_commands(sub: Any) -> None:  # noqa: ANN401 - argparse's private subpars
                         "(default: the shipped policies/default.yaml)")
     detect.add_argument("--smoke", action="store_true",
                         help="1 trial per kind: checks it works, no figures")
+    detect.add_argument("--load", action="store_true",
+                        help="with the CPU oversubscribed 2x by busy processes: fault-free jobs "
+                        "for --minutes (false alarms per hour), then each kind --repeats times "
+                        "(precision, recall, detection p50/max)")
+    detect.add_argument("--minutes", type=float, default=30.0,
+                        help="with --load: minutes of fault-free jobs (default %(default)s)")
     detect.set_defaults(func=_cmd_bench_detect)
     overhead = bench.add_parser(
         "overhead", help="steps/s of Relay's loop vs the same loop with no Relay code")

@@ -22,6 +22,7 @@ from relay.launchers.agent_client import FRESH_WAIT_SECONDS
 from relay.launchers.base import LaunchStatus
 from relay.policy.model import Detection
 from relay.watch.exits import classify_exit, only_secondary_exits, preemption
+from relay.watch.lockstep import Lockstep
 from relay.watch.slowness import StragglerRule, ThroughputRule
 from relay.watch.steptime import HangLimit, StepTimes
 from relay_train.protocol.heartbeat import Heartbeat, Phase
@@ -92,6 +93,7 @@ class Detector:
                            if detection.straggler else None)
         self._throughput = ThroughputRule(detection.throughput) if detection.throughput else None
         self._stepped: dict[int, tuple[int, float]] = {}  # rank -> (step, when it was reached)
+        self._lockstep = Lockstep()  # a node unheard while the others step on is alive
         self._secondary_since: float | None = None
         self._watching_since: float | None = None  # this detector's first observation
         self._steps = StepTimes()  # for a hang threshold derived from the job's step time
@@ -110,6 +112,7 @@ class Detector:
             seen = stepped.get(rank)
             if seen is None or beat.step != seen[0]:
                 stepped[rank] = (beat.step, now)
+        self._lockstep.observe(obs.heartbeats)
         if self.cfg.derive_hang_timeout is not None:
             self._steps.observe(obs.heartbeats, self.cfg.derive_hang_timeout.warmup_steps)
         rules = (
@@ -252,6 +255,14 @@ class Detector:
             return set()
         return {r for r in obs.expected_ranks if r not in obs.heartbeats}
 
+    def _first_step(self, obs: Observation) -> bool:
+        """Return whether a fresh job is still in its first step, within startup_timeout:
+        every record at step 0 (DDP's parameter broadcast and gloo's first connections
+        are start-up too; on a loaded host an agent still busy starting goes unheard for
+        seconds meanwhile). A node frozen then is called at startup_timeout."""
+        return (obs.now - obs.launched_at <= self.cfg.startup_timeout
+                and all(b.step == 0 for b in obs.heartbeats.values()))
+
     def _stale(self, obs: Observation) -> Fault | None:
         # A node is unresponsive once its ranks and its agent have all been silent for
         # heartbeat_timeout (the policy's "silent"). A frozen node's ranks fall silent
@@ -260,17 +271,30 @@ class Detector:
         agent_limit = self.cfg.heartbeat_timeout
         unheard = self._unheard(obs, agent_limit)
         now, timeout = obs.now, self.cfg.heartbeat_timeout  # _is_stale, inlined: every rank
+        # Until a rank steps, silence is start-up's (imports, rendezvous: on a loaded host an
+        # agent busy starting goes unheard for seconds): startup_timeout judges it (_startup).
+        past = _past_startup(obs)
+        if past and self._first_step(obs):
+            return None  # still start-up: the first step of a fresh job (see _first_step)
+        idle = _DONE if past else _STARTING
         stale = {r for r, b in obs.heartbeats.items()
-                 if b.phase != _DONE and now - b.wall_clock > timeout}
+                 if b.phase != _DONE and b.phase != idle and now - b.wall_clock > timeout}
         if not stale and not unheard:
             return None
+        # Other nodes' ranks that stepped on after a silent rank's last word prove it alive.
+        alive = self._lockstep.alive_since(list(obs.node_ranks), obs.node_of)
+        if alive:
+            stale = {r for r in stale if now - alive.get(obs.node_of(r) or "", 0.0) > timeout}
+            if not stale and not unheard:
+                return None
         grace = AGENT_STATUS_INTERVAL_SECONDS + 2 * obs.heartbeat_interval
         for node, ranks in obs.node_ranks.items():
             if FaultKind.NODE_UNRESPONSIVE not in self.enabled:
                 break
             agent_age = self._agent_age(obs, node)
             if ranks and set(ranks) <= stale | unheard and (
-                    agent_age is None or agent_age > agent_limit):
+                    agent_age is None or agent_age > agent_limit) and (
+                    node not in alive or now - alive[node] > agent_limit):
                 ages = {r: round(self._age(obs.heartbeats[r], obs.now), 2)
                         if r in obs.heartbeats else None for r in ranks}
                 return Fault(FaultKind.NODE_UNRESPONSIVE, None, node,
@@ -334,7 +358,7 @@ class Detector:
             slow = self._straggler.slow_ranks(obs.now)
             if slow:
                 return (f"rank {slow[0]} half way to a straggler (over "
-                        f"{self._straggler.rule.ratio:g}x the others' compute)")
+                        f"{self._straggler.ratio:.3g}x the others' compute)")
         return None
 
     def hang_limit(self, obs: Observation) -> HangLimit:

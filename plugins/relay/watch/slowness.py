@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from relay.core.faults import Fault, FaultKind
 from relay.policy.model import MIN_SLOW_STEPS, StragglerDetection, ThroughputDetection
+from relay.watch.spread import RateSpread, RatioSpread
 from relay_train.protocol.heartbeat import Heartbeat
 
 
@@ -125,6 +126,7 @@ class _SlowRun:
     last_step: int
     steps: int = 1  # distinct steps seen over the ratio
     lost: float = 0.0  # seconds the job waited on this rank
+    peak: float = 0.0  # the highest ratio seen in the run
 
 
 class StragglerRule:
@@ -138,6 +140,12 @@ class StragglerRule:
         self._stepping_since: float | None = -math.inf if settled else None
         # rank -> (step, compute_total, when) at the last poll: the exact excess (above)
         self._totals: dict[int, tuple[int, float, float]] = {}
+        self._spread = RatioSpread(rule.ratio)  # the ratio in force (relay.watch.spread)
+
+    @property
+    def ratio(self) -> float:
+        """Return the ratio in force: the policy's, raised by the job's own spread."""
+        return self._spread.ratio
 
     def _interval_excess(self, active: list[Heartbeat], now: float) -> dict[int, float]:
         """Return each rank's compute beyond the others' median over the steps it finished
@@ -207,30 +215,43 @@ class StragglerRule:
             self._stepping_since = now
         if now - self._stepping_since < self.rule.sustained:
             return None  # start-up: nothing held, nothing lost yet
-        median_of_others = leave_one_out(sorted(b.compute_seconds or 0.0 for b in active))
-        ratios, extra = {}, {}
+        ordered = sorted(b.compute_seconds or 0.0 for b in active)
+        median_of_others = leave_one_out(ordered)
+        spread, limit = self._spread, self._spread.ratio
+        ratios, extra, others_of = {}, {}, {}
         for beat in active:
-            others = median_of_others(beat.compute_seconds or 0.0)
+            others = others_of[beat.rank] = median_of_others(beat.compute_seconds or 0.0)
             ratios[beat.rank] = (beat.compute_seconds or 0.0) / others if others > 0 else 0.0
             extra[beat.rank] = (beat.compute_seconds or 0.0) - others
-        over = [b for b in active if ratios[b.rank] > self.rule.ratio]
+        over = [b for b in active if ratios[b.rank] > limit]
         over_ranks = {b.rank for b in over}  # (ranks are unique among the active)
         due: list[tuple[float, float]] = []  # (lost, held) of each rank whose run is due
+        slow: list[Heartbeat] = []  # the ranks over the ratio, judged this poll
         for beat in active:
-            held = self._held.hold(beat.rank, beat.rank in over_ranks, now)
-            if beat.rank not in over_ranks:
-                self._runs.pop(beat.rank, None)
+            rank = beat.rank
+            if rank in over_ranks and spread.machine_wide(others_of[rank]):
+                self._held.pause(rank)  # the others slowed too: not this rank's doing
                 continue
-            run = self._track(beat, extra[beat.rank], now, exact.get(beat.rank))
+            held = self._held.hold(rank, rank in over_ranks, now)
+            if rank not in over_ranks:
+                ended = self._runs.pop(rank, None)
+                if ended is not None:  # over the ratio for a while, then not: noise
+                    spread.blip(ended.peak)
+                continue
+            run = self._track(beat, extra[rank], now, exact.get(rank))
+            run.peak = max(run.peak, ratios[rank])
+            slow.append(beat)
             if self._due(run, held):
                 due.append((run.lost, held))
+        under = [ratios[b.rank] for b in active if b.rank not in over_ranks]
+        spread.add(max(under) if under else None, ordered[len(ordered) // 2])
         if not due:
             return None
         lost, held = max(due)
         # The job has had a straggler long enough. Blame the rank holding it back now, the
         # slowest: a mildly slow rank (its own background work) may have been over the ratio
         # longer, but a much slower one that turned up since sets every step's pace.
-        beat = max(over, key=lambda b: (b.compute_seconds or 0.0, -b.rank))
+        beat = max(slow, key=lambda b: (b.compute_seconds or 0.0, -b.rank))
         others = median_of_others(beat.compute_seconds or 0.0)
         ratio = ratios[beat.rank]
         budget = "" if self.rule.lost_seconds is None else (
@@ -238,8 +259,8 @@ class StragglerRule:
         return Fault(FaultKind.STRAGGLER, beat.rank, beat.node,
                      {"summary": f"compute time {beat.compute_seconds:.3f}s per step is "
                       f"{ratio:.1f}x the other ranks' median {others:.3f}s; the job lost "
-                      f"{lost:.1f}s waiting on a rank over {self.rule.ratio:g}x in "
-                      f"{held:.1f}s ({budget}sustained {self.rule.sustained:g}s)",
+                      f"{lost:.1f}s waiting on a rank over {limit:.3g}x in {held:.1f}s "
+                      f"({spread.describe()}, {budget}sustained {self.rule.sustained:g}s)",
                       "compute_seconds": {b.rank: round(b.compute_seconds or 0.0, 4)
                                           for b in active},
                       "ratio": round(ratio, 2), "lost_seconds": round(lost, 2)}, now)
@@ -255,6 +276,8 @@ class ThroughputRule:
         self._started: float | None = None
         self._first_step: int | None = None
         self.baseline: float | None = None
+        self._spread = RateSpread(rule.floor)  # the floor in force (relay.watch.spread)
+        self._dip: float | None = None  # the lowest rate of a dip going on
 
     def check(self, active: list[Heartbeat], heard: int, now: float) -> Fault | None:
         """Return a fault once throughput has stayed low (``heard``: ranks with a record)."""
@@ -271,15 +294,29 @@ class ThroughputRule:
         if self.baseline is None:
             self._started = self._started or now
             self._samples.append(rate)
+            self._spread.add(rate, None)
             if now - self._started >= rule.baseline:
                 self.baseline = statistics.median(self._samples)
+                self._spread.add(rate, self.baseline)
             return None
-        held = self._slow.hold("job", rate < rule.floor * self.baseline, now)
+        floor = self._spread.floor
+        low = rate < floor * self.baseline
+        held = self._slow.hold("job", low, now)
+        if not low:
+            if self._dip is not None:  # a dip that recovered before sustained: the job's noise
+                self._spread.add(self._dip, self.baseline)
+                self._dip = None
+            self._spread.add(rate, self.baseline)
+        else:
+            self._dip = rate if self._dip is None else min(self._dip, rate)
         if held < rule.sustained:
             return None
+        adapted = "" if floor == rule.floor else (
+            f", the policy's {rule.floor:.0%} lowered by the job's own dips")
         return Fault(FaultKind.THROUGHPUT_DEGRADED, None, None,
                      {"summary": f"job throughput {rate:.0f} samples/s is "
                       f"{rate / self.baseline:.0%} of its baseline {self.baseline:.0f} for "
-                      f"{held:.1f}s (floor {rule.floor:.0%}, sustained {rule.sustained:g}s)",
+                      f"{held:.1f}s (floor {floor:.0%}{adapted}, "
+                      f"sustained {rule.sustained:g}s)",
                       "samples_per_second": round(rate, 1), "baseline": round(self.baseline, 1)},
                      now)

@@ -1,0 +1,110 @@
+"""What the job's own figures say is normal: the slowness rules' thresholds adapt to it.
+
+The hang threshold already derives from the job's step time (:mod:`relay.watch.steptime`).
+The straggler and throughput rules do the same with the job's measured spread, so
+the noise of a loaded machine (a rank that loses its core for a few slices, every rank
+slower while other work runs) is not taken for a fault:
+
+- **straggler ratio**: per poll after start-up, one sample - the highest compute ratio
+  (a rank's compute over the others' median) among the ranks the rule does not hold
+  slow, and the peak of each slow run that ended without being called (a blip that
+  went away is noise by definition). The ratio in force is
+  ``1 + RATIO_MARGIN x (p95 of the last WINDOW samples - 1)``, never below the
+  policy's ``ratio`` and never above :data:`MAX_RATIO`. A lasting straggler's own
+  ratios are never samples (its run does not end), so it cannot teach the rule that
+  it is normal. On a steady job the samples are ~1.0 and the policy's ratio holds.
+- **machine-wide slowdown**: per poll, the median compute of every stepping rank;
+  its median over the window is the job's usual compute. A rank over the ratio whose
+  *others* are themselves over the ratio x that usual figure is not a straggler: the
+  whole machine (or job) slowed together - the throughput rule's business - and the
+  rank is not judged until the usual figure has caught up with the new level (about
+  half the window) or the others are back. A straggler never raises the others'
+  compute (they wait for it in the collective, not in compute), so it is still seen.
+- **throughput floor**: the job's low dips while its baseline is measured (and the
+  dips that recovered before ``sustained`` since): the floor in force is
+  ``min(floor, 1 - FLOOR_MARGIN x (1 - p5 / baseline))``, never below
+  :data:`MIN_FLOOR_SHARE` x the policy's ``floor``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from relay.watch.steptime import WINDOW, nearest_rank
+
+RATIO_MARGIN = 1.25  # the ratio in force sits this far beyond the noise's p95 excess
+MAX_RATIO = 3.0  # never above: a rank at 3x the others' compute is a straggler on any host
+MIN_SAMPLES = 10  # polls before the spread counts (until then: the policy's figures)
+HIGH = 0.95  # the quantile of the ratio samples the noise is judged by
+LOW = 0.05  # the quantile of the throughput samples the dips are judged by
+FLOOR_MARGIN = 1.5  # the floor in force sits this far below the dips' depth
+MIN_FLOOR_SHARE = 0.6  # the floor in force never drops below this share of the policy's
+
+
+class RatioSpread:
+    """The straggler ratio in force and the job's usual compute per step."""
+
+    def __init__(self, ratio: float) -> None:
+        self.policy_ratio = ratio
+        self._ratios: deque[float] = deque(maxlen=WINDOW)
+        self._medians: deque[float] = deque(maxlen=WINDOW)
+        self.ratio = ratio  # the ratio in force: updated by :meth:`add`
+
+    def add(self, highest: float | None, median: float) -> None:
+        """Fold in one poll: the highest ratio of the ranks not held slow (None: none),
+        and the median compute per step of every stepping rank."""
+        if highest is not None:
+            self._ratios.append(highest)
+        if median > 0:
+            self._medians.append(median)
+        self._update()
+
+    def blip(self, peak: float) -> None:
+        """Fold in the peak ratio of a slow run that ended without being called."""
+        self._ratios.append(peak)
+        self._update()
+
+    def _update(self) -> None:
+        if len(self._ratios) < MIN_SAMPLES:
+            return
+        noise = nearest_rank(list(self._ratios), HIGH)
+        self.ratio = max(self.policy_ratio, min(1.0 + RATIO_MARGIN * (noise - 1.0), MAX_RATIO))
+
+    @property
+    def usual_compute(self) -> float | None:
+        """Return the job's usual median compute per step (None until enough polls)."""
+        if len(self._medians) < MIN_SAMPLES:
+            return None
+        return statistics.median(self._medians)
+
+    def machine_wide(self, others: float) -> bool:
+        """Return whether the others' median compute ``others`` shows the whole machine
+        slower than usual by the ratio in force (then a slow rank is not a straggler)."""
+        usual = self.usual_compute
+        return usual is not None and others > self.ratio * usual
+
+    def describe(self) -> str:
+        """Return how the ratio in force came about (for the fault's evidence)."""
+        if self.ratio == self.policy_ratio:
+            return f"ratio {self.ratio:g}"
+        return (f"ratio {self.ratio:.2f} (the policy's {self.policy_ratio:g}, raised by the "
+                f"job's own spread over {len(self._ratios)} polls)")
+
+
+class RateSpread:
+    """The throughput floor in force, from the job's own dips below its baseline."""
+
+    def __init__(self, floor: float) -> None:
+        self.policy_floor = floor
+        self.floor = floor
+        self._rates: deque[float] = deque(maxlen=WINDOW)
+
+    def add(self, rate: float, baseline: float | None) -> None:
+        """Fold in one poll's rate (``baseline``: the job's, once measured)."""
+        self._rates.append(rate)
+        if baseline is None or baseline <= 0 or len(self._rates) < MIN_SAMPLES:
+            return
+        depth = 1.0 - nearest_rank(list(self._rates), LOW) / baseline
+        self.floor = max(min(self.policy_floor, 1.0 - FLOOR_MARGIN * depth),
+                         MIN_FLOOR_SHARE * self.policy_floor)

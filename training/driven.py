@@ -105,9 +105,9 @@ class DrivenLoop:
         generator each time it is iterated). Off with ``seed_steps=False``.
         """
         if self.seed_steps and self._step is not None:
-            from relay_train.api import seed_step
+            import relay_train  # its API, as joined() takes init() (no cycle through api)
 
-            seed_step(self.session.seed, self._step, self.session.rank)
+            relay_train.seed_step(self.session.seed, self._step, self.session.rank)
 
     def before_update(self) -> None:
         """Hold the rescue lock until :meth:`step_done` (the optimizer step is next)."""

@@ -278,8 +278,9 @@ class Session(SessionState, PlacedRank):
         return comm_hook(self.enter_collective, ordered=ordered)
 
     def mark_collectives(self, model: torch.nn.Module) -> None:
-        """Mark the collectives ``model``'s forward runs (DDP's buffer broadcast, FSDP2's
-        all-gathers) in the heartbeat: a rank waiting there is not taken for a stalled one."""
+        """Mark the collectives ``model`` runs outside the gradient hook (DDP's buffer
+        broadcast, FSDP2's all-gathers and reduce-scatters, forward and backward) in the
+        heartbeat: a rank waiting there is not taken for a stalled one."""
         mark_collectives(model, self._phases.wait, self._phases.resume_compute)
 
     @contextlib.contextmanager

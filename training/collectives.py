@@ -5,26 +5,91 @@ has other collectives a healthy rank can wait in while a stalled peer holds
 everyone up: DDP broadcasts the model's buffers at the start of every forward
 (``broadcast_buffers=True``, the default, for any model with a registered
 buffer), and FSDP2 (``fully_shard``) all-gathers each module's parameters before
-its forward. A rank waiting there would still read "compute", and the watcher
-could not tell it from the stalled one. :func:`mark_collectives` brackets them
-with forward pre-hooks: one that runs before the framework's (collective), one
-that runs after it (compute again).
+its forward and again in backward, and reduce-scatters its gradients after. A rank
+waiting there would still read "compute", and the watcher could not tell it from
+the stalled one. :func:`mark_collectives` brackets the forward ones with forward
+pre-hooks: one that runs before the framework's (collective), one that runs after
+it (compute again). FSDP2's backward ones run in autograd hooks that take no hooks
+of their own: the module's FSDP state's pre-backward (all-gather, and its wait),
+each parameter group's post-backward (reduce-scatter) and the root's end-of-backward
+callback (waiting for the last reduce-scatters) are wrapped on the instance, so
+they run as collective and the backward computes again after each. These are
+torch 2.13's ``torch.distributed.fsdp._fully_shard`` names; on a torch without
+them only the forward is marked (and a warning says so).
 
-FSDP2's backward all-gathers and reduce-scatters run in autograd hooks that
-cannot be bracketed this way; Relay's evidence (each rank's stack and collective
-trace) settles a culprit there, and for any collective a script runs unmarked.
+Relay's evidence (each rank's stack and collective trace) settles a culprit for
+any collective a script runs unmarked.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.hooks import RemovableHandle
 
 from relay_train.protocol.heartbeat import HeartbeatWriter, Phase
+
+log = logging.getLogger("relay_train.collectives")
+
+# FSDP2's backward collectives: (on the module's FSDPState) the pre-backward hook that
+# all-gathers and waits, the root's end-of-backward callback; (on each FSDPParamGroup)
+# the post-backward that reduce-scatters.
+FSDP_STATE_BACKWARD = ("_pre_backward", "_root_post_backward_final_callback")
+FSDP_GROUP_BACKWARD = "post_backward"
+
+
+class Removable(Protocol):
+    """A mark that can be taken off again (a hook's handle, or a wrapped method)."""
+
+    def remove(self) -> None:
+        """Take the mark off."""
+
+
+class Bracket:
+    """Enter a collective on the outermost of nested calls, compute on leaving it (FSDP2's
+    end-of-backward callback runs post-backwards that did not run in autograd)."""
+
+    def __init__(self, enter_collective: Callable[[], None],
+                 enter_compute: Callable[[], None]) -> None:
+        self._enter_collective, self._enter_compute = enter_collective, enter_compute
+        self._depth = 0
+
+    def enter(self) -> None:
+        """A wrapped call starts."""
+        self._depth += 1
+        if self._depth == 1:
+            self._enter_collective()
+
+    def leave(self) -> None:
+        """A wrapped call ends."""
+        self._depth -= 1
+        if self._depth == 0:
+            self._enter_compute()
+
+
+class WrappedMethod:
+    """``owner.name`` replaced, on the instance, by one that runs between two calls."""
+
+    def __init__(self, owner: object, name: str, before: Callable[[], None],
+                 after: Callable[[], None]) -> None:
+        self.owner, self.name = owner, name
+        original = getattr(owner, name)
+
+        def marked(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - the method's own
+            before()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                after()
+
+        setattr(owner, name, marked)
+
+    def remove(self) -> None:
+        """Give the instance its class's method back."""
+        vars(self.owner).pop(self.name, None)
 
 
 class StepPhases:
@@ -66,14 +131,28 @@ def _broadcasts_buffers(ddp: DistributedDataParallel) -> bool:
     return bool(syncs) and any(True for _ in ddp.module.buffers())
 
 
+def _mark_fsdp2_backward(module: torch.nn.Module, bracket: Bracket) -> list[Removable]:
+    """Wrap ``module``'s FSDP2 backward collectives (see the module's docstring)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]  # FSDPModule's
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None or not all(hasattr(state, n) for n in FSDP_STATE_BACKWARD):
+        log.warning("FSDP2's backward collectives are not marked: this torch's FSDPState has "
+                    "no %s; the stacks still settle a hang there", FSDP_STATE_BACKWARD)
+        return []
+    owners = [(state, n) for n in FSDP_STATE_BACKWARD]
+    owners += [(group, FSDP_GROUP_BACKWARD) for group in groups]
+    return [WrappedMethod(o, n, bracket.enter, bracket.leave) for o, n in owners]
+
+
 def mark_collectives(
     model: torch.nn.Module, enter_collective: Callable[[], None],
     enter_compute: Callable[[], None],
-) -> list[RemovableHandle]:
-    """Bracket ``model``'s forward collectives with ``enter_collective``/``enter_compute``.
+) -> list[Removable]:
+    """Bracket ``model``'s collectives outside the gradient hook with ``enter_collective``/
+    ``enter_compute``.
 
-    DDP's buffer broadcast (when it runs) and each FSDP2 module's pre-forward
-    all-gather. Return the hooks' handles (empty: nothing to mark).
+    DDP's buffer broadcast (when it runs), each FSDP2 module's pre-forward
+    all-gather and its backward collectives. Return the marks (empty: nothing to mark).
     """
     def collective(*_: Any) -> None:  # noqa: ANN401 - hook arguments, unused
         enter_collective()
@@ -81,7 +160,8 @@ def mark_collectives(
     def compute(*_: Any) -> None:  # noqa: ANN401
         enter_compute()
 
-    handles: list[RemovableHandle] = []
+    handles: list[Removable] = []
+    backward = Bracket(enter_collective, enter_compute)  # one, for all modules' nesting
     if isinstance(model, DistributedDataParallel):
         if _broadcasts_buffers(model):  # DDP.forward: buffer broadcast, then module(...)
             handles.append(model.register_forward_pre_hook(collective))
@@ -91,4 +171,5 @@ def mark_collectives(
         # fully_shard's own pre-forward hook is prepended: ours goes before it, then after.
         handles.append(module.register_forward_pre_hook(collective, prepend=True))
         handles.append(module.register_forward_pre_hook(compute))
+        handles += _mark_fsdp2_backward(module, backward)
     return handles

@@ -6,6 +6,7 @@ object at three points of every step, and it does what ``session.steps()``,
 ``session.update(step)`` and ``session.report(step)`` do in a plain loop:
 
     start(step)        the loop begins (the framework's resumed step); False: stop at once
+    seed()             the step's forward is next: seed the RNGs from (seed, step, rank)
     before_update()    the optimizer step is next: hold the rescue lock
     step_done(step)    the step and its counter moved: heartbeat, checkpoint when due,
                        then the checks of the next step (segment end, drain, chaos);
@@ -54,9 +55,9 @@ class DrivenCallback:
 
     framework: str  # the trainer's name, for the loop's logs
 
-    def __init__(self, session: Any = None) -> None:  # noqa: ANN401 - relay_train.Session
+    def __init__(self, session: Any = None, *, seed_steps: bool = True) -> None:  # noqa: ANN401
         self.session = joined(session)  # the trainer then trains in Relay's process group
-        self._loop = DrivenLoop(self.session, self.framework)
+        self._loop = DrivenLoop(self.session, self.framework, seed_steps=seed_steps)
 
     @property
     def total_steps(self) -> int:
@@ -74,9 +75,11 @@ def resume_folder(session: Any, name: str) -> Path:  # noqa: ANN401 - relay_trai
 class DrivenLoop:
     """The session's steps, advanced one hook call at a time."""
 
-    def __init__(self, session: Any, framework: str) -> None:  # noqa: ANN401 - api.Session
+    def __init__(self, session: Any, framework: str, *,  # noqa: ANN401 - api.Session
+                 seed_steps: bool = True) -> None:
         self.session = session
         self.framework = framework
+        self.seed_steps = seed_steps
         self._steps: Iterator[int] | None = None
         self._step: int | None = None  # the step being trained, None once the loop ended
         self._update: contextlib.AbstractContextManager[None] | None = None
@@ -91,6 +94,20 @@ class DrivenLoop:
         self._expect(framework_step, self.session.start_step, "starts")
         self._steps = self.session.steps()
         return self._advance()
+
+    def seed(self) -> None:
+        """Seed torch's and Python's RNGs from (the job's seed, the step, the rank), as
+        ``relay_train.seed_step`` does, before the step's forward.
+
+        Dropout then draws the same masks whatever came before: after a rescue (whose
+        state holds one healthy rank's random states, taken mid-step), and after the
+        framework's own draws on a resume (a ``DataLoader`` takes a seed from torch's
+        generator each time it is iterated). Off with ``seed_steps=False``.
+        """
+        if self.seed_steps and self._step is not None:
+            import relay_train  # its API, as joined() takes init() (no cycle through api)
+
+            relay_train.seed_step(self.session.seed, self._step, self.session.rank)
 
     def before_update(self) -> None:
         """Hold the rescue lock until :meth:`step_done` (the optimizer step is next)."""

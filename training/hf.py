@@ -15,19 +15,25 @@ session to MLflow on the job's schedule and at the segment's end, answers
 rescue and drain from them, and stops the trainer at the segment's end or a
 drain's stop step. ``resume_path()`` is Relay's verified checkpoint written as
 a ``Trainer`` checkpoint folder (None at step 0); the trainer skips the batches
-already trained in the epoch, as on any resume.
+already trained in the epoch. The callback seeds torch's and Python's RNGs
+before every step from (job seed, step, rank) (``seed_steps=False``: the
+script's own stream), so dropout does not depend on the RNG's history: after a
+rescue the saved random states are one healthy rank's, taken mid-step.
 
 ``TrainingArguments`` reads the ranks from torchrun's environment, which Relay's
 node agent sets, and Accelerate uses the process group the callback joined.
-The gradient sum is the backend's all-reduce (Relay's rank-ordered comm hook
-needs the DDP wrapper, which the trainer keeps to itself): a resumed run is
-close to, not bit for bit, an uninterrupted one. Needs ``pip install relay-training[callbacks]``.
+The trainer keeps its DDP wrapper to itself; the callback finds it (the one
+wrapping the model it is given) and registers Relay's rank-ordered comm hook, so
+the gradient sum does not depend on DDP's bucket layout, which changes after the
+first step of every attempt. Needs ``pip install relay-training[callbacks]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
+import logging
 from typing import Any
 
 import torch
@@ -37,14 +43,16 @@ from transformers.utils import WEIGHTS_NAME
 
 from relay_train.driven import DrivenCallback, mark_collective_on_grads, resume_folder
 
+log = logging.getLogger("relay_train")
+
 
 class RelayCallback(DrivenCallback, TrainerCallback):
     """Heartbeats, checkpoints, rescue and drain for a ``Trainer`` under Relay."""
 
     framework = "hf"
 
-    def __init__(self, session: Any = None) -> None:  # noqa: ANN401 - relay_train.Session
-        super().__init__(session)  # Accelerate then trains in Relay's process group
+    def __init__(self, session: Any = None, *, seed_steps: bool = True) -> None:  # noqa: ANN401
+        super().__init__(session, seed_steps=seed_steps)  # Accelerate trains in Relay's group
         self._objects: dict[str, Any] = {}
         self._loss: float | None = None
 
@@ -73,6 +81,13 @@ class RelayCallback(DrivenCallback, TrainerCallback):
         self._objects = {"model": model, "optimizer": kwargs["optimizer"],
                          "scheduler": kwargs["lr_scheduler"], "state": state}
         mark_collective_on_grads(model, self.session)
+        ddp = _ddp_of(model)
+        if ddp is not None:  # before the first backward, as DDP requires
+            ddp.register_comm_hook(None, self.session.comm_hook())
+        else:
+            log.warning("relay_train.hf: found no DistributedDataParallel around the model; "
+                        "the gradient sum is the backend's, so a resumed run is close to, not "
+                        "bit for bit, an uninterrupted one")
         self.session.track(self._state)
         if not self._loop.start(state.global_step):
             control.should_training_stop = True
@@ -94,8 +109,9 @@ class RelayCallback(DrivenCallback, TrainerCallback):
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState,
                       control: TrainerControl, **kwargs: Any) -> None:  # noqa: ANN401
-        """The step's forward pass is next: the rank computes."""
+        """The step's forward pass is next: the rank computes, its draws seeded."""
         self._loop.step_begins()
+        self._loop.seed()
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> None:  # noqa: ANN401
@@ -114,3 +130,10 @@ class RelayCallback(DrivenCallback, TrainerCallback):
                 "optimizer": objects["optimizer"].state_dict(),
                 "scheduler": objects["scheduler"].state_dict(),
                 "trainer_state": json.dumps(dataclasses.asdict(objects["state"]))}
+
+
+def _ddp_of(model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | None:
+    """Return the DDP wrapper around ``model`` (the trainer's ``model_wrapped``), if any."""
+    ddp_type = torch.nn.parallel.DistributedDataParallel
+    return next((obj for obj in gc.get_objects()
+                 if isinstance(obj, ddp_type) and obj.module is model), None)

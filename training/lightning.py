@@ -19,19 +19,34 @@ as a Lightning checkpoint file for ``ckpt_path`` (None at step 0).
 Lightning uses the process group the callback joined (it skips its own
 ``init_process_group`` when one exists) and reads the ranks from torchrun's
 environment, which Relay's node agent sets; ``devices`` and ``num_nodes`` must
-match the spec's ``ranks_per_node`` and ``nodes``. As with any Lightning
-mid-epoch checkpoint, a plain ``DataLoader`` restarts its epoch on resume (a
-stateful loader continues). Needs ``pip install relay-training[callbacks]``.
+match the spec's ``ranks_per_node`` and ``nodes``.
+
+A resume mid-epoch continues where the checkpoint was, bit for bit: Lightning
+itself restarts a plain ``DataLoader``'s epoch (only a stateful loader
+continues), and draws a new loader seed from torch's generator when it iterates
+the loader. So the callback, before the first resumed batch, makes the
+loader's sampler skip the batches the epoch already trained (their samples are
+never loaded; :class:`SkipOnce`), and seeds torch's and Python's RNGs before
+every step from (job seed, step, rank), so dropout does not depend on the RNG's
+history (``RelayCallback(seed_steps=False)`` keeps the script's own stream, and
+then a resume is not bit for bit). The skip needs a finite loader with a ``batch_sampler``
+over a ``sampler`` (any ``DataLoader`` given ``batch_size``) and
+``accumulate_grad_batches=1``; otherwise a warning says the epoch restarts.
+Needs ``pip install relay-training[callbacks]``.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 
 from relay_train.driven import DrivenCallback, resume_folder
+
+log = logging.getLogger("relay_train")
 
 STATE_KEY = "lightning"  # the trainer's checkpoint dict, in Relay's checkpoint
 
@@ -41,9 +56,10 @@ class RelayCallback(DrivenCallback, pl.Callback):
 
     framework = "lightning"
 
-    def __init__(self, session: Any = None) -> None:  # noqa: ANN401 - relay_train.Session
-        super().__init__(session)  # Lightning then trains in Relay's process group
+    def __init__(self, session: Any = None, *, seed_steps: bool = True) -> None:  # noqa: ANN401
+        super().__init__(session, seed_steps=seed_steps)  # Lightning then trains in Relay's group
         self._trainer: pl.Trainer | None = None
+        self._resumed = False
 
     def resume_path(self) -> str | None:
         """Return a Lightning checkpoint file of Relay's resume point, or None at step 0.
@@ -54,6 +70,7 @@ class RelayCallback(DrivenCallback, pl.Callback):
         state = self.session.resume_state()
         if state is None:
             return None
+        self._resumed = True
         path = resume_folder(self.session, f"rank-{self.session.rank}") / \
             f"lightning-step-{state['step']}.ckpt"
         torch.save(state[STATE_KEY], path)
@@ -68,8 +85,15 @@ class RelayCallback(DrivenCallback, pl.Callback):
         if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             ddp.register_comm_hook(None, self.session.comm_hook())
         self.session.track(self._state)
+        if self._resumed:
+            _continue_epoch(trainer)
         if not self._loop.start(trainer.global_step):
             trainer.should_stop = True
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:  # noqa: ANN401
+        """The step's forward is next: seed its random draws."""
+        self._loop.seed()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
@@ -92,6 +116,51 @@ class RelayCallback(DrivenCallback, pl.Callback):
         assert self._trainer is not None
         # What trainer.save_checkpoint writes (no public call returns it without a file).
         return {STATE_KEY: self._trainer._checkpoint_connector.dump_checkpoint(False)}
+
+
+class SkipOnce:
+    """A sampler that leaves out the first ``skip`` indices of its next pass, then is the
+    sampler it wraps again (its length stays the whole epoch's, as Lightning counts)."""
+
+    def __init__(self, sampler: Any, skip: int, owner: Any) -> None:  # noqa: ANN401
+        self.sampler, self.skip, self.owner = sampler, skip, owner
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.owner.sampler = self.sampler  # this pass only
+        indices = iter(self.sampler)
+        for _ in range(self.skip):
+            next(indices, None)
+        yield from indices
+
+    def set_epoch(self, epoch: int) -> None:
+        """Pass the epoch on (a ``DistributedSampler`` shuffles by it)."""
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+
+def _continue_epoch(trainer: pl.Trainer) -> None:
+    """Make the resumed epoch's loader skip the batches already trained in it."""
+    loop = trainer.fit_loop
+    batches = trainer.num_training_batches
+    done = trainer.global_step % batches if isinstance(batches, int) and batches else 0
+    loaders = loop._combined_loader.flattened if loop._combined_loader is not None else []
+    if done == 0 or not loaders:
+        return  # at an epoch's start: nothing to skip
+    batch_samplers = [getattr(dl, "batch_sampler", None) for dl in loaders]
+    if trainer.accumulate_grad_batches != 1 or not all(
+            hasattr(b, "sampler") and hasattr(b, "batch_size") for b in batch_samplers):
+        log.warning("relay_train.lightning: the resumed epoch restarts from its first batch "
+                    "(expected accumulate_grad_batches=1 and DataLoaders with a batch_size; "
+                    "found %d and %s), so the run is not bit for bit an uninterrupted one",
+                    trainer.accumulate_grad_batches, [type(b).__name__ for b in batch_samplers])
+        return
+    for owner in batch_samplers:
+        owner.sampler = SkipOnce(owner.sampler, done * owner.batch_size, owner)  # type: ignore[union-attr]
+    iter(loop._data_fetcher)  # a fresh iterator over them (a worker may have prefetched)
+    log.info("relay_train.lightning: the resumed epoch goes on from its batch %d", done)
 
 
 def _size(batch: Any) -> int:  # noqa: ANN401 - whatever the DataLoader yields

@@ -99,9 +99,8 @@ def run_rank(launch_file: Path) -> int:
     except BaseException:  # noqa: BLE001 - a rank's death must reach its log and exit code
         traceback.print_exc()
         code = 1
-    from relay_train import api
-
-    session = api.current()
+    api = sys.modules.get("relay_train.api")  # a script that never imported it has no session
+    session = api.current() if api is not None else None
     short = session.shortfall() if session is not None and code == 0 else None
     if session is not None and code == 0:
         session.close()  # the script forgot to: still publish what it saved

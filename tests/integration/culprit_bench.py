@@ -1,7 +1,8 @@
 """The culprit bench: stall each rank of a tiny job in turn; whom do phases and evidence blame?
 
 One case (:func:`run_case`): ``world`` real gloo ranks (:mod:`culprit_worker`) train a
-model of one kind; at step 3 one rank stalls before its forward. Once every rank
+model of one kind; at step 3 one rank stalls before its forward (in its backward for
+``fsdp2_backward``). Once every rank
 reached that step, Relay's :class:`~relay.watch.detection.Detector` watches the
 heartbeats until it calls the hang (the *heartbeat culprit*); then every rank is
 asked for its stacks and Flight Recorder trace, as the recovery pipeline does, and
@@ -40,7 +41,8 @@ HANG_TIMEOUT = 1.5
 WAIT_SECONDS = 300.0  # start-up on a shared machine (importing torch, FSDP) is slow
 # (model, world size, mark the forward collectives) for the table
 CASES = [("ddp_buffers", 3, True), ("ddp_buffers", 3, False), ("ddp_buffers", 4, False),
-         ("fsdp2", 2, True), ("fsdp2", 2, False), ("metric", 2, True)]
+         ("fsdp2", 2, True), ("fsdp2", 2, False), ("fsdp2_backward", 2, True),
+         ("fsdp2_backward", 2, False), ("metric", 2, True)]
 
 
 @dataclass

@@ -8,8 +8,10 @@ the ``--stall`` rank never finishes its step (``chaos_hang_forever``, before the
 forward, where Relay's injected hang strikes).
 
 Models: ``ddp_buffers`` (BatchNorm under DDP, default ``broadcast_buffers``),
-``fsdp2`` (``fully_shard`` on CPU gloo) and ``metric`` (DDP without buffers, and a
-user ``dist.all_reduce`` of the loss between forward and backward, unmarked).
+``fsdp2`` (``fully_shard`` on CPU gloo), ``fsdp2_backward`` (the same, but the rank
+stalls in its backward, before the last layer's gradient: its peers wait in FSDP2's
+backward all-gather) and ``metric`` (DDP without buffers, and a user
+``dist.all_reduce`` of the loss between forward and backward, unmarked).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def build(kind: str) -> nn.Module:
     if kind == "metric":
         return nn.parallel.DistributedDataParallel(
             nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
-    if kind == "fsdp2":
+    if kind in ("fsdp2", "fsdp2_backward"):
         from torch.distributed.fsdp import fully_shard
 
         net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -49,7 +51,8 @@ def build(kind: str) -> nn.Module:
             fully_shard(layer)
         fully_shard(net)
         return net
-    raise SystemExit(f"expected a model kind ddp_buffers, fsdp2 or metric; found {kind!r}")
+    raise SystemExit("expected a model kind ddp_buffers, fsdp2, fsdp2_backward or metric; "
+                     f"found {kind!r}")
 
 
 def main() -> None:
@@ -75,10 +78,13 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(STEPS):
         phases.compute()
-        if rank == args.stall and step == args.stall_step:
+        stall = rank == args.stall and step == args.stall_step
+        if stall and args.model != "fsdp2_backward":
             chaos_hang_forever()
         x = torch.randn(4, 8)
         loss = model(x).pow(2).mean()
+        if stall:  # in the backward, before any of FSDP2's backward collectives
+            loss.register_hook(lambda _: chaos_hang_forever())
         if args.model == "metric":
             metric = loss.detach().clone()
             dist.all_reduce(metric)  # a user's metric, unmarked

@@ -1,4 +1,5 @@
-"""Every rank stalled in turn, under DDP with buffers, FSDP2 and a user's metric all_reduce:
+"""Every rank stalled in turn, under DDP with buffers, FSDP2 (in its forward and in its
+backward) and a user's metric all_reduce:
 the culprit Relay acts on is the stalled rank every time.
 
 Real gloo ranks (:mod:`culprit_worker`), Relay's real detector on their heartbeats,
@@ -15,7 +16,7 @@ from culprit_bench import run_case
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # `make test-slow`
 
 CASES = [("ddp_buffers", 3, s) for s in range(3)] + [
-    (model, 2, s) for model in ("fsdp2", "metric") for s in range(2)]
+    (model, 2, s) for model in ("fsdp2", "fsdp2_backward", "metric") for s in range(2)]
 
 
 @pytest.mark.parametrize(("model", "world", "stalled"), CASES)

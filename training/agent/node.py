@@ -34,7 +34,6 @@ import signal
 import sys
 import threading
 import time
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,8 @@ from relay_train.agent.notice import Notice, grace_from_env
 from relay_train.agent.preload import preload_publisher, preload_worker
 from relay_train.agent.priority import yielding_thread
 from relay_train.agent.ranks import (
+    RankProcess,
+    exec_rank,
     log_tail,
     rank_env,
     rank_log,
@@ -113,7 +114,7 @@ class NodeAgent:
         self.attempt_id = cfg.fence_id
         self.root = cfg.root
         self.ranks = [cfg.global_rank(node, r) for r in range(cfg.ranks_per_node)]
-        self.procs: dict[int, BaseProcess] = {}
+        self.procs: dict[int, RankProcess] = {}
         self.stopping = False
         self.state = NodeState.STARTING
         self.linger_seconds = linger_seconds
@@ -127,8 +128,11 @@ class NodeAgent:
         self.notice: Notice | None = None
 
     def preload(self) -> float:
-        """Import what the ranks need, once, before forking them; return the seconds it took."""
+        """Import what the ranks need, once, before forking them; return the seconds it took
+        (none when the ranks run the spec's own interpreter: they are not forks)."""
         started = time.perf_counter()
+        if self.cfg.entrypoint.python is not None:
+            return 0.0
         hosts_rank0 = self.cfg.global_rank(self.node, 0) == 0
         # MLflow: rank 0's node publishes checkpoints; every node of a resumed attempt
         # fetches its resume checkpoint (relay_train.checkpoints.fetch).
@@ -137,7 +141,8 @@ class NodeAgent:
         return time.perf_counter() - started
 
     def start_ranks(self) -> None:
-        """Fork one worker process per local rank (spawn if preloading touched CUDA)."""
+        """Fork one worker process per local rank (spawn if preloading touched CUDA; the
+        spec's ``entrypoint.python``: start each with that interpreter)."""
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
         (self.cfg.root / FLIGHT_RECORDER_DIR).mkdir(parents=True, exist_ok=True)
         context = multiprocessing.get_context(rank_start_method())
@@ -147,8 +152,11 @@ class NodeAgent:
         for local_rank in range(self.cfg.ranks_per_node):
             rank = self.cfg.global_rank(self.node, local_rank)
             env = rank_env(self.cfg, self.node, local_rank, device_env)
-            proc = start_rank(context, env, rank_log(self.cfg, rank), self.launch_file,
-                              f"rank-{rank}")
+            log_file, name = rank_log(self.cfg, rank), f"rank-{rank}"
+            if self.cfg.entrypoint.python is None:
+                proc: RankProcess = start_rank(context, env, log_file, self.launch_file, name)
+            else:  # the spec's interpreter: started afresh, not forked
+                proc = exec_rank(self.cfg, env, log_file, self.launch_file, name)
             self.procs[rank] = proc
             log.info("started rank %d as pid %d", rank, proc.pid)
 
@@ -239,7 +247,7 @@ class NodeAgent:
                  ask.directory)
         return pid
 
-    def _errors(self, procs: dict[int, BaseProcess]) -> dict[str, str]:
+    def _errors(self, procs: dict[int, RankProcess]) -> dict[str, str]:
         """Return the last lines of each failed rank's log: the script's own error."""
         errors = {}
         for rank, proc in procs.items():

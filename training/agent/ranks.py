@@ -4,6 +4,9 @@ The agent (:mod:`relay_train.agent.node`) forks one process per local rank from 
 preloaded interpreter; the child takes the rank's environment (torchrun's and Relay's),
 its own log file and the default SIGTERM, then runs :func:`relay_train.worker.run_rank`.
 A failed rank's own error is the end of its log, which the agent reports to Relay.
+A spec's ``entrypoint.python`` makes the agent start each rank with that interpreter
+instead (:class:`ExecRank`: ``python -m relay_train.agent.ranks LOG LAUNCH``, see
+:mod:`relay_train.protocol.interpreter`), unpreloaded.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -26,6 +30,7 @@ from relay_train.protocol.env import (
     ENV_NODE,
     ENV_SPAWNED_AT,
 )
+from relay_train.protocol.interpreter import RANK_MODULE, interpreter_env, worker_path
 from relay_train.protocol.launch import LaunchConfig
 
 log = logging.getLogger("relay_train.agent.ranks")
@@ -62,6 +67,65 @@ def start_rank(context: BaseContext, env: dict[str, str], log_file: Path, launch
     return proc
 
 
+class ExecRank:
+    """A rank started as its own interpreter, with what the agent uses of a forked one's
+    :class:`multiprocessing.process.BaseProcess`: pid, exitcode, sentinel, terminate, kill,
+    join."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], name: str) -> None:
+        self._popen = popen
+        self.name = name
+        self.pid = popen.pid
+        self.sentinel = os.pidfd_open(popen.pid)  # readable once it exits
+        self._sentinel_open = True
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs; its exit code, or minus the signal that ended it."""
+        code = self._popen.poll()
+        if code is not None and self._sentinel_open:
+            self._sentinel_open = False
+            os.close(self.sentinel)
+        return code
+
+    def is_alive(self) -> bool:
+        """Return whether it still runs."""
+        return self.exitcode is None
+
+    def terminate(self) -> None:
+        """Send SIGTERM (nothing if it has exited)."""
+        if self.exitcode is None:
+            self._popen.terminate()
+
+    def kill(self) -> None:
+        """Send SIGKILL (nothing if it has exited)."""
+        if self.exitcode is None:
+            self._popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds (None: for ever) for it to exit."""
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return
+
+
+RankProcess = BaseProcess | ExecRank
+
+
+def exec_rank(cfg: LaunchConfig, env: dict[str, str], log_file: Path, launch_file: Path,
+              name: str) -> ExecRank:
+    """Start one rank with the spec's interpreter (``cfg.entrypoint.python``); return it."""
+    python = str(cfg.entrypoint.python)
+    environ = interpreter_env({**os.environ, **env, ENV_LAUNCH: str(launch_file)},
+                              worker_path(cfg.root))
+    with log_file.open("ab") as log_out:
+        popen = subprocess.Popen(  # noqa: S603 - the spec's interpreter, on purpose
+            [python, "-m", RANK_MODULE, str(log_file), str(launch_file)],
+            env=environ, stdin=subprocess.DEVNULL, stdout=log_out, stderr=subprocess.STDOUT)
+    return ExecRank(popen, name)
+
+
 def become_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
     """The forked child: become one rank (its own log, environment and signals)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -96,7 +160,7 @@ def log_tail(path: Path, lines: int = 12, max_chars: int = 4000) -> str:
     return "\n".join(text.splitlines()[-lines:])[-max_chars:]
 
 
-def stop_ranks(running: list[BaseProcess], reason: str,
+def stop_ranks(running: list[RankProcess], reason: str,
                grace_seconds: float = TERM_GRACE_SECONDS) -> None:
     """Terminate ``running``: SIGTERM, then SIGKILL to any still alive after the grace."""
     if not running:
@@ -127,3 +191,9 @@ def ship_logs(cfg: LaunchConfig, node: str) -> None:
         log.info("rank logs of %s logged to MLflow run %s (logs/%s)", node, cfg.run_id, node)
     except Exception as exc:  # noqa: BLE001 - the logs are a report; the outcome stands
         log.warning("rank logs of %s not logged to MLflow run %s: %s", node, cfg.run_id, exc)
+
+
+if __name__ == "__main__":  # a rank started with the spec's interpreter (exec_rank)
+    if sys.path and sys.path[0] == os.getcwd():
+        del sys.path[0]  # `-m` put the agent's working directory there; a forked rank has none
+    become_rank({}, Path(sys.argv[1]), Path(sys.argv[2]))

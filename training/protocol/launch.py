@@ -76,6 +76,9 @@ class Entrypoint:
     args: list[str] = field(default_factory=list)
     workdir: str | None = None  # the rank's working directory (default: the attempt folder)
     env: dict[str, str] = field(default_factory=dict)  # set in the rank before it runs
+    # The rank's own interpreter (a venv's bin/python): the rank is started with it instead
+    # of forked from the agent (relay_train.protocol.interpreter); None: the agent's.
+    python: str | None = None
 
     def describe(self) -> str:
         """Return it as a command line would show it."""

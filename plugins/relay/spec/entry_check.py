@@ -4,9 +4,11 @@ A missing package would otherwise show up only at launch, as every rank's launch
 failure. The check imports, in a fresh interpreter with the ranks' environment (the
 spec's ``entrypoint.env``, its ``workdir`` as the working directory), the entrypoint's
 top-level package (``mypkg`` of ``module: mypkg.train``), or, for a script, the
-packages its top-level ``import`` statements name (the script itself is not run). It
-runs in ``relay spec check`` and in the DAG's preflight task, for the local launcher
-(a Kubernetes pod's image is another environment). Standard library only.
+packages its top-level ``import`` statements name (the script itself is not run). The
+interpreter is the spec's ``entrypoint.python`` if it names one (Relay's worker side,
+and what it needs, is then imported there first), else Relay's own. It runs in ``relay
+spec check`` and in the DAG's preflight task, for the local launcher (a Kubernetes pod's
+image is another environment).
 """
 
 from __future__ import annotations
@@ -16,16 +18,24 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from relay.spec.job import JobSpec
+from relay.spec.yamlsource import line_for, load_yaml_with_lines
+from relay_train.protocol.interpreter import interpreter_env, worker_path
 from relay_train.protocol.launch import Entrypoint
 
 TIMEOUT_SECONDS = 120.0  # importing torch on a loaded machine takes seconds
+# What a rank started with the spec's interpreter imports of Relay's (torch, NumPy, MLflow).
+WORKER_IMPORTS = [("relay_train.api", "Relay's worker side (torch, NumPy)"),
+                  ("relay_train.checkpoints.publish", "Relay's checkpoint publisher (MLflow)")]
 
 # Run by the fresh interpreter: import each (name, where) of argv[1]; say the first failure.
 _IMPORTER = """
 import importlib, json, sys
+if sys.path and sys.path[0] == "":
+    del sys.path[0]  # no working directory on sys.path, as in a rank (-P is 3.11's only)
 for extra in json.loads(sys.argv[2]):
     sys.path.insert(0, extra)
 for name, where in json.loads(sys.argv[1]):
@@ -71,7 +81,7 @@ def entry_imports(entry: Entrypoint) -> tuple[list[tuple[str, str]], list[str]]:
     return script_imports(script), [str(script.parent)]
 
 
-def import_problem(spec: JobSpec, spec_file: Path, python: str = sys.executable) -> str | None:
+def import_problem(spec: JobSpec, spec_file: Path) -> str | None:
     """Return what the ranks of ``spec`` would fail to import (with the fix), or None."""
     if spec.entrypoint is None or spec.launcher != "local":
         return None  # the built-in example ships with Relay; a pod's image is not here
@@ -83,24 +93,58 @@ def import_problem(spec: JobSpec, spec_file: Path, python: str = sys.executable)
     if entry.script is not None and not Path(entry.script).is_file():
         return (f"{spec_file}: entrypoint.script: expected a Python file, found none at "
                 f"{entry.script}. Fix the path (relative to the spec's folder).")
+    python = entry.python or sys.executable
+    if entry.python is not None and not os.access(entry.python, os.X_OK):
+        return (f"{_where(spec_file)}: entrypoint.python: expected a Python interpreter (or a venv "
+                f"folder with bin/python), found {_what_is(Path(entry.python))} at "
+                f"{entry.python}. Make the venv (python -m venv --system-site-packages "
+                "DIR; see docs/worker-api.md), or fix the path (relative to the spec's "
+                "folder), or remove entrypoint.python to use Relay's own.")
     try:
         names, path = entry_imports(entry)
     except SyntaxError as exc:
         return f"{spec_file}: entrypoint.script {entry.script}: {exc}"
-    try:
-        done = subprocess.run(  # -P: no working directory on sys.path, as in a rank
-            [python, "-P", "-c", _IMPORTER, json.dumps(names), json.dumps(path)],
-            cwd=entry.workdir or spec_file.parent, env={**os.environ, **entry.env},
-            capture_output=True, text=True, timeout=TIMEOUT_SECONDS, check=False)
-    except subprocess.TimeoutExpired:
-        return (f"{spec_file}: importing the entrypoint's packages took over "
-                f"{TIMEOUT_SECONDS:g}s in {python}; expected an import that returns.")
-    if done.returncode == 0:
-        return None
+    env = {**os.environ, **entry.env}
+    with tempfile.TemporaryDirectory(prefix="relay-import-check-") as scratch:
+        if entry.python is not None:  # as the agent starts such a rank (ranks.exec_rank)
+            names = [*WORKER_IMPORTS, *names]
+            env = interpreter_env(env, worker_path(Path(scratch)))
+        try:
+            done = subprocess.run(
+                [python, "-c", _IMPORTER, json.dumps(names), json.dumps(path)],
+                cwd=entry.workdir or spec_file.parent, env=env,
+                capture_output=True, text=True, timeout=TIMEOUT_SECONDS, check=False)
+        except subprocess.TimeoutExpired:
+            return (f"{spec_file}: importing the entrypoint's packages took over "
+                    f"{TIMEOUT_SECONDS:g}s in {python}; expected an import that returns.")
+        except OSError as exc:  # not a program this machine can run
+            return (f"{_where(spec_file)}: entrypoint.python: expected a Python interpreter, found "
+                    f"{python} that does not start ({exc.strerror}). Fix the path, or "
+                    "remove entrypoint.python to use Relay's own.")
+    return None if done.returncode == 0 else _failure(spec_file, entry, python, done)
+
+
+def _where(spec_file: Path) -> str:
+    """Return ``file:line`` of the spec's entrypoint.python."""
+    _, lines = load_yaml_with_lines(spec_file)
+    line = line_for(lines, ("entrypoint", "python"))
+    return f"{spec_file}:{line}" if line is not None else str(spec_file)
+
+
+def _what_is(path: Path) -> str:
+    if not path.exists():
+        return "nothing"
+    return "a folder without bin/python" if path.is_dir() else "a file that is not executable"
+
+
+def _failure(spec_file: Path, entry: Entrypoint, python: str,
+             done: subprocess.CompletedProcess[str]) -> str:
+    """Return the message for a failed import check."""
     try:
         failed = json.loads(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return f"{spec_file}: checking the entrypoint's imports failed: {done.stderr[-500:]}"
+        return (f"{spec_file}: checking the entrypoint's imports with {python} failed "
+                f"(exit code {done.returncode}): {done.stderr[-500:]}")
     missing = failed["missing"]
     fix = (f"install it into the ranks' environment ({python} -m pip install ...; the "
            f"package that provides {missing!r}), or add its folder to entrypoint.env's "

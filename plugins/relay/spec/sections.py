@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 
 from relay.spec.yamlsource import FROZEN, FieldValueError, parse_duration
 from relay_train.protocol.env import RESERVED_ENV
+from relay_train.protocol.interpreter import interpreter_of
 from relay_train.protocol.launch import Entrypoint
 
 MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
@@ -90,6 +91,8 @@ class EntrypointSpec(BaseModel):
     args: list[str] = Field(default_factory=list, strict=True)
     workdir: str | None = Field(None, strict=True, min_length=1)  # relative: the spec's folder
     env: dict[str, str] = Field(default_factory=dict, strict=True)
+    # The ranks' interpreter, or a venv folder (its bin/python); relative: the spec's folder.
+    python: str | None = Field(None, strict=True, min_length=1)
 
     @field_validator("env", mode="before")
     @classmethod
@@ -130,8 +133,10 @@ class EntrypointSpec(BaseModel):
         """Return it for the launch file, a relative script taken from the spec's folder."""
         script = None if self.script is None else _from_spec(self.script, spec_file)
         workdir = None if self.workdir is None else _from_spec(self.workdir, spec_file)
+        python = None if self.python is None else interpreter_of(_from_spec(self.python,
+                                                                            spec_file))
         return Entrypoint(module=self.module, script=script, args=list(self.args),
-                          workdir=workdir, env=dict(self.env))
+                          workdir=workdir, env=dict(self.env), python=python)
 
 
 def _from_spec(name: str, spec_file: Path) -> str:

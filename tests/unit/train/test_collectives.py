@@ -82,15 +82,50 @@ def test_each_fsdp2_modules_all_gather_is_bracketed(group: None) -> None:
     fully_shard(net[0])
     fully_shard(net)
     phases = StepPhases(beat)  # type: ignore[arg-type]
-    assert len(mark_collectives(net, phases.wait, phases.resume_compute)) == 4
+    assert len(mark_collectives(net, phases.wait, phases.resume_compute)) >= 4
     traced(net, beat.events)  # the layer's own work, after every pre-forward hook
     # Ours runs before fully_shard's own pre-forward hook (which all-gathers), then after.
     hooks = list(net._forward_pre_hooks.values())
     assert len(hooks) == 3 and hooks[0].__name__ == "collective"
     assert hooks[-1].__name__ == "compute"
-    run(net, phases)
+    with torch.no_grad():  # the forward alone (a backward is the next test's)
+        phases.compute()
+        net(torch.randn(3, 4))
     assert beat.events == ["compute", "collective", "compute", "collective", "compute",
                            "forward"]
+
+
+def test_fsdp2s_backward_collectives_run_in_the_collective_phase(
+        group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp_group
+
+    beat = Recorder()
+    for name in ("foreach_all_gather", "foreach_reduce"):  # each collective, as it is issued
+        real = getattr(fsdp_group, name)
+        monkeypatch.setattr(fsdp_group, name, lambda *a, _real=real, _name=name, **k: (
+            beat.events.append(_name), _real(*a, **k))[1])
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    fully_shard(net[0])
+    fully_shard(net[2])
+    fully_shard(net)
+    phases = StepPhases(beat)  # type: ignore[arg-type]
+    mark_collectives(net, phases.wait, phases.resume_compute)
+    loss = net(torch.randn(3, 4)).sum()
+    del beat.events[:]
+    phases.compute()
+    loss.register_hook(lambda grad: beat.events.append("backward") or grad)
+    loss.backward()
+    events = beat.events
+    assert events[:2] == ["compute", "backward"] and events[-1] == "compute", events
+    # One rank needs no all-gather (its shard is the whole); the pre-backwards that would
+    # wait for one are bracketed all the same, and each reduce-scatter is issued inside.
+    assert events.count("foreach_reduce") == 2, events
+    assert events.count("collective") == 5, events  # 2 pre-, 2 post-backward, the final one
+    for i, event in enumerate(events):  # each issued in a collective phase, entered before
+        if event.startswith("foreach_"):
+            phase = [e for e in events[:i] if e in ("compute", "collective")][-1]
+            assert phase == "collective", (i, events)
 
 
 def test_step_phases_enter_a_collective_once_and_compute_again_only_after_one() -> None:

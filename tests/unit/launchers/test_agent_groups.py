@@ -30,7 +30,8 @@ from relay.launchers.agent_groups import (
 )
 from relay.launchers.aggregator import Aggregator
 from relay.policy.model import Detection
-from relay.watch.detection import Detector, Observation
+from relay.watch.detection import Detector
+from relay.watch.observation import Observation
 from relay_train.agent.server import AgentServer
 from relay_train.protocol.channel_auth import new_secret
 from relay_train.protocol.heartbeat import HeartbeatWriter, Phase

@@ -29,6 +29,7 @@ from relay.spec.sections import (
     OptimizerSpec,
 )
 from relay.spec.slurm import SlurmSpec
+from relay.spec.validation_problems import model_problems
 from relay.spec.yamlsource import (
     FROZEN,
     FieldValueError,
@@ -36,7 +37,6 @@ from relay.spec.yamlsource import (
     Problem,
     line_for,
     load_yaml_with_lines,
-    model_problems,
     parse_duration,
 )
 from relay_train.protocol.launch import BUILTIN_ENTRYPOINT, Entrypoint

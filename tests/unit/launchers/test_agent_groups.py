@@ -19,7 +19,7 @@ from agents import FrozenAgent, ServedAttempt
 import relay.launchers.agent_groups as groups_module
 from relay.core.attempt import Attempt
 from relay.core.faults import FaultKind
-from relay.launchers.agent_client import AgentChannel, _json, place_on_our_clock
+from relay.launchers.agent_client import AgentChannel, place_on_our_clock
 from relay.launchers.agent_groups import (
     Group,
     GroupWatch,
@@ -28,6 +28,7 @@ from relay.launchers.agent_groups import (
     fresh,
     groups_of,
 )
+from relay.launchers.agent_requests import _json
 from relay.launchers.aggregator import Aggregator
 from relay.policy.model import Detection
 from relay.watch.detection import Detector

@@ -52,14 +52,14 @@ import torch
 import torch.distributed as dist
 
 from relay_train.batches import epoch_batches
-from relay_train.boundary import PUBLISH_WAIT_SECONDS, BoundaryKeeper
+from relay_train.boundary import BoundaryKeeper
 from relay_train.checkpoints.checkpointer import Checkpointer
-from relay_train.collectives import StepPhases, mark_collectives
-from relay_train.device import PlacedRank, RankDevice, setup_rank_device, wait_for_compute
+from relay_train.collectives import CollectivePhases, StepPhases
+from relay_train.device import PlacedRank, RankDevice, setup_rank_device
 from relay_train.inject import ChaosMonkey
 from relay_train.local import DEFAULT_CHECKPOINT_EVERY, LocalSession
 from relay_train.protocol.env import ENV_LAUNCH, ENV_NODE
-from relay_train.protocol.heartbeat import HeartbeatWriter, Phase
+from relay_train.protocol.heartbeat import HeartbeatWriter
 from relay_train.protocol.launch import (
     DRAIN_FILE,
     FIRST_STEP_FILE,
@@ -67,7 +67,6 @@ from relay_train.protocol.launch import (
     LaunchConfig,
 )
 from relay_train.protocol.manifest import CheckpointRef
-from relay_train.reduce import comm_hook
 from relay_train.rendezvous import MAX_WAIT_SECONDS, wait_for_store
 from relay_train.rescue import DrainRequest, RescueResponder, TrainingState
 from relay_train.rng import RankStates
@@ -86,7 +85,7 @@ WARMUP_STEPS = 2
 METRICS_EVERY = 5
 
 
-class Session(SessionState, PlacedRank):
+class Session(SessionState, CollectivePhases, PlacedRank):
     """This rank's view of one segment attempt; made by :func:`init`."""
 
     def __init__(self, cfg: LaunchConfig, rank: int, node: str) -> None:
@@ -236,74 +235,6 @@ class Session(SessionState, PlacedRank):
         """
         return epoch_batches(loader, self.steps(), seed=self.seed,
                              expected_per_epoch=self.cfg.steps_per_epoch)
-
-    def _await_published(self, step: int) -> float:
-        """Rank 0, at a boundary: wait (bounded) until its checkpoint is in MLflow; return
-        how long that took (see relay_train.boundary)."""
-        started = time.perf_counter()
-        if not self._publisher().flush(PUBLISH_WAIT_SECONDS):
-            log.warning("step %d: the boundary checkpoint is not in MLflow after %.0fs; "
-                        "training on", step, PUBLISH_WAIT_SECONDS)
-        return time.perf_counter() - started
-
-    def _await_owner(self, step: int) -> None:
-        """Rank 0, at a later segment's end: wait (bounded) for that segment's task to adopt
-        the workload, so this checkpoint goes to its run (see relay_train.boundary)."""
-        if self._bounds.owner_pending(step) is None or self._drain.stop_at() is not None:
-            return  # (a drained attempt's last checkpoint is awaited by its own task)
-        self._heartbeat.enter(Phase.CHECKPOINT)  # not a stalled step: waiting for the task
-        self._bounds.await_owner(step)
-        self._follow_adoption(step)
-
-    def _follow_adoption(self, step: int) -> None:
-        """Send later checkpoints to the adopting attempt's run; aim chaos at its steps."""
-        adopted = self._bounds.adoption
-        if adopted is not None and adopted is not self._adopted:
-            self._adopted = adopted
-            if self.rank == 0:
-                publisher, sink = self._publisher(), self._sink
-                publisher.submit(lambda: setattr(sink, "run_id", adopted.run_id))  # in order
-        where = self._bounds.where(step)
-        if where != self._where:
-            self._where = where
-            self._chaos.move_to(*where)
-
-    def comm_hook(self, *, ordered: bool = True) -> Any:  # noqa: ANN401 - DDP's hook type
-        """Return a DDP comm hook that marks the collective phase (and sums in rank order).
-
-        ``ordered=True`` makes the gradient sum independent of DDP's bucket
-        layout, which bit-exact resume needs; ``False`` uses the backend's
-        all-reduce.
-        """
-        return comm_hook(self.enter_collective, ordered=ordered)
-
-    def mark_collectives(self, model: torch.nn.Module) -> None:
-        """Mark the collectives ``model`` runs outside the gradient hook (DDP's buffer
-        broadcast, FSDP2's all-gathers and reduce-scatters, forward and backward) in the
-        heartbeat: a rank waiting there is not taken for a stalled one."""
-        mark_collectives(model, self._phases.wait, self._phases.resume_compute)
-
-    @contextlib.contextmanager
-    def collective(self) -> Iterator[None]:
-        """Mark a collective outside DDP (``with session.collective(): dist.all_reduce(t)``);
-        the phase is compute again after it."""
-        self.enter_collective()
-        try:
-            yield
-        finally:
-            self._phases.resume_compute()
-
-    def enter_phase(self, phase: Phase) -> None:
-        """Say what this rank is doing, for a loop that Relay does not drive step by step
-        (a trainer's own collectives between two steps; see :mod:`relay_train.driven`)."""
-        self._heartbeat.enter(phase)
-
-    def enter_collective(self) -> None:
-        """Mark the end of this step's local compute (once per step)."""
-        if "compute_done" not in self._clock:
-            wait_for_compute(self.device)  # on CUDA: queued kernels are compute, not collective
-            self._clock["compute_done"] = time.perf_counter()
-        self._phases.wait()
 
     @contextlib.contextmanager
     def update(self, step: int | None = None) -> Iterator[None]:

@@ -23,14 +23,18 @@ any collective a script runs unmarked.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from relay_train.device import wait_for_compute
 from relay_train.protocol.heartbeat import HeartbeatWriter, Phase
+from relay_train.reduce import comm_hook
 
 log = logging.getLogger("relay_train.collectives")
 
@@ -173,3 +177,52 @@ def mark_collectives(
         handles.append(module.register_forward_pre_hook(compute))
         handles += _mark_fsdp2_backward(module, backward)
     return handles
+
+
+class CollectivePhases:
+    """A session's collective-phase marks in the heartbeat (comm hook, model hooks, blocks).
+
+    A mixin of :class:`~relay_train.api.Session`, which sets these attributes.
+    """
+
+    _heartbeat: HeartbeatWriter
+    _phases: StepPhases
+    _clock: dict[str, float]  # this step's times: "started", "compute_done"
+    device: torch.device
+
+    def comm_hook(self, *, ordered: bool = True) -> Any:  # noqa: ANN401 - DDP's hook type
+        """Return a DDP comm hook that marks the collective phase (and sums in rank order).
+
+        ``ordered=True`` makes the gradient sum independent of DDP's bucket
+        layout, which bit-exact resume needs; ``False`` uses the backend's
+        all-reduce.
+        """
+        return comm_hook(self.enter_collective, ordered=ordered)
+
+    def mark_collectives(self, model: torch.nn.Module) -> None:
+        """Mark the collectives ``model`` runs outside the gradient hook (DDP's buffer
+        broadcast, FSDP2's all-gathers and reduce-scatters, forward and backward) in the
+        heartbeat: a rank waiting there is not taken for a stalled one."""
+        mark_collectives(model, self._phases.wait, self._phases.resume_compute)
+
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """Mark a collective outside DDP (``with session.collective(): dist.all_reduce(t)``);
+        the phase is compute again after it."""
+        self.enter_collective()
+        try:
+            yield
+        finally:
+            self._phases.resume_compute()
+
+    def enter_phase(self, phase: Phase) -> None:
+        """Say what this rank is doing, for a loop that Relay does not drive step by step
+        (a trainer's own collectives between two steps; see :mod:`relay_train.driven`)."""
+        self._heartbeat.enter(phase)
+
+    def enter_collective(self) -> None:
+        """Mark the end of this step's local compute (once per step)."""
+        if "compute_done" not in self._clock:
+            wait_for_compute(self.device)  # on CUDA: queued kernels are compute, not collective
+            self._clock["compute_done"] = time.perf_counter()
+        self._phases.wait()

@@ -3,8 +3,10 @@
 What a rank resumes from (sha256-verified, fetched from MLflow to the node),
 the state a script names with ``track``, its checkpoints (rank 0 publishes them
 to MLflow off the loop's thread; sharded ones from every rank) and what a rescue
-hands over. The loop, the heartbeat and the segment's bounds are in
-:mod:`relay_train.api`. Imports torch and the standard library only.
+hands over, and which run they go to once a later segment adopts the workload
+(:mod:`relay_train.boundary`). The loop, the heartbeat and the segment's bounds
+are in :mod:`relay_train.api`, the collective-phase marks in
+:mod:`relay_train.collectives`. Imports torch and the standard library only.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 
 from relay_train import rng
-from relay_train.boundary import BoundaryKeeper
+from relay_train.boundary import PUBLISH_WAIT_SECONDS, BoundaryKeeper
 from relay_train.checkpoints.checkpointer import (
     Checkpointer,
     load_verified,
@@ -30,6 +32,7 @@ from relay_train.checkpoints.checkpointer import (
 )
 from relay_train.checkpoints.fetch import fetch_resume
 from relay_train.errors import CorruptCheckpointError
+from relay_train.inject import ChaosMonkey
 from relay_train.protocol.env import ENV_NODE
 from relay_train.protocol.heartbeat import HeartbeatWriter, Phase
 from relay_train.protocol.launch import LaunchConfig, ResumeFrom
@@ -68,7 +71,8 @@ class SessionState:
     _last_step: int
     _loop_ended: bool
     _where: tuple[int, int]
-    _await_owner: Callable[[int], None]
+    _chaos: ChaosMonkey
+    _adopted: Any  # the adoption this rank's checkpoints and chaos follow
     start_step: int
     end_step: int
 
@@ -314,6 +318,39 @@ class SessionState:
             return launch_ring(self.cfg.checkpoint_keys)
         except ValueError as exc:
             raise RuntimeError(f"relay_train: {exc}") from None
+
+    # -- where the checkpoints go across segment boundaries (relay_train.boundary) ------
+
+    def _await_published(self, step: int) -> float:
+        """Rank 0, at a boundary: wait (bounded) until its checkpoint is in MLflow; return
+        how long that took (see relay_train.boundary)."""
+        started = time.perf_counter()
+        if not self._publisher().flush(PUBLISH_WAIT_SECONDS):
+            log.warning("step %d: the boundary checkpoint is not in MLflow after %.0fs; "
+                        "training on", step, PUBLISH_WAIT_SECONDS)
+        return time.perf_counter() - started
+
+    def _await_owner(self, step: int) -> None:
+        """Rank 0, at a later segment's end: wait (bounded) for that segment's task to adopt
+        the workload, so this checkpoint goes to its run (see relay_train.boundary)."""
+        if self._bounds.owner_pending(step) is None or self._drain.stop_at() is not None:
+            return  # (a drained attempt's last checkpoint is awaited by its own task)
+        self._heartbeat.enter(Phase.CHECKPOINT)  # not a stalled step: waiting for the task
+        self._bounds.await_owner(step)
+        self._follow_adoption(step)
+
+    def _follow_adoption(self, step: int) -> None:
+        """Send later checkpoints to the adopting attempt's run; aim chaos at its steps."""
+        adopted = self._bounds.adoption
+        if adopted is not None and adopted is not self._adopted:
+            self._adopted = adopted
+            if self.rank == 0:
+                publisher, sink = self._publisher(), self._sink
+                publisher.submit(lambda: setattr(sink, "run_id", adopted.run_id))  # in order
+        where = self._bounds.where(step)
+        if where != self._where:
+            self._where = where
+            self._chaos.move_to(*where)
 
     def _publisher(self) -> Checkpointer:
         if self._checkpointer is None:

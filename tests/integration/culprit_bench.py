@@ -30,7 +30,8 @@ from relay.core.faults import FaultKind
 from relay.policy.model import Detection
 from relay.recover.culprit import CULPRIT_CHECK, confirm_culprit
 from relay.recover.evidence import Evidence
-from relay.watch.detection import Detector, Observation
+from relay.watch.detection import Detector
+from relay.watch.observation import Observation
 from relay_train.protocol.heartbeat import read_heartbeats, write_atomically
 from relay_train.protocol.routes import REQUEST_ID
 from relay_train.protocol.stacks_files import EVIDENCE_DIR, REQUEST_FILE, answer_path, trace_path

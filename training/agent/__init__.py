@@ -5,6 +5,8 @@ rank processes, ``server`` its HTTP API (the server side of the channel, whose
 routes and messages are :mod:`relay_train.protocol.routes`; Relay's client is
 ``relay.launchers.agent_client``; every request signed, see
 :mod:`relay_train.protocol.channel_auth`), ``limits`` what one request may cost it,
-``node_files`` what it reads to answer, ``standby``/``standby_fork``/``resident``/
-``preload``/``priority`` keep agents warm before they are needed.
+``node_status`` what it says about itself, ``node_files`` what it reads to answer,
+``rank_requests`` the rescue and stacks requests it hands its ranks,
+``standby``/``standby_fork``/``resident``/``preload``/``priority`` keep agents warm
+before they are needed.
 """

@@ -24,7 +24,6 @@ it forks a preloaded copy of itself as the node's standby for the next attempt
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -37,13 +36,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from relay_train.agent.node_status import NodeStatus
 from relay_train.agent.notice import Notice, grace_from_env
 from relay_train.agent.preload import preload_publisher, preload_worker
 from relay_train.agent.priority import yielding_thread
 from relay_train.agent.ranks import (
     RankProcess,
     exec_rank,
-    log_tail,
     rank_env,
     rank_log,
     ship_logs,
@@ -70,25 +69,14 @@ from relay_train.device import (
 from relay_train.protocol import run_lease
 from relay_train.protocol.channel_tls import server_context_from_env
 from relay_train.protocol.env import ENV_CHANNEL_SECRET, ENV_NODE
-from relay_train.protocol.heartbeat import node_clock
 from relay_train.protocol.launch import (
     BUILTIN_ENTRYPOINT,
-    FIRST_STEP_FILE,
     PREEMPTED_EXIT,
     Entrypoint,
     LaunchConfig,
 )
 from relay_train.protocol.routes import (
-    AGENT_CLOCK,
-    AGENT_PID,
-    ERRORS,
-    EXIT_CODES,
-    FIRST_STEP,
-    PGID,
-    PREEMPTED,
-    RANK_PIDS,
     STANDBY_TTL_SECONDS,
-    STATE,
     NodeState,
 )
 
@@ -98,7 +86,7 @@ LOCAL_BIND = "127.0.0.1"
 STANDBY_FORK_WAIT_SECONDS = 1.0  # the channel's wait for the main thread to fork a standby
 
 
-class NodeAgent:
+class NodeAgent(NodeStatus):
     """Supervise the ranks of one node."""
 
     def __init__(
@@ -164,32 +152,6 @@ class NodeAgent:
         """Change this node's state, as the channel reports it."""
         self.state = state
 
-    def status_record(self) -> dict[str, Any]:
-        """Return this node's state for the channel: state, PIDs, exit codes, errors."""
-        procs = dict(self.procs)
-        notice = self.notice
-        return {
-            **({PREEMPTED: notice.record()} if notice is not None else {}),
-            STATE: self.state,
-            AGENT_PID: os.getpid(),
-            PGID: os.getpgid(0),
-            RANK_PIDS: {str(r): p.pid for r, p in procs.items()},
-            EXIT_CODES: {str(r): p.exitcode for r, p in procs.items()},
-            ERRORS: self._errors(procs),
-            AGENT_CLOCK: node_clock(),
-            FIRST_STEP: self._first_step(),
-        }
-
-    def _first_step(self) -> dict[str, Any] | None:
-        """Return rank 0's first-step record if it runs here and wrote it (the time to
-        resume's last mark: Relay may not share this node's disk)."""
-        if self._first is None:
-            try:
-                self._first = json.loads((self.cfg.root / FIRST_STEP_FILE).read_text())
-            except (OSError, ValueError):
-                return None
-        return self._first
-
     def request_stop(self, reason: str) -> None:
         """Stop the ranks and end (Relay's stop over the channel, or SIGTERM)."""
         if not self.stopping:
@@ -246,16 +208,6 @@ class NodeAgent:
         log.info("forked a standby for %s's next attempt as pid %d in %s", self.node, pid,
                  ask.directory)
         return pid
-
-    def _errors(self, procs: dict[int, RankProcess]) -> dict[str, str]:
-        """Return the last lines of each failed rank's log: the script's own error."""
-        errors = {}
-        for rank, proc in procs.items():
-            if proc.exitcode not in (None, 0):
-                if rank not in self._error_tails:
-                    self._error_tails[rank] = log_tail(rank_log(self.cfg, rank))
-                errors[str(rank)] = self._error_tails[rank]
-        return errors
 
     def stop_ranks(self, reason: str) -> None:
         """Terminate the ranks still running: SIGTERM, then SIGKILL after a grace period."""

@@ -46,7 +46,6 @@ agent's environment names a certificate and key (on Kubernetes), it serves TLS:
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
@@ -69,11 +68,14 @@ from relay_train.agent.limits import (
 from relay_train.agent.node_files import (
     crossed_report,
     heartbeat_report,
-    pending_request_id,
-    rank_exited,
-    read_json,
-    read_text,
-    signal_faulthandler,
+)
+from relay_train.agent.rank_requests import (
+    ask_rescue,
+    ask_stacks,
+    rescue_state,
+    rescued_file,
+    signal_stacks,
+    stacks_answers,
 )
 from relay_train.protocol import routes as wire
 from relay_train.protocol.channel_auth import REPLY_HEADER as SIGNED_REPLY
@@ -81,17 +83,7 @@ from relay_train.protocol.channel_auth import UNAUTHORIZED, Verifier, reply_sign
 from relay_train.protocol.channel_tls import serve_tls, server_context_from_env
 from relay_train.protocol.heartbeat import node_clock, write_atomically
 from relay_train.protocol.launch import DRAIN_FILE
-from relay_train.protocol.rescue_files import ACK_FILE, DONE_FILE, RESCUE_DIR
-from relay_train.protocol.rescue_files import REQUEST_FILE as RESCUE_REQUEST
 from relay_train.protocol.routes import Route, route_path
-from relay_train.protocol.stacks_files import (
-    EVIDENCE_DIR,
-    answer_path,
-    faulthandler_path,
-    fr_dump_path,
-    trace_path,
-)
-from relay_train.protocol.stacks_files import REQUEST_FILE as STACKS_REQUEST
 
 log = logging.getLogger("relay_train.agent.server")
 
@@ -353,70 +345,22 @@ class _Handler(BaseHTTPRequestHandler):
         write_atomically(self.agent.root / DRAIN_FILE, json.dumps({wire.STOP_AT: stop_at}))
         return {wire.STOP_AT: stop_at}
 
+    # Rescue and stacks: handed to the ranks through node-local files (rank_requests).
+
     def _rescue(self, body: dict[str, Any]) -> dict[str, Any]:
-        rank = int(body[wire.RANK])
-        if rank not in self.agent.ranks:
-            raise ValueError(f"rank {rank} is not on node {self.agent.node}")
-        folder = self.agent.root / RESCUE_DIR
-        folder.mkdir(parents=True, exist_ok=True)
-        write_atomically(folder / RESCUE_REQUEST, json.dumps(
-            {wire.RANK: rank, wire.FAULT: body.get(wire.FAULT), "at": node_clock()}))
-        return {wire.RANK: rank}
+        return ask_rescue(self.agent.root, self.agent.ranks, self.agent.node, body)
 
     def _rescue_state(self, _query: dict[str, Any]) -> dict[str, Any]:
-        folder = self.agent.root / RESCUE_DIR
-        done = None
-        if (folder / DONE_FILE).exists():
-            done = json.loads((folder / DONE_FILE).read_text())
-        return {wire.ACK: (folder / ACK_FILE).exists(), wire.DONE: done}
+        return rescue_state(self.agent.root)
 
     def _rescue_file(self, query: dict[str, Any]) -> bytes:
-        step = int(query[wire.STEP])
-        done = json.loads((self.agent.root / RESCUE_DIR / DONE_FILE).read_text())
-        if done.get("step") != step or not done.get("path"):
-            raise ValueError(f"no rescued state at step {step}")
-        path = Path(os.path.realpath(str(done["path"])))
-        if not path.is_relative_to(os.path.realpath(self.agent.root / RESCUE_DIR)):
-            raise ValueError(f"the rescued state {path} is not in this attempt's "
-                             f"{RESCUE_DIR}/ folder")
-        return path.read_bytes()
+        return rescued_file(self.agent.root, query)
 
     def _ask_stacks(self, body: dict[str, Any]) -> dict[str, Any]:
-        folder = self.agent.root / EVIDENCE_DIR
-        folder.mkdir(parents=True, exist_ok=True)
-        request_id = body[wire.REQUEST_ID]
-        if not (folder / STACKS_REQUEST).exists() or pending_request_id(folder) != request_id:
-            write_atomically(folder / STACKS_REQUEST, json.dumps(
-                {wire.REQUEST_ID: str(request_id), wire.FAULT: body.get(wire.FAULT),
-                 wire.CULPRIT_RANK: body.get(wire.CULPRIT_RANK), "at": node_clock()}))
-        return {wire.REQUEST_ID: request_id}
+        return ask_stacks(self.agent.root, body)
 
     def _stacks(self, query: dict[str, Any]) -> dict[str, Any]:
-        folder = self.agent.root / EVIDENCE_DIR
-        answers, traces, pickles, fallback, exited = {}, {}, {}, {}, []
-        for rank in self.agent.ranks:
-            record = read_json(answer_path(folder, rank))
-            if record is not None and record.get("request") == query[wire.REQUEST_ID]:
-                answers[str(rank)] = record
-                trace = read_json(trace_path(folder, rank))
-                if trace is not None:
-                    traces[str(rank)] = trace
-                pickled = fr_dump_path(folder, rank)
-                if pickled.exists():
-                    pickles[str(rank)] = base64.b64encode(pickled.read_bytes()).decode()
-                continue
-            text = read_text(faulthandler_path(folder, rank))
-            if text.strip():
-                fallback[str(rank)] = text
-            if rank_exited(folder, rank):
-                exited.append(rank)
-        return {wire.ANSWERS: answers, wire.TRACES: traces, wire.FR_PICKLES: pickles,
-                wire.FAULTHANDLER: fallback, wire.EXITED: exited}
+        return stacks_answers(self.agent.root, self.agent.ranks, query)
 
     def _signal_stacks(self, _body: dict[str, Any]) -> dict[str, Any]:
-        folder = self.agent.root / EVIDENCE_DIR
-        signalled = []
-        for rank in self.agent.ranks:
-            if not answer_path(folder, rank).exists() and signal_faulthandler(folder, rank):
-                signalled.append(rank)
-        return {wire.SIGNALLED: signalled}
+        return signal_stacks(self.agent.root, self.agent.ranks)

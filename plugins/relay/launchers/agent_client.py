@@ -18,7 +18,8 @@ Boundaries: the agent of the node hosting rank 0 reports the last segment bounda
 rank 0 recorded crossing; the channel keeps every one it heard of
 (:attr:`AgentChannel.crossed`), so a silent agent's last word still counts.
 
-Trust: every request is signed with the attempt's channel secret, and a reply is used
+Trust (each request: :mod:`relay.launchers.agent_requests`): every request is
+signed with the attempt's channel secret, and a reply is used
 only if the agent signed it back (:mod:`relay_train.protocol.channel_auth`). An agent
 that refuses our credential (401: another attempt's agent, or no agent of ours at all)
 is refused in turn and recorded like a stale one, with nothing it said; a reply that is
@@ -33,20 +34,14 @@ used, a warning is logged and the refusal is kept in :attr:`AgentChannel.refused
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import ssl
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import msgspec
 
 from relay.core.exceptions import StaleAgentError
 from relay.launchers.agent_groups import (
@@ -57,20 +52,17 @@ from relay.launchers.agent_groups import (
     decode_node,
     fresh,
 )
-from relay_train.protocol.channel_auth import NONCE_HEADER, reply_is_signed, sign
+from relay.launchers.agent_requests import AgentRequests
 from relay_train.protocol.heartbeat import Heartbeat, write_atomically
 from relay_train.protocol.launch import FIRST_STEP_FILE
 from relay_train.protocol.routes import (
     AGE_SECONDS,
-    ATTEMPT,
     CROSSED,
-    ERROR,
     FIRST_STEP,
     HEARTBEATS,
     NODES,
     PHASE_AGE_SECONDS,
     Route,
-    route_path,
 )
 
 log = logging.getLogger(__name__)
@@ -80,9 +72,7 @@ log = logging.getLogger(__name__)
 # after STATUS_TIMEOUT_SECONDS (a frozen agent) is given up and asked again.
 FRESH_WAIT_SECONDS = 1.0
 STATUS_TIMEOUT_SECONDS = 10.0
-REQUEST_TIMEOUT_SECONDS = 2.0
 MAX_PARALLEL = 32  # agents asked at once (a frozen one costs its timeout, not the others')
-_DECODE = msgspec.json.Decoder().decode
 
 
 @dataclass
@@ -104,7 +94,7 @@ def place_on_our_clock(record: dict[str, Any], received_at: float) -> Heartbeat:
     return beat
 
 
-class AgentChannel:
+class AgentChannel(AgentRequests):
     """Talk to the agents of one attempt; remember what they last said."""
 
     def __init__(self, attempt_id: str, addresses: dict[str, str], secret: str,
@@ -146,123 +136,6 @@ class AgentChannel:
         """Stop asking ``nodes`` (a fault found them frozen): each ask would only cost its
         timeout. Their last answers are kept."""
         self.silent |= nodes & set(self.addresses)
-
-    # -- one request ----------------------------------------------------------------
-
-    def call(self, node: str, route: Route, *, body: dict[str, Any] | None = None,
-             query: dict[str, Any] | None = None,
-             timeout: float = REQUEST_TIMEOUT_SECONDS) -> dict[str, Any] | bytes | None:
-        """Send one request to ``node``'s agent; return its reply, or None if it is unreachable.
-
-        Raise :class:`StaleAgentError` (after recording the refusal) when the agent serves
-        another attempt.
-        """
-        url = self.addresses.get(node) or self.aggregators.get(node)
-        if url is None:
-            return None
-        params = {ATTEMPT: self.attempt_id, **(query or {})}
-        data = None
-        if body is not None:
-            data = json.dumps({ATTEMPT: self.attempt_id, **body}).encode()
-        method = "POST" if data is not None else "GET"
-        target = f"{route_path(route)}?{urllib.parse.urlencode(params)}"
-        signed = sign(self._secret, method, target, data or b"")
-        request = urllib.request.Request(
-            f"{url}{target}", data=data, method=method,
-            headers={"Content-Type": "application/json", **signed})
-        nonce = signed[NONCE_HEADER]
-        try:
-            with urllib.request.urlopen(request, timeout=timeout,  # noqa: S310 - our URL
-                                        context=self.tls) as reply:
-                raw = reply.read()
-                kind = reply.headers.get("Content-Type", "")
-                if not reply_is_signed(self._secret, nonce, reply.status, raw, reply.headers):
-                    self._unsigned(node, route, reply.status)
-                    return None
-        except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            if exc.code == 401:
-                self._refuse(node, str(route), None, {}, why="refused our credential")
-            if not reply_is_signed(self._secret, nonce, exc.code, raw, exc.headers):
-                self._unsigned(node, route, exc.code)
-                return None
-            payload = _json(raw)
-            if exc.code == 409:
-                self._refuse(node, str(route), payload.get(ATTEMPT), payload)
-            log.warning("Agent of %s answered %d to %s: %s", node, exc.code, route,
-                        payload.get(ERROR, ""))
-            return None
-        # Refused, reset, timed out, or cut off mid-reply (an agent exiting as its ranks
-        # stop: http.client.IncompleteRead is no OSError): unreachable for now.
-        except (OSError, ValueError, http.client.HTTPException) as exc:
-            tls_refused = isinstance(getattr(exc, "reason", exc), ssl.SSLError)
-            if tls_refused and node not in self.tls_refused:  # not the network: trust (once)
-                self.tls_refused.add(node)
-                log.warning("TLS with the agent of %s refused (%s): %s. Check the channel CA "
-                            "and the agents' certificate (docs/security.md)", node, route, exc)
-            else:
-                log.debug("Agent of %s unreachable (%s): %s", node, route, exc)
-            return None
-        if not kind.startswith("application/json"):
-            return raw
-        payload = _json(raw)
-        if payload.get(ATTEMPT) != self.attempt_id:
-            self._refuse(node, str(route), payload.get(ATTEMPT), payload)
-        return payload
-
-    def _unsigned(self, node: str, route: Route, code: int) -> None:
-        """Log a reply without the agent's signature (not used: not the agent's word)."""
-        log.warning("A reply (%d) to %s at the address of %s's agent (%s) is not signed with "
-                    "this attempt's channel secret: not used", code, route, node,
-                    self.addresses.get(node))
-
-    def _refuse(self, node: str, what: str, found: object, payload: dict[str, Any],
-                why: str = "it speaks for another attempt") -> None:
-        """Record a message from another attempt (or an agent that refused our credential);
-        raise :class:`StaleAgentError`."""
-        now = time.time()
-        beats = payload.get(HEARTBEATS) or []
-        for seen in self.refused:
-            if (seen["node"], seen["found_attempt"], seen["what"]) == (node, found, what):
-                seen["count"] += 1
-                seen["last_at"] = now
-                seen["heartbeats"] += len(beats)
-                break
-        else:
-            self.refused.append({
-                "node": node, "address": self.addresses.get(node), "what": what,
-                "expected_attempt": self.attempt_id, "found_attempt": found, "at": now,
-                "last_at": now, "count": 1, "heartbeats": len(beats),
-                "steps": sorted({int(b.get("step", 0)) for b in beats}), "why": why,
-            })
-            log.warning("Refused %s from the agent of %s at %s: %s (attempt %r; this is %r): "
-                        "a stale node, fenced", what, node, self.addresses.get(node), why,
-                        found, self.attempt_id)
-        raise StaleAgentError(f"{node}: attempt {found!r}, expected {self.attempt_id!r}")
-
-    def ask(self, node: str, what: Route, **body: Any) -> dict[str, Any] | None:  # noqa: ANN401
-        """POST a request (``stop``, ``drain``, ``rescue``, ``stacks``...); None if not heard."""
-        try:
-            reply = self.call(node, what, body=body)
-        except StaleAgentError:
-            return None
-        return reply if isinstance(reply, dict) else None
-
-    def call_quietly(self, node: str, what: Route, timeout: float,
-                     **body: Any) -> dict[str, Any] | None:  # noqa: ANN401
-        """POST ``what`` with a short ``timeout``; None if not heard (or a stale agent)."""
-        try:
-            reply = self.call(node, what, body=body, timeout=timeout)
-        except StaleAgentError:
-            return None
-        return reply if isinstance(reply, dict) else None
-
-    def fetch(self, node: str, what: Route, **query: Any) -> dict[str, Any] | bytes | None:  # noqa: ANN401
-        """GET an answer (``rescue``, ``rescue/file``, ``stacks``); None if not heard."""
-        try:
-            return self.call(node, what, query=query)
-        except StaleAgentError:
-            return None
 
     # -- status of every node --------------------------------------------------------
 
@@ -398,13 +271,3 @@ class AgentChannel:
         report = self.reports.get(node)
         return None if report is None else report.received_at
 
-
-def _json(raw: bytes) -> dict[str, Any]:
-    try:  # msgspec (Airflow's) parses an aggregator's summary in a third of json's time
-        payload = _DECODE(raw or b"{}")
-    except msgspec.DecodeError:
-        try:  # what msgspec refuses, e.g. a NaN loss, which Python's json writes and reads
-            payload = json.loads(raw or b"{}")
-        except ValueError:
-            return {}
-    return payload if isinstance(payload, dict) else {}

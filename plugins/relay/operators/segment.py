@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from relay.core.checkpoint_keys import checkpoint_keys
 from relay.core.exceptions import ChaosConfError, IllegalTransitionError, NotEnoughNodesError
 from relay.core.faults import Fault
 from relay.launchers import Launcher, launch_record, launcher_for
-from relay.lineage import resume_time, traces
+from relay.lineage import resume_time
 from relay.lineage.interval import interval_for
 from relay.lineage.tags import TAG_FAILURE_REASON
 from relay.nodes.pool import NodePool, lease_holder
@@ -36,9 +35,9 @@ from relay.operators import handover
 from relay.operators.airflow_notes import write_notes
 from relay.operators.base import RelayOperator, attempt_params, lineage_store, segment_dir
 from relay.operators.retry import SegmentFaultError
+from relay.operators.segment_end import SegmentEnd
 from relay.policy.model import LoadedPolicy
 from relay.policy.notify import escalate
-from relay.policy.observe import log_observations
 from relay.recover import journal
 from relay.recover.corrupt import record_corrupt
 from relay.recover.pipeline import handle
@@ -54,7 +53,7 @@ from relay_train.protocol.run_lease import RUN_LEASE_SECONDS
 log = logging.getLogger(__name__)
 
 
-class TrainSegmentOperator(RelayOperator):
+class TrainSegmentOperator(SegmentEnd, RelayOperator):
     """Train steps ``[latest checkpoint, segment end)`` on healthy nodes, watched by a trigger."""
 
     def __init__(self, *, segment: int, **kwargs: Any) -> None:
@@ -351,34 +350,6 @@ class TrainSegmentOperator(RelayOperator):
         if outcome.retry:
             raise SegmentFaultError(outcome.message, outcome.decision)
         raise AirflowFailException(outcome.message)
-
-    @staticmethod
-    def log_observations(context: Any, lineage: Any, run_id: str,  # noqa: ANN401
-                         attempt: Attempt) -> None:
-        """Log the attempt's observe-mode records (the task state store's, and this
-        machine's files) to its MLflow run."""
-        observed = journal.observations(context, attempt.folder)
-        best_effort("log the observations",
-                    lambda: log_observations(lineage, run_id, attempt.folder, observed))
-
-    def resumed(self, context: Any, attempt: Attempt, lineage: Any,  # noqa: ANN401
-                launcher: Launcher, parent: Callable[[], str]) -> None:
-        """An attempt reached its segment's end (completed or handed over): finish the time
-        to resume of the recovery that started it and, on a retry, rewrite the notes with
-        it ("back in ...s"; the DAG run's no longer "not resumed yet")."""
-        self.finish_resume_time(attempt, lineage, launcher)
-        if int(context["ti"].try_number) > 1:
-            write_notes(context, lineage, parent, self.segment)
-
-    @staticmethod
-    def finish_resume_time(attempt: Attempt, lineage: Any,  # noqa: ANN401
-                           launcher: Launcher) -> None:
-        """Finish the time-to-resume breakdown of the recovery that started this attempt."""
-        continuity = launcher.continuity
-        faulty = resume_time.finish_previous(lineage, attempt.folder,
-                                             None if continuity is None else continuity.run_id_of)
-        if faulty is not None:  # the rest of the recovery's spans, and the recovery's own
-            traces.emit_resumed(faulty, background=True)
 
 
 def _watched(event: dict[str, Any]) -> AttemptState:

@@ -15,12 +15,12 @@ from pydantic import BaseModel, Field, field_validator
 
 from relay.core.exceptions import ConfigError
 from relay.policy.rules import Escalation, Mode, NodeRules, Rules
+from relay.spec.validation_problems import validate_model
 from relay.spec.yamlsource import (
     FROZEN,
     Duration,
     FieldValueError,
     load_yaml_with_lines,
-    validate_model,
 )
 
 _DURATIONS = (

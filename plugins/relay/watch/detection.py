@@ -13,71 +13,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
-from functools import cached_property
 
 from relay.core.attempt import AttemptState
 from relay.core.faults import Fault, FaultKind
 from relay.launchers.agent_client import FRESH_WAIT_SECONDS
-from relay.launchers.base import LaunchStatus
 from relay.policy.model import Detection
 from relay.watch.exits import classify_exit, only_secondary_exits, preemption
+from relay.watch.hangs import find_hang
 from relay.watch.lockstep import Lockstep
+from relay.watch.observation import (
+    COMPUTE,
+    DONE,
+    STARTING,
+    WAITING,
+    WORKING,
+    Observation,
+    past_startup,
+)
 from relay.watch.slowness import StragglerRule, ThroughputRule
 from relay.watch.steptime import HangLimit, StepTimes
-from relay_train.protocol.heartbeat import Heartbeat, Phase
+from relay_train.protocol.heartbeat import Heartbeat
 from relay_train.protocol.routes import SETTLED, NodeState
 
 # How late a live agent's word may come: it answers every poll, and a poll waits up to
 # this long for an answer (a later one counts at the next poll).
 AGENT_STATUS_INTERVAL_SECONDS = FRESH_WAIT_SECONDS
-# The phases as the plain strings heartbeats carry: the rules look at every rank each
-# poll, and an enum member's ``.value`` costs a descriptor call each time (~10% of a poll).
-_STARTING, _COMPUTE, _CHECKPOINT, _DONE = (
-    Phase.STARTING.value, Phase.COMPUTE.value, Phase.CHECKPOINT.value, Phase.DONE.value)
-_WAITING = {Phase.COLLECTIVE.value}
-_WORKING = {_COMPUTE, Phase.COLLECTIVE.value}
-
-
-@dataclass
-class Observation:
-    """One snapshot of a segment attempt, as the watcher saw it."""
-
-    now: float
-    launched_at: float
-    heartbeats: dict[int, Heartbeat]
-    node_ranks: dict[str, list[int]]
-    heartbeat_interval: float
-    launch: LaunchStatus | None = None  # None when watching a job Relay did not launch
-
-    @property
-    def expected_ranks(self) -> list[int]:
-        """Return every rank the job should have."""
-        return sorted(r for ranks in self.node_ranks.values() for r in ranks)
-
-    @cached_property
-    def _rank_nodes(self) -> dict[int, str]:
-        """Return rank -> its node (the first node listing it), built once per snapshot:
-        a scan of every node per rank is quadratic (~0.8 s a poll at 1,024 nodes x 8)."""
-        nodes: dict[int, str] = {}
-        for node, ranks in self.node_ranks.items():
-            for rank in ranks:
-                nodes.setdefault(rank, node)
-        return nodes
-
-    def node_of(self, rank: int) -> str | None:
-        """Return the node a rank runs on."""
-        return self._rank_nodes.get(rank)
-
-
-def _past_startup(obs: Observation) -> bool:
-    """Return whether any rank got past start-up (then every rank rendezvoused)."""
-    return any(b.phase != _STARTING for b in obs.heartbeats.values())
-
-
-def _in_phase(beats: list[Heartbeat], now: float) -> dict[int, float]:
-    """Return rank -> how long it has been in its phase (for a hang's evidence)."""
-    return {b.rank: now - b.phase_started_at for b in beats}
 
 
 class Detector:
@@ -156,7 +116,7 @@ class Detector:
         if fault.culprit_rank is None or fault.kind is FaultKind.SHORT_SEGMENT:
             return fault
         beat = obs.heartbeats.get(fault.culprit_rank)
-        if beat is None or beat.phase == _STARTING:
+        if beat is None or beat.phase == STARTING:
             # It died before its first step: the launch failed, not the training.
             return Fault(FaultKind.LAUNCH_FAILURE, fault.culprit_rank, fault.culprit_node,
                          {**fault.evidence, "summary": "rank exited before its first step: "
@@ -167,10 +127,10 @@ class Detector:
         waited = obs.now - obs.launched_at
         if waited <= self.cfg.startup_timeout:
             return None
-        stepping = _past_startup(obs)
+        stepping = past_startup(obs)
         for rank in obs.expected_ranks:
             beat = obs.heartbeats.get(rank)
-            if beat is not None and beat.phase != _STARTING:
+            if beat is not None and beat.phase != STARTING:
                 continue
             node = obs.node_of(rank)
             if beat is None and stepping and node and self._agent_age(obs, node) == math.inf:
@@ -221,7 +181,7 @@ class Detector:
         return now - beat.wall_clock
 
     def _is_stale(self, beat: Heartbeat, now: float) -> bool:
-        return beat.phase != _DONE and self._age(beat, now) > self.cfg.heartbeat_timeout
+        return beat.phase != DONE and self._age(beat, now) > self.cfg.heartbeat_timeout
 
     def _agent_age(self, obs: Observation, node: str) -> float | None:
         """Return how long ago the node's agent last spoke (None: no agent to ask)."""
@@ -251,7 +211,7 @@ class Detector:
         since = self._watching_since
         if obs.launch is None or since is None or obs.now - since <= limit:
             return set()
-        if not _past_startup(obs):
+        if not past_startup(obs):
             return set()
         return {r for r in obs.expected_ranks if r not in obs.heartbeats}
 
@@ -273,12 +233,12 @@ class Detector:
         now, timeout = obs.now, self.cfg.heartbeat_timeout  # _is_stale, inlined: every rank
         # Until a rank steps, silence is start-up's (imports, rendezvous: on a loaded host an
         # agent busy starting goes unheard for seconds): startup_timeout judges it (_startup).
-        past = _past_startup(obs)
+        past = past_startup(obs)
         if past and self._first_step(obs):
             return None  # still start-up: the first step of a fresh job (see _first_step)
-        idle = _DONE if past else _STARTING
+        idle = DONE if past else STARTING
         stale = {r for r, b in obs.heartbeats.items()
-                 if b.phase != _DONE and b.phase != idle and now - b.wall_clock > timeout}
+                 if b.phase != DONE and b.phase != idle and now - b.wall_clock > timeout}
         if not stale and not unheard:
             return None
         # Other nodes' ranks that stepped on after a silent rank's last word prove it alive.
@@ -330,11 +290,11 @@ class Detector:
         after. It costs nothing while the job is healthy: fresh heartbeats put every such
         time seconds away, past the next poll.
         """
-        beats = [b for b in obs.heartbeats.values() if b.phase != _DONE]
+        beats = [b for b in obs.heartbeats.values() if b.phase != DONE]
         times: list[float] = []
-        if FaultKind.HANG in self.enabled and any(b.phase in _WAITING for b in beats):
+        if FaultKind.HANG in self.enabled and any(b.phase in WAITING for b in beats):
             limit = self.hang_limit(obs).seconds
-            times += [b.phase_started_at + limit for b in beats if b.phase == _COMPUTE]
+            times += [b.phase_started_at + limit for b in beats if b.phase == COMPUTE]
         if self.enabled & {FaultKind.NODE_UNRESPONSIVE, FaultKind.RANK_UNRESPONSIVE}:
             times += [b.wall_clock + self.cfg.heartbeat_timeout for b in beats]
             if obs.launch is not None:
@@ -347,10 +307,10 @@ class Detector:
         """Return why a fault seems on its way though none is called yet (see local.spare):
         a rank in compute past half the hang threshold while another waits, or a rank
         half way to being called a straggler. Call it after :meth:`check`."""
-        beats = [b for b in obs.heartbeats.values() if b.phase != _DONE]
-        if FaultKind.HANG in self.enabled and any(b.phase in _WAITING for b in beats):
+        beats = [b for b in obs.heartbeats.values() if b.phase != DONE]
+        if FaultKind.HANG in self.enabled and any(b.phase in WAITING for b in beats):
             half = self.hang_limit(obs).seconds / 2
-            stalled = [b.rank for b in beats if b.phase == _COMPUTE
+            stalled = [b.rank for b in beats if b.phase == COMPUTE
                        and obs.now - b.phase_started_at > half]
             if stalled:
                 return f"rank {stalled[0]} in compute for over {half:.1f}s while others wait"
@@ -370,71 +330,7 @@ class Detector:
                                       derive.safety_factor, derive.min)
 
     def _hang(self, obs: Observation) -> Fault | None:
-        now = obs.now
-        beats = [b for b in obs.heartbeats.values() if b.phase != _DONE]
-        if not beats:
-            return None
-        limit = self.hang_limit(obs)
-        # Only a rank whose heartbeat thread still writes is "stalled"; a silent
-        # one is left to the unresponsive rules. One pass over the ranks (8,192 a poll).
-        lag, hang_timeout = 3 * obs.heartbeat_interval, self.cfg.hang_timeout
-        computing: list[Heartbeat] = []
-        waiting = working = 0
-        working_all_over = True  # every working rank in its phase past hang_timeout
-        for b in beats:
-            phase = b.phase
-            if phase == _CHECKPOINT:
-                if now - b.phase_started_at > self.cfg.checkpoint_timeout:
-                    return self._hang_fault(obs, b, _in_phase(beats, now),
-                                            "stuck saving a checkpoint",
-                                            ("checkpoint_timeout", self.cfg.checkpoint_timeout))
-                continue
-            if phase not in _WORKING:
-                continue
-            if phase in _WAITING:
-                waiting += 1
-            if now - b.wall_clock > lag:
-                continue  # not alive
-            working += 1
-            seconds = now - b.phase_started_at
-            working_all_over = working_all_over and seconds > hang_timeout
-            if phase == _COMPUTE and seconds > limit.seconds:
-                computing.append(b)
-        if computing and waiting:
-            culprit = max(computing, key=lambda b: now - b.phase_started_at)
-            return self._hang_fault(obs, culprit, _in_phase(beats, now), "stalled in compute "
-                                    f"while {waiting} rank(s) wait in the collective", limit=limit)
-        # Every rank busy at once (an evaluation pass, say) is judged on the policy's own
-        # hang_timeout: a threshold derived from the steps is for one rank that holds up others.
-        if working and working == len(beats) and working_all_over and all(
-                r in obs.heartbeats for r in obs.expected_ranks):
-            return Fault(FaultKind.HANG, None, None,
-                         {"summary": f"no rank made progress for {hang_timeout:g}s",
-                          "seconds_in_phase": {r: round(s, 2)
-                                               for r, s in _in_phase(beats, now).items()},
-                          "steps": {b.rank: b.step for b in beats}}, obs.now)
-        return None
-
-    def _hang_fault(
-        self,
-        obs: Observation,
-        culprit: Heartbeat,
-        in_phase: dict[int, float],
-        what: str,
-        limit: tuple[str, float] | HangLimit | None = None,
-    ) -> Fault:
-        seconds = in_phase[culprit.rank]
-        if isinstance(limit, HangLimit):
-            bound = limit.describe()
-        else:
-            name, value = limit or ("hang_timeout", self.cfg.hang_timeout)
-            bound = f"{name} {value:g}s"
-        return Fault(FaultKind.HANG, culprit.rank, culprit.node,
-                     {"summary": f"rank {culprit.rank} {what} for {seconds:.1f}s "
-                      f"at step {culprit.step} ({bound})",
-                      "phases": {b.rank: b.phase for b in obs.heartbeats.values()},
-                      "seconds_in_phase": {r: round(s, 2) for r, s in in_phase.items()},
-                      "step": culprit.step}, obs.now)
+        return find_hang(obs, self.cfg, self.hang_limit(obs))
 
     # -- performance ------------------------------------------------------------
 
@@ -447,7 +343,7 @@ class Detector:
         recent = self.cfg.hang_timeout / 2
         return [
             b for b in obs.heartbeats.values()
-            if b.phase in _WORKING and obs.now - self._stepped.get(b.rank, (0, 0.0))[1] <= recent
+            if b.phase in WORKING and obs.now - self._stepped.get(b.rank, (0, 0.0))[1] <= recent
         ]
 
     def _stragglers(self, obs: Observation) -> Fault | None:

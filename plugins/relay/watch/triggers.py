@@ -25,7 +25,8 @@ from relay.core.faults import Fault, FaultKind
 from relay.launchers import Launcher, launcher_from
 from relay.policy.model import Detection
 from relay.recover.warden import start_warden
-from relay.watch.detection import Detector, Observation
+from relay.watch.detection import Detector
+from relay.watch.observation import Observation
 from relay.watch.warmer import Warmer, silent_nodes
 from relay_train.protocol.heartbeat import Phase, read_heartbeats
 from relay_train.protocol.run_lease import RUN_LEASE_SECONDS

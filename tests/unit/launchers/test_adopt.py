@@ -25,7 +25,7 @@ from relay.lineage.interval import INTERVAL_FILE
 from relay.nodes.pool import NodePool
 from relay.operators.base import end_run
 from relay.tools.bench.boundary_time import RESTART_PARTS, boundaries
-from relay.watch.detection import Observation
+from relay.watch.observation import Observation
 from relay.watch.triggers import SegmentWatchTrigger
 from relay_train import boundary as boundary_module
 from relay_train.boundary import Adoption, BoundaryKeeper

@@ -24,7 +24,8 @@ from relay.core.attempt import Attempt
 from relay.core.faults import FaultKind
 from relay.launchers.agent_client import AgentChannel
 from relay.policy.model import Detection
-from relay.watch.detection import Detector, Observation
+from relay.watch.detection import Detector
+from relay.watch.observation import Observation
 from relay_train.agent.server import SERVE_POLL_SECONDS
 from relay_train.protocol.env import ENV_CLOCK_SKEW
 from relay_train.protocol.heartbeat import (

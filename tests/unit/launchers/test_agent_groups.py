@@ -19,7 +19,7 @@ from agents import FrozenAgent, ServedAttempt
 import relay.launchers.agent_groups as groups_module
 from relay.core.attempt import Attempt
 from relay.core.faults import FaultKind
-from relay.launchers.agent_client import AgentChannel, _json, place_on_our_clock
+from relay.launchers.agent_client import AgentChannel, place_on_our_clock
 from relay.launchers.agent_groups import (
     Group,
     GroupWatch,
@@ -28,9 +28,11 @@ from relay.launchers.agent_groups import (
     fresh,
     groups_of,
 )
+from relay.launchers.agent_requests import _json
 from relay.launchers.aggregator import Aggregator
 from relay.policy.model import Detection
-from relay.watch.detection import Detector, Observation
+from relay.watch.detection import Detector
+from relay.watch.observation import Observation
 from relay_train.agent.server import AgentServer
 from relay_train.protocol.channel_auth import new_secret
 from relay_train.protocol.heartbeat import HeartbeatWriter, Phase

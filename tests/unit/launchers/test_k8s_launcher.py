@@ -28,7 +28,8 @@ from relay.policy.decide import decide
 from relay.policy.model import Detection, load_policy
 from relay.recover.pipeline import quarantine
 from relay.spec.sections import KubernetesSpec
-from relay.watch.detection import Detector, Observation
+from relay.watch.detection import Detector
+from relay.watch.observation import Observation
 from relay_train.protocol.launch import LaunchConfig
 from relay_train.protocol.routes import NodeState
 

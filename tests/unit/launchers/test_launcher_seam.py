@@ -16,7 +16,8 @@ from relay.launchers.k8s.launcher import KubernetesLauncher
 from relay.launchers.local.launcher import LocalLauncher
 from relay.policy.model import Detection
 from relay.spec.job import load_job_spec
-from relay.watch.detection import Detector, Observation
+from relay.watch.detection import Detector
+from relay.watch.observation import Observation
 from relay_train.protocol.routes import NodeState
 
 PLUGIN = Path(__file__).resolve().parents[3] / "plugins" / "relay"

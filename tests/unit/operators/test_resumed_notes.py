@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from relay.operators import handover, segment
+from relay.operators import handover, segment_end
 from relay.operators.segment import TrainSegmentOperator
 
 PARENT = "parent-run"
@@ -19,7 +19,7 @@ def _op(monkeypatch: pytest.MonkeyPatch, calls: list[Any]) -> TrainSegmentOperat
     op = TrainSegmentOperator(task_id="segment_000", segment=0, spec_file="unused.yaml")
     monkeypatch.setattr(TrainSegmentOperator, "finish_resume_time",
                         staticmethod(lambda attempt, lineage, launcher: calls.append("timed")))
-    monkeypatch.setattr(segment, "write_notes", lambda context, lineage, parent, index:
+    monkeypatch.setattr(segment_end, "write_notes", lambda context, lineage, parent, index:
                         calls.append(("notes", parent(), index)))
     return op
 

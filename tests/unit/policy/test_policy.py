@@ -13,7 +13,8 @@ from policy_files import line_of, load_error
 import relay.core.settings
 from relay.core.faults import FaultKind
 from relay.policy.model import Detection, load_policy
-from relay.watch.detection import Detector, Observation
+from relay.watch.detection import Detector
+from relay.watch.observation import Observation
 from relay_train.protocol.heartbeat import Heartbeat, Phase
 
 REPO = Path(relay.core.settings.REPO_ROOT)

@@ -31,7 +31,7 @@ from relay.recover.evidence import (
     evidence_summary,
 )
 from relay.recover.evidence import ask_for_evidence as ask_agents
-from relay_train.agent.server import signal_faulthandler
+from relay_train.agent.node_files import signal_faulthandler
 from relay_train.checkpoints.publish import mlflow_retrying
 from relay_train.protocol.launch import LaunchConfig
 from relay_train.protocol.stacks_files import EVIDENCE_DIR, FR_DIR, answer_path, armed_path

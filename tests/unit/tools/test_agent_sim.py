@@ -7,13 +7,8 @@ from pathlib import Path
 import pytest
 
 from relay.launchers.agent_groups import AGGREGATE_SECONDS, decode_node
-from relay.tools.bench.agent_sim import (
-    HEARTBEAT_SECONDS,
-    Cluster,
-    SimAgent,
-    SimAggregator,
-    SimFault,
-)
+from relay.tools.bench.agent_sim import SimAgent, SimAggregator
+from relay.tools.bench.sim_cluster import HEARTBEAT_SECONDS, Cluster, SimFault
 from relay_train.protocol.heartbeat import Phase
 from relay_train.protocol.routes import NODES, SEEN_AGE_SECONDS
 

@@ -304,7 +304,7 @@ def test_comm_hook_fences_compute_before_flipping_to_collective(
     from datetime import timedelta
 
     from relay.launchers.local.launcher import free_port
-    from relay_train import api
+    from relay_train import api, collectives
     from relay_train.collectives import StepPhases
     from relay_train.device import RankDevice
     from relay_train.protocol.heartbeat import Phase
@@ -316,7 +316,7 @@ def test_comm_hook_fences_compute_before_flipping_to_collective(
         def enter(self, phase: Phase) -> None:
             events.append(f"enter {phase.value}")
 
-    monkeypatch.setattr(api, "wait_for_compute",
+    monkeypatch.setattr(collectives, "wait_for_compute",
                         lambda device: events.append(f"fence {device.type}"))
 
     class Bucket:

@@ -20,7 +20,8 @@ from relay.core.attempt import AttemptState
 from relay.core.faults import Fault, FaultKind
 from relay.launchers.local.launcher import LaunchStatus, NodeStatus
 from relay.policy.model import MIN_SLOW_STEPS, Detection, StragglerDetection
-from relay.watch.detection import AGENT_STATUS_INTERVAL_SECONDS, Detector, Observation
+from relay.watch.detection import AGENT_STATUS_INTERVAL_SECONDS, Detector
+from relay.watch.observation import Observation
 from relay_train.protocol.heartbeat import Heartbeat, HeartbeatWriter, Phase, read_heartbeats
 from relay_train.protocol.routes import NodeState
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import statistics
 
-from relay.watch.detection import Observation
+from relay.watch.observation import Observation
 from relay.watch.slowness import leave_one_out
 
 

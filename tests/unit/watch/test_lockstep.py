@@ -11,8 +11,9 @@ from relay.core.attempt import AttemptState
 from relay.core.faults import Fault, FaultKind
 from relay.launchers.local.launcher import LaunchStatus, NodeStatus
 from relay.policy.model import Detection
-from relay.watch.detection import Detector, Observation
+from relay.watch.detection import Detector
 from relay.watch.lockstep import Lockstep
+from relay.watch.observation import Observation
 from relay_train.protocol.heartbeat import Heartbeat, Phase
 from relay_train.protocol.routes import NodeState
 

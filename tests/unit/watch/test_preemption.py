@@ -8,7 +8,8 @@ from relay.core.attempt import AttemptState
 from relay.core.faults import FaultKind
 from relay.launchers.base import LaunchStatus, NodeStatus, Notice, notice_of
 from relay.policy.model import Detection
-from relay.watch.detection import Detector, Observation
+from relay.watch.detection import Detector
+from relay.watch.observation import Observation
 from relay_train.protocol.routes import (
     AGE_SECONDS,
     DRAIN_SECONDS,

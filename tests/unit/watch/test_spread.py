@@ -12,7 +12,8 @@ import pytest
 from relay.core.faults import Fault, FaultKind
 from relay.policy.model import Detection
 from relay.watch import spread as spread_module
-from relay.watch.detection import Detector, Observation
+from relay.watch.detection import Detector
+from relay.watch.observation import Observation
 from relay.watch.spread import (
     MAX_RATIO,
     MIN_FLOOR_SHARE,

@@ -13,7 +13,8 @@ import pytest
 
 from relay.core.faults import FaultKind
 from relay.policy.model import Detection, HangFromStepTime
-from relay.watch.detection import Detector, Observation
+from relay.watch.detection import Detector
+from relay.watch.observation import Observation
 from relay.watch.steptime import WINDOW, StepTimes
 from relay_train.protocol.heartbeat import Heartbeat, Phase
 

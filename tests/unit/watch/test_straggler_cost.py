@@ -15,7 +15,8 @@ import pytest
 
 from relay.core.faults import Fault, FaultKind
 from relay.policy.model import Detection
-from relay.watch.detection import Detector, Observation
+from relay.watch.detection import Detector
+from relay.watch.observation import Observation
 from relay_train.protocol.heartbeat import Heartbeat, Phase
 from relay_train.timing import Ewma
 

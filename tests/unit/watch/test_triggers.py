@@ -19,8 +19,8 @@ from relay.core.attempt import Attempt, AttemptState
 from relay.core.faults import Fault, FaultKind
 from relay.launchers.local.launcher import HANDLE_FILE, LaunchStatus, LocalLauncher, NodeStatus
 from relay.watch import triggers
-from relay.watch.detection import Observation
 from relay.watch.exits import classify_exit
+from relay.watch.observation import Observation
 from relay.watch.triggers import (
     DUE_MARGIN_SECONDS,
     DUE_MIN_PAUSE_SECONDS,

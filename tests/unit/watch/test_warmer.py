@@ -45,7 +45,8 @@ def test_a_hang_on_its_way_is_suspected_before_it_is_called() -> None:
     """Rank 1 in compute past half the hang threshold while the others wait: no fault yet,
     but a suspicion (the watcher warms the spare a retry off rank 1's node needs)."""
     from relay.policy.model import Detection
-    from relay.watch.detection import Detector, Observation
+    from relay.watch.detection import Detector
+    from relay.watch.observation import Observation
     from relay_train.protocol.heartbeat import Heartbeat, Phase
 
     cfg = Detection()

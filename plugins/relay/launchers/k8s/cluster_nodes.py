@@ -6,43 +6,31 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from relay.launchers.k8s.clients import KubernetesClients
 from relay.launchers.k8s.objects import QUARANTINE_TAINT_KEY, quarantine_taint
 
 if TYPE_CHECKING:
     from relay.nodes.pool import Quarantine
-    from relay.spec.sections import KubernetesSpec
 
 log = logging.getLogger("relay.launchers.k8s.launcher")  # the launcher's log: one place to read
-T = TypeVar("T")
 
 LEASE_NAMESPACE = "kube-node-lease"
 LEASE_STALE_SECONDS = 20.0  # the kubelet renews its Lease every 10 s
 NODE_CHECK_SECONDS = 2.0  # a node's Ready condition and lease are read at most this often
 
 
-class KubernetesNodes:
-    """The node half of :class:`relay.launchers.k8s.launcher.KubernetesLauncher`, which provides the
-    API clients, the retrying ``_call`` and the settings."""
+class KubernetesNodes(KubernetesClients):
+    """The node half of :class:`relay.launchers.k8s.launcher.KubernetesLauncher` (the API
+    clients, the retrying ``_call`` and the settings: :class:`KubernetesClients`)."""
 
-    settings: KubernetesSpec
-    core: client.CoreV1Api
-    coordination: client.CoordinationV1Api
     lease_stale_seconds: float
     node_check_seconds: float
     _checked: dict[str, tuple[float, str | None]]  # host -> (when, problem)
     _leases: dict[str, tuple[Any, float]]  # host -> (renewTime, first seen)
-
-    def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:  # noqa: ANN401
-        raise NotImplementedError
-
-    def _as_dict(self, obj: Any) -> dict[str, Any]:  # noqa: ANN401 - a client model
-        raise NotImplementedError
 
     def _node_problem(self, host: str) -> str | None:
         """Return why ``host`` counts as unresponsive, or None (re-read every few seconds)."""

@@ -1,4 +1,5 @@
-"""Run a segment attempt as a Kubernetes Indexed Job (objects: objects, access; state: status).
+"""Run a segment attempt as a Kubernetes Indexed Job (objects: objects, access; state: status;
+the API clients and their retries: clients; the cluster's nodes: cluster_nodes).
 
 The API is reached through the cncf.kubernetes provider's ``KubernetesHook``
 (its connection, kubeconfig or in-cluster credentials) and the official
@@ -19,26 +20,21 @@ from __future__ import annotations
 
 import json
 import logging
-import ssl
 import time
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import asdict, replace
-from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import tenacity
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
-from urllib3.exceptions import HTTPError
 
 from relay.core.attempt import Attempt, AttemptState
 from relay.launchers import launch_record
 from relay.launchers.agent_client import AgentChannel
 from relay.launchers.base import LaunchStatus, overall_state
 from relay.launchers.k8s.access import network_policy_manifest, secret_manifest, split_launch
-from relay.launchers.k8s.channel_ca import channel_client_context
 from relay.launchers.k8s.cluster_nodes import (
     LEASE_STALE_SECONDS,
     NODE_CHECK_SECONDS,
@@ -76,16 +72,8 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
-TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 DELETION_WAIT_SECONDS = 30.0  # for a same-named Job still being deleted before a create
-
-
-def _transient(exc: BaseException) -> bool:
-    if isinstance(exc, ApiException):
-        return exc.status in TRANSIENT_STATUS
-    return isinstance(exc, HTTPError)
 
 
 class KubernetesLauncher(KubernetesNodes):
@@ -108,62 +96,6 @@ class KubernetesLauncher(KubernetesNodes):
         self._leases: dict[str, tuple[Any, float]] = {}  # host -> (renewTime, first seen)
         self._launched_at: dict[str, float] = {}  # Job name -> its launch time
         self._channels: dict[str, AgentChannel] = {}  # Job name -> its agents' channel
-
-    # -- the API ---------------------------------------------------------------
-
-    @cached_property
-    def hook(self) -> KubernetesHook:
-        """Return the provider's hook (built lazily: DAG parsing must not need a cluster)."""
-        if self._hook is None:
-            from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
-
-            self._hook = KubernetesHook(conn_id=self.conn_id)
-        return self._hook
-
-    @cached_property
-    def core(self) -> client.CoreV1Api:
-        """Return the core/v1 client of the hook's connection."""
-        return self.hook.core_v1_client
-
-    @cached_property
-    def batch(self) -> client.BatchV1Api:
-        """Return the batch/v1 client of the hook's connection."""
-        return self.hook.batch_v1_client
-
-    @cached_property
-    def networking(self) -> client.NetworkingV1Api:
-        """Return the networking.k8s.io/v1 client (the attempt's NetworkPolicy)."""
-        return client.NetworkingV1Api(api_client=self.hook.api_client)
-
-    @cached_property
-    def coordination(self) -> client.CoordinationV1Api:
-        """Return the coordination.k8s.io/v1 client (node Leases)."""
-        return client.CoordinationV1Api(api_client=self.hook.api_client)
-
-    @cached_property
-    def channel_tls(self) -> ssl.SSLContext | None:
-        """Return the TLS context the agents are verified by (its CA read once), None when the
-        spec keeps the channel clear (see relay.launchers.k8s.channel_ca)."""
-        return channel_client_context(self.core, self.namespace, self.settings.channel_ca_secret)
-
-    def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:  # noqa: ANN401
-        """Call the API, retrying transient failures only."""
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(_transient),
-            stop=tenacity.stop_after_attempt(self.api_attempts),
-            wait=tenacity.wait_exponential(multiplier=self.retry_wait_seconds, max=10),
-            before_sleep=tenacity.before_sleep_log(log, logging.WARNING),
-            reraise=True,
-        )
-        return retrying(fn, *args, **kwargs)
-
-    def _as_dict(self, obj: Any) -> dict[str, Any]:  # noqa: ANN401 - a client model
-        return self.hook.api_client.sanitize_for_serialization(obj)
-
-    @property
-    def namespace(self) -> str:
-        """Return the namespace attempts run in."""
-        return self.settings.namespace
 
     # -- the Launcher protocol -------------------------------------------------------
 

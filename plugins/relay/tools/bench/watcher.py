@@ -40,7 +40,8 @@ import relay
 from relay.launchers.agent_groups import DIRECT_MAX_NODES, GROUP_SIZE
 from relay.launchers.local.launcher import HANDLE_FILE, agent_handle
 from relay.policy.model import Detection, load_policy
-from relay.tools.bench.agent_sim import PORTS_FILE, SimFault
+from relay.tools.bench.agent_sim import PORTS_FILE
+from relay.tools.bench.sim_cluster import SimFault
 from relay.watch import triggers
 from relay.watch.triggers import SegmentWatchTrigger
 from relay_train.protocol.channel_auth import new_secret

@@ -1,0 +1,77 @@
+"""The hang rule: a rank stuck in compute while the others wait, a stuck checkpoint, or
+every rank busy past ``hang_timeout`` at once.
+
+:class:`~relay.watch.detection.Detector` calls :func:`find_hang` with the threshold in
+force (the policy's, or one derived from the job's step times: :mod:`relay.watch.steptime`).
+"""
+
+from __future__ import annotations
+
+from relay.core.faults import Fault, FaultKind
+from relay.policy.model import Detection
+from relay.watch.observation import CHECKPOINT, COMPUTE, DONE, WAITING, WORKING, Observation
+from relay.watch.steptime import HangLimit
+from relay_train.protocol.heartbeat import Heartbeat
+
+
+def _in_phase(beats: list[Heartbeat], now: float) -> dict[int, float]:
+    """Return rank -> how long it has been in its phase (for a hang's evidence)."""
+    return {b.rank: now - b.phase_started_at for b in beats}
+
+
+def find_hang(obs: Observation, cfg: Detection, limit: HangLimit) -> Fault | None:
+    """Return the hang these observations show, judged on ``limit`` (see the module)."""
+    now = obs.now
+    beats = [b for b in obs.heartbeats.values() if b.phase != DONE]
+    if not beats:
+        return None
+    # Only a rank whose heartbeat thread still writes is "stalled"; a silent
+    # one is left to the unresponsive rules. One pass over the ranks (8,192 a poll).
+    lag, hang_timeout = 3 * obs.heartbeat_interval, cfg.hang_timeout
+    computing: list[Heartbeat] = []
+    waiting = working = 0
+    working_all_over = True  # every working rank in its phase past hang_timeout
+    for b in beats:
+        phase = b.phase
+        if phase == CHECKPOINT:
+            if now - b.phase_started_at > cfg.checkpoint_timeout:
+                return _hang_fault(obs, b, _in_phase(beats, now), "stuck saving a checkpoint",
+                                   f"checkpoint_timeout {cfg.checkpoint_timeout:g}s")
+            continue
+        if phase not in WORKING:
+            continue
+        if phase in WAITING:
+            waiting += 1
+        if now - b.wall_clock > lag:
+            continue  # not alive
+        working += 1
+        seconds = now - b.phase_started_at
+        working_all_over = working_all_over and seconds > hang_timeout
+        if phase == COMPUTE and seconds > limit.seconds:
+            computing.append(b)
+    if computing and waiting:
+        culprit = max(computing, key=lambda b: now - b.phase_started_at)
+        return _hang_fault(obs, culprit, _in_phase(beats, now), "stalled in compute "
+                           f"while {waiting} rank(s) wait in the collective", limit.describe())
+    # Every rank busy at once (an evaluation pass, say) is judged on the policy's own
+    # hang_timeout: a threshold derived from the steps is for one rank that holds up others.
+    if working and working == len(beats) and working_all_over and all(
+            r in obs.heartbeats for r in obs.expected_ranks):
+        return Fault(FaultKind.HANG, None, None,
+                     {"summary": f"no rank made progress for {hang_timeout:g}s",
+                      "seconds_in_phase": {r: round(s, 2)
+                                           for r, s in _in_phase(beats, now).items()},
+                      "steps": {b.rank: b.step for b in beats}}, obs.now)
+    return None
+
+
+def _hang_fault(obs: Observation, culprit: Heartbeat, in_phase: dict[int, float], what: str,
+                bound: str) -> Fault:
+    """Return a hang blamed on ``culprit``; ``bound`` names the threshold it passed."""
+    seconds = in_phase[culprit.rank]
+    return Fault(FaultKind.HANG, culprit.rank, culprit.node,
+                 {"summary": f"rank {culprit.rank} {what} for {seconds:.1f}s "
+                  f"at step {culprit.step} ({bound})",
+                  "phases": {b.rank: b.phase for b in obs.heartbeats.values()},
+                  "seconds_in_phase": {r: round(s, 2) for r, s in in_phase.items()},
+                  "step": culprit.step}, obs.now)

@@ -1,0 +1,76 @@
+"""What a node agent says about itself over the channel: its state, the PIDs of its
+process group and ranks, their exit codes, the failed ranks' last log lines, its
+clock and rank 0's first step (heartbeats and boundaries are added by the server
+from :mod:`relay_train.agent.node_files`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from relay_train.agent.notice import Notice
+from relay_train.agent.ranks import RankProcess, log_tail, rank_log
+from relay_train.protocol.heartbeat import node_clock
+from relay_train.protocol.launch import FIRST_STEP_FILE, LaunchConfig
+from relay_train.protocol.routes import (
+    AGENT_CLOCK,
+    AGENT_PID,
+    ERRORS,
+    EXIT_CODES,
+    FIRST_STEP,
+    PGID,
+    PREEMPTED,
+    RANK_PIDS,
+    STATE,
+    NodeState,
+)
+
+
+class NodeStatus:
+    """The status record of :class:`~relay_train.agent.node.NodeAgent` (a mixin: the agent
+    sets these attributes)."""
+
+    cfg: LaunchConfig
+    procs: dict[int, RankProcess]
+    state: NodeState
+    notice: Notice | None  # the platform's preemption notice, once a SIGTERM came
+    _error_tails: dict[int, str]  # rank -> the last lines of its log, read once
+    _first: dict[str, Any] | None  # rank 0's first-step record, read once
+
+    def status_record(self) -> dict[str, Any]:
+        """Return this node's state for the channel: state, PIDs, exit codes, errors."""
+        procs = dict(self.procs)
+        notice = self.notice
+        return {
+            **({PREEMPTED: notice.record()} if notice is not None else {}),
+            STATE: self.state,
+            AGENT_PID: os.getpid(),
+            PGID: os.getpgid(0),
+            RANK_PIDS: {str(r): p.pid for r, p in procs.items()},
+            EXIT_CODES: {str(r): p.exitcode for r, p in procs.items()},
+            ERRORS: self._errors(procs),
+            AGENT_CLOCK: node_clock(),
+            FIRST_STEP: self._first_step(),
+        }
+
+    def _first_step(self) -> dict[str, Any] | None:
+        """Return rank 0's first-step record if it runs here and wrote it (the time to
+        resume's last mark: Relay may not share this node's disk)."""
+        if self._first is None:
+            try:
+                self._first = json.loads((self.cfg.root / FIRST_STEP_FILE).read_text())
+            except (OSError, ValueError):
+                return None
+        return self._first
+
+    def _errors(self, procs: dict[int, RankProcess]) -> dict[str, str]:
+        """Return the last lines of each failed rank's log: the script's own error."""
+        errors = {}
+        for rank, proc in procs.items():
+            if proc.exitcode not in (None, 0):
+                if rank not in self._error_tails:
+                    self._error_tails[rank] = log_tail(rank_log(self.cfg, rank))
+                errors[str(rank)] = self._error_tails[rank]
+        return errors

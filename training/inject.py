@@ -33,7 +33,7 @@ from typing import Any
 
 from relay_train.protocol.env import ENV_NODE_AGENT_PID
 from relay_train.protocol.injection import CHAOS_LOG, LASTING, InjectedFault
-from relay_train.protocol.pids import signal_group, start_time
+from relay_train.protocol.pids import signal_group, signal_process, start_time
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def _notify_agent() -> None:
     """SIGTERM this rank's node agent (a preemption notice), while it is still its parent."""
     agent = int(os.environ.get(ENV_NODE_AGENT_PID) or os.getppid())
     if agent == os.getppid() and agent > 1:
-        os.kill(agent, signal.SIGTERM)
+        signal_process(agent, start_time(agent), signal.SIGTERM)
 
 
 def _freeze_node() -> None:

@@ -16,7 +16,7 @@ and publish them to a real MLflow server in the root namespace over HTTP; the
 retry's ranks fetch their resume checkpoint from it. The segment trigger
 watches the pods' agents over the channel.
 
-A pod's agent is frozen (SIGSTOP): the trigger reports ``node_unresponsive``
+A pod is frozen (SIGSTOP of its agent and ranks): the trigger reports ``node_unresponsive``
 naming its slot and host, the default policy quarantines the host, and the
 retry's Job excludes it (nodeAffinity NotIn): its pods run on the two other
 hosts and train to the segment's end from the last checkpoint; rank 0's first
@@ -44,6 +44,7 @@ from mlflow_server import mlflow_server
 
 from relay.core.attempt import AttemptState
 from relay.core.faults import Fault
+from relay.core.proctree import descendants
 from relay.launchers import launcher_from
 from relay.launchers.k8s.launcher import KubernetesLauncher
 from relay.launchers.k8s.objects import KEYS_SECRET, AttemptKey
@@ -160,7 +161,12 @@ def test_pods_train_on_namespace_hosts_and_a_frozen_pod_is_replaced_elsewhere(
                300, "a checkpoint published", logs)
         assert not watching.done(), (watching.result()["fault"]["evidence"], logs())
         frozen_host = kubelets.host_of(job, 1)
-        os.kill(kubelets.agent_pid(job, 1), signal.SIGSTOP)
+        # The whole pod freezes (its agent and its ranks), as a node that stops answering
+        # does: with only the agent stopped, the ranks' lockstep with the other pod proves
+        # them alive and training goes on (relay.watch.lockstep).
+        agent = kubelets.agent_pid(job, 1)
+        for pid in [agent, *descendants(agent)]:
+            os.kill(pid, signal.SIGSTOP)
         event = watching.result(timeout=60)
 
         assert event["status"] == "faulted", event

@@ -122,3 +122,24 @@ def test_stop_node_on_an_aggregators_name_freezes_that_aggregator() -> None:
     job = cluster(SimFault("stop_node", T0 + 5.0, node="aggregator-0"))
     assert job.answers("aggregator-0", T0 + 4.0) and not job.answers("aggregator-0", T0 + 6.0)
     assert job.answers("node-0", T0 + 6.0)
+
+
+@pytest.mark.parametrize("fault", [SimFault("stop_node", T0 + 5.0, node="node-2"),
+                                   SimFault("stop_rank", T0 + 5.0, rank=9)])
+def test_a_silenced_rank_stops_every_other_rank_at_its_next_collective(fault: SimFault) -> None:
+    """Data-parallel ranks step in lockstep: the others wait for the silent one."""
+    job = cluster(fault)
+    before, after = job.heartbeat(0, T0 + 5.0), job.heartbeat(0, T0 + 9.0)
+    assert before is not None and after is not None
+    assert after.step == before.step and now_fresh(job, 0, T0 + 9.0)
+    assert after.phase == Phase.COLLECTIVE.value
+
+
+def test_a_frozen_aggregator_does_not_stop_the_ranks() -> None:
+    job = cluster(SimFault("stop_node", T0 + 5.0, node="aggregator-0"))
+    assert job.heartbeat(0, T0 + 9.0).step > job.heartbeat(0, T0 + 5.0).step  # type: ignore[union-attr]
+
+
+def now_fresh(job: Cluster, rank: int, now: float) -> bool:
+    beat = job.heartbeat(rank, now)
+    return beat is not None and now - beat.wall_clock < HEARTBEAT_SECONDS

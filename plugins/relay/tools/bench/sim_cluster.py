@@ -96,12 +96,23 @@ class Cluster:
                 return False
         return True
 
+    def _stalls(self, t: float) -> list[SimFault]:
+        """Return the faults struck by ``t`` that stop every rank at its next collective:
+        a hang, a silenced rank, a frozen node (the ranks step in lockstep)."""
+        return [f for f in self.faults if f.at <= t
+                and (f.kind in ("hang", "stop_rank")
+                     or (f.kind == "stop_node" and self.is_node(f.node)))]
+
+    def is_node(self, name: str | None) -> bool:
+        """Return whether ``name`` is one of the job's nodes (not an aggregator)."""
+        return name is not None and name.startswith("node-")
+
     def _steps(self, rank: int, t: float) -> tuple[float, float]:
         """Return (steps done, this rank's compute seconds in them) at ``t``: every rank
-        steps at the slowest one's pace; a hang stops every rank."""
-        hangs = self._struck("hang", t)
-        if hangs:
-            t = min(f.at for f in hangs)
+        steps at the slowest one's pace; a stall (:meth:`_stalls`) stops every rank."""
+        stalls = self._stalls(t)
+        if stalls:
+            t = min(f.at for f in stalls)
         compute = COMPUTE_SHARE * self.step_seconds * self._jitter(rank)
         slow = sorted(self._struck("straggler", t), key=lambda f: f.at)
         if not slow:
@@ -138,11 +149,12 @@ class Cluster:
             return None
         steps, compute_total = self._steps(rank, written)
         step = int(steps)
-        hangs = self._struck("hang", written)
-        if hangs:
-            hang = min(hangs, key=lambda f: f.at)
-            phase = Phase.COMPUTE if rank == hang.rank else Phase.COLLECTIVE
-            phase_started = hang.at
+        stalls = self._stalls(written)
+        if stalls:
+            stall = min(stalls, key=lambda f: f.at)
+            held = stall.kind == "hang" and rank == stall.rank
+            phase = Phase.COMPUTE if held else Phase.COLLECTIVE
+            phase_started = stall.at
         else:
             into = steps - step
             phase = Phase.COMPUTE if into < COMPUTE_SHARE else Phase.COLLECTIVE

@@ -90,6 +90,7 @@ class FakeApiServer:
         self.forbid_node_patch = False  # RBAC without `nodes patch`: PATCH is a 403
         self.slow_nodes: dict[str, float] = {}  # node -> seconds its kubelet takes to stop a pod
         self.watches: list[str] = []  # the resources watched, in order
+        self.pod_deletes: list[tuple[str, int | None]] = []  # (pod, grace) of each pod DELETE
         self.verbs: set[tuple[str, str, str]] = set()  # (API group, resource, RBAC verb) used
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
@@ -182,6 +183,7 @@ class FakeApiServer:
             if obj is None:
                 return 404, _status(404, "NotFound", f'{res} "{name}" not found')
             if res == "pods":
+                self.pod_deletes.append((name, grace))
                 return 200, self._delete_pod(obj, grace)
             if policy == "Foreground":
                 obj["metadata"]["deletionTimestamp"] = stamp()

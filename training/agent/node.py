@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from relay_train.agent.node_status import NodeStatus
-from relay_train.agent.notice import Notice, grace_from_env
+from relay_train.agent.notice import Notice, grace_from_env, notice_of_sigterm
 from relay_train.agent.preload import preload_publisher, preload_worker
 from relay_train.agent.priority import yielding_thread
 from relay_train.agent.ranks import (
@@ -290,11 +290,11 @@ class NodeAgent(NodeStatus):
                 return
 
     def _on_term(self, _signum: int, _frame: object) -> None:
-        """Take a SIGTERM as the platform's preemption notice, unless Relay asked to stop
-        (its stop asks over the channel first) or a notice came already (it is repeated)."""
+        """Take a SIGTERM as the platform's preemption notice unless it is Relay's stop (asked
+        over the channel, or marked in the attempt folder) or a notice came already."""
         if not self.stopping and self.notice is None:
-            self.notice = Notice(self.grace_seconds)  # logged by _supervise: no lock here
-
+            self.notice = notice_of_sigterm(self.root, self.grace_seconds)  # logged by _supervise
+            self.stopping = self.notice is None
 
 def fork_standby(node: str, directory: Path, ttl: float, linger: float) -> int:
     """Fork a copy of this preloaded process (an agent or a resident) that leaves its

@@ -3,9 +3,14 @@
 Kubernetes evicts a pod with SIGTERM and kills it ``terminationGracePeriodSeconds``
 later; Slurm's ``--signal=TERM@N`` (or ``scancel --signal=TERM``) warns a job step
 before its end; a spot reclaim gives a warning of its own. The node agent receives
-the SIGTERM. Relay's own stop never starts with one (it asks over the channel first,
-:data:`relay_train.protocol.routes.Route.STOP`), so a SIGTERM to an agent whose ranks
-run and that Relay has not asked to stop is a notice.
+the SIGTERM. Relay's own stop never starts with one: every launcher asks over the
+channel first (:data:`relay_train.protocol.routes.Route.STOP`), and where Relay shares
+the attempt folder with the agents (the local launcher) it also marks its stop there
+(:data:`relay_train.protocol.launch.STOP_FILE`) before signalling, so an ask that came
+late or never (a frozen or loaded agent) still makes the SIGTERM a stop. A SIGTERM to
+an agent whose ranks run, that Relay neither asked nor marked, is a notice. (On a
+cluster the mark cannot reach the node's disk: an agent that missed the ask drains
+within the pod's or job's grace, then stops.)
 
 The agent then keeps its ranks training and says so on its channel
 (:data:`~relay_train.protocol.routes.PREEMPTED`: the grace and the notice's age), so
@@ -21,9 +26,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from relay_train.agent.ranks import TERM_GRACE_SECONDS
 from relay_train.protocol.env import ENV_PREEMPT_GRACE
+from relay_train.protocol.launch import STOP_FILE
 from relay_train.protocol.routes import (
     AGE_SECONDS,
     DEFAULT_PREEMPT_GRACE_SECONDS,
@@ -92,3 +99,12 @@ class Notice:
         """Return the channel's :data:`~relay_train.protocol.routes.PREEMPTED` field."""
         return {GRACE_SECONDS: self.grace_seconds, DRAIN_SECONDS: self.drain_seconds,
                 AGE_SECONDS: round(self.age(), 3)}
+
+
+def notice_of_sigterm(attempt_dir: Path, grace_seconds: float) -> Notice | None:
+    """Return the notice a SIGTERM is, or None when Relay marked it its own stop
+    (:data:`~relay_train.protocol.launch.STOP_FILE` in the attempt folder). Safe in a
+    signal handler: one ``stat``, no lock, nothing logged."""
+    if (attempt_dir / STOP_FILE).exists():
+        return None
+    return Notice(grace_seconds)

@@ -29,6 +29,10 @@ LAUNCH_FILE = "launch.json"
 DRAIN_FILE = "drain.json"  # written by Relay: {"stop_at": STEP}; see relay_train.worker
 FIRST_STEP_FILE = "first_step.json"  # rank 0, first step: step, at, node, spawned_at, startup
 RESULT_FILE = "result.json"  # written by rank 0 when the attempt ends: steps and loop time
+# Written by Relay before it signals the processes of an attempt whose folder the agents
+# share (the local launcher): a SIGTERM after it is Relay's stop, not a preemption notice
+# (relay_train.agent.notice), even when the channel's stop request came late or not at all.
+STOP_FILE = "stop.json"
 ADOPT_FILE = "adopt.json"  # written by Relay: a later segment's task adopted this workload
 BOUNDARIES_FILE = "boundaries.jsonl"  # rank 0: what each segment boundary cost the loop
 BUILTIN_ENTRYPOINT = "relay_train.examples.charlm"  # what a spec without an entrypoint runs

@@ -73,6 +73,9 @@ log = logging.getLogger(__name__)
 FRESH_WAIT_SECONDS = 1.0
 STATUS_TIMEOUT_SECONDS = 10.0
 MAX_PARALLEL = 32  # agents asked at once (a frozen one costs its timeout, not the others')
+# A stop asks each agent this long before the launcher signals or deletes (a frozen agent
+# costs it once: the agents are asked at once).
+STOP_ASK_TIMEOUT_SECONDS = 1.0
 
 
 @dataclass
@@ -136,6 +139,23 @@ class AgentChannel(AgentRequests):
         """Stop asking ``nodes`` (a fault found them frozen): each ask would only cost its
         timeout. Their last answers are kept."""
         self.silent |= nodes & set(self.addresses)
+
+    def ask_to_stop(self, nodes: list[str] | None = None,
+                    timeout: float = STOP_ASK_TIMEOUT_SECONDS) -> set[str]:
+        """Ask every agent (or ``nodes``') to stop, all at once; return those that said yes.
+
+        Every launcher's stop starts here, before its signal or delete: an agent that was
+        asked takes the SIGTERM that follows as Relay's stop, not as a platform's preemption
+        notice (:mod:`relay_train.agent.notice`). A silent node is not asked.
+        """
+        targets = [n for n in (self.addresses if nodes is None else nodes)
+                   if n in self.addresses and n not in self.silent]
+        if not targets:
+            return set()
+        with ThreadPoolExecutor(max_workers=min(len(targets), MAX_PARALLEL),
+                                thread_name_prefix="relay-stop") as pool:
+            replies = list(pool.map(lambda n: self.call_quietly(n, Route.STOP, timeout), targets))
+        return {n for n, reply in zip(targets, replies, strict=True) if reply is not None}
 
     # -- status of every node --------------------------------------------------------
 

@@ -187,6 +187,11 @@ class Toleration(BaseModel):
         return {k: v for k, v in raw.items() if v is not None}
 
 
+# A pod's grace below this leaves a preemption notice under 4 s to drain: a node agent stops
+# its ranks itself 6 s before the grace ends (relay_train.agent.notice.STOP_MARGIN_SECONDS).
+MIN_TERMINATION_GRACE_SECONDS = 10.0
+
+
 class KubernetesSpec(BaseModel):
     """Where and how segment attempts run when ``launcher: kubernetes``."""
 
@@ -197,6 +202,9 @@ class KubernetesSpec(BaseModel):
     service_account: str = Field("relay-worker", strict=True, pattern=DNS_LABEL_PATTERN)
     gpus_per_pod: int = Field(0, strict=True, ge=0)
     active_deadline: float = Field(6 * 3600.0, gt=0)
+    # The pods' terminationGracePeriodSeconds, a preemption notice's grace: the agent's ranks
+    # train (and Relay drains them) for all of it but the last 6 s, which stop them.
+    termination_grace: float = Field(30.0)
     taint_quarantine: bool = Field(False, strict=True)
     # Each pod's CPU and memory, requested and limited alike (so the pods are Guaranteed
     # and a rank that grows past it is OOM-killed, a crash the policy sees).
@@ -215,11 +223,22 @@ class KubernetesSpec(BaseModel):
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
 
-    @field_validator("active_deadline", mode="before")
+    @field_validator("active_deadline", "termination_grace", mode="before")
     @classmethod
     def _duration(cls, value: object) -> float:
         """Parse "30m", "6h" or a number of seconds."""
         return parse_duration(value)
+
+    @field_validator("termination_grace")
+    @classmethod
+    def _grace(cls, value: float) -> float:
+        """Require a grace that leaves a preemption notice some seconds to drain."""
+        if not value >= MIN_TERMINATION_GRACE_SECONDS:
+            raise FieldValueError(
+                f"at least {MIN_TERMINATION_GRACE_SECONDS:g} seconds (a node agent keeps the "
+                "last 6 s of a notice's grace to stop its ranks; the rest is the drain window)",
+                value, "write e.g. termination_grace: 30s (Kubernetes' default)")
+        return value
 
     @field_validator("cpu", "memory", mode="before")
     @classmethod

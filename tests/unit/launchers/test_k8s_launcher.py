@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from agents import FrozenAgent, ServedAttempt
 from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 from k8s_fake import FakeApiServer
 
@@ -340,14 +341,16 @@ def test_pod_stuck_terminating_is_node_unresponsive_and_stop_clears_it(
     assert fault is not None and fault.kind is FaultKind.NODE_UNRESPONSIVE
     assert fault.culprit_node == "pod-1" and fault.evidence["host"] == "gpu-3"
     assert "stuck terminating" in fault.evidence["summary"]
+    stuck_pod = fake.pod_of(name, 1)["metadata"]["name"]
 
     survivors = launcher.stop(Attempt(cfg.root), grace_seconds=0)
 
     assert survivors == []
     assert fake.items("pods") == [] and fake.items("jobs") == []
     assert fake.items("services") == [] and fake.items("configmaps") == []
-    force = [p for m, p in fake.requests if m == "DELETE" and "/pods/" in p]
-    assert len(force) == 1  # only the stuck pod needed a forced delete
+    # No agent said it stops (none is reachable here): the pod still there after the Job's
+    # delete got the stop's grace (0), not its own (a notice's, 30 s), and no later force.
+    assert fake.pod_deletes == [(stuck_pod, 0)]
     # 404: the attempt is gone
     assert launcher.status(Attempt(cfg.root)).state is AttemptState.FAILED
 
@@ -357,12 +360,47 @@ def test_stop_watches_pods_until_their_kubelets_finish(fake: FakeApiServer, tmp_
     cfg, _ = launched(fake, launcher, tmp_path, ["gpu-1", "gpu-2"])
     fake.slow_nodes["gpu-2"] = 1.0  # its agent takes a second to stop its ranks
 
-    survivors = launcher.stop(Attempt(cfg.root), grace_seconds=0)
+    survivors = launcher.stop(Attempt(cfg.root), grace_seconds=3)
 
     assert survivors == []
     assert fake.watches == ["pods"]
     assert fake.items("pods") == [] and fake.items("jobs") == []
-    assert not [p for m, p in fake.requests if m == "DELETE" and "/pods/" in p]  # no force
+    assert [g for _, g in fake.pod_deletes] == [3]  # the stop's grace, no forced delete
+
+
+def test_stop_asks_the_pods_agents_over_the_channel_before_deleting_the_job(
+    fake: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Asked first, an agent takes its pod's SIGTERM as Relay's stop; deleted first, it would
+    # take it as a preemption notice and train on for the drain window. pod-1's agent is
+    # frozen: the stop goes on without its answer.
+    launcher = make_launcher(fake, tmp_path)
+    cfg = make_cfg(tmp_path, launcher)
+    name = AttemptKey.from_dir(cfg.root).name
+    pods = ServedAttempt(cfg.root, {"pod-0": [0, 1]})
+    frozen = FrozenAgent()
+    try:
+        addresses = {**pods.addresses, "pod-1": frozen.address}
+        monkeypatch.setattr(launcher, "agent_url", lambda _key, i: addresses[f"pod-{i}"])
+        monkeypatch.setattr("relay.launchers.k8s.launcher.new_secret", lambda: pods.secret)
+        launcher.launch(cfg)
+        fake.run_pods(name, ["gpu-1", "gpu-2"])
+        fake_pod_1 = fake.pod_of(name, 1)["metadata"]["name"]
+        fake.frozen_nodes.add("gpu-2")  # its kubelet too: the pod stays until deleted again
+        job_when_asked: list[bool] = []
+        monkeypatch.setattr(pods.nodes["pod-0"], "request_stop", lambda _reason: (
+            job_when_asked.append(fake.get("jobs", name) is not None)))
+
+        assert launcher.stop(Attempt(cfg.root), grace_seconds=0) == []
+
+        assert job_when_asked == [True]  # asked while its Job (and pod) still stood
+        assert frozen.was_asked()
+        assert fake.items("jobs") == [] and fake.items("pods") == []
+        # Only the pod whose agent did not answer got the stop's grace instead of its own.
+        assert fake.pod_deletes == [(fake_pod_1, 0)]
+    finally:
+        pods.close()
+        frozen.close()
 
 
 def test_stop_and_status_of_a_missing_job_answer_404_calmly(
@@ -461,7 +499,7 @@ def test_every_call_the_launcher_makes_is_granted_by_the_shipped_rbac(
     launcher.host_of(Attempt(cfg.root), "pod-0")
     launcher.started_at(Attempt(cfg.root))
     fake.slow_nodes["gpu-1"] = 0.2
-    launcher.stop(Attempt(cfg.root), grace_seconds=0)
+    launcher.stop(Attempt(cfg.root), grace_seconds=1)  # > 0: the pods are watched going
     launcher.stop_all(cfg.root.parent)
 
     deploy = Path(__file__).resolve().parents[3] / "deploy"

@@ -21,7 +21,9 @@ from relay.launchers.k8s.objects import (
     quarantine_taint,
     service_manifest,
 )
-from relay.spec.sections import KubernetesSpec
+from relay.spec.sections import MIN_TERMINATION_GRACE_SECONDS, KubernetesSpec
+from relay_train.agent.notice import STOP_MARGIN_SECONDS
+from relay_train.protocol.env import ENV_PREEMPT_GRACE
 
 SCHEMA = "1.37"
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
@@ -95,6 +97,24 @@ def test_the_pods_go_where_the_spec_says_and_tolerate_its_taints() -> None:
          "tolerationSeconds": 30}]
     plain = job_manifest(KEY, SETTINGS[0], ["pod-0"], 1, [], 0.0)["spec"]["template"]["spec"]
     assert "nodeSelector" not in plain and "tolerations" not in plain
+
+
+@pytest.mark.parametrize(("grace", "seconds"), [(None, 30), (45.5, 46)])
+def test_the_pods_grace_is_the_spec_s_and_the_agent_knows_it(grace: float | None,
+                                                            seconds: int) -> None:
+    # The agent reads a SIGTERM's grace from its environment (relay_train.agent.notice): it
+    # must be the pod's, or it drains past the kubelet's SIGKILL (or stops needlessly early).
+    settings = SETTINGS[0] if grace is None else SETTINGS[0].model_copy(
+        update={"termination_grace": grace})
+    pod = job_manifest(KEY, settings, ["pod-0"], 1, [], 0.0)["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+
+    assert pod["terminationGracePeriodSeconds"] == seconds
+    assert env[ENV_PREEMPT_GRACE] == str(seconds)
+
+
+def test_the_shortest_grace_leaves_a_notice_time_to_drain() -> None:
+    assert MIN_TERMINATION_GRACE_SECONDS - STOP_MARGIN_SECONDS >= 4.0
 
 
 def test_a_disrupted_pod_fails_the_job_at_once_and_nothing_else_is_retried() -> None:

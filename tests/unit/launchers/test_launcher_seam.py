@@ -48,7 +48,8 @@ def test_local_is_the_default(tmp_path: Path) -> None:
 def test_kubernetes_from_the_spec_round_trips_through_its_config(tmp_path: Path) -> None:
     spec = load_job_spec(spec_file(tmp_path, (
         "launcher: kubernetes\nkubernetes:\n  image: reg/relay-worker:1\n  namespace: relay\n"
-        "  gpus_per_pod: 8\n  active_deadline: 2h\n  taint_quarantine: true\n")))
+        "  gpus_per_pod: 8\n  active_deadline: 2h\n  taint_quarantine: true\n"
+        "  termination_grace: 1m\n")))
 
     launcher = launcher_for(spec)
 
@@ -57,6 +58,7 @@ def test_kubernetes_from_the_spec_round_trips_through_its_config(tmp_path: Path)
     assert (settings.image, settings.namespace, settings.gpus_per_pod) == (
         "reg/relay-worker:1", "relay", 8)
     assert (settings.active_deadline, settings.taint_quarantine) == (7200.0, True)
+    assert settings.termination_grace == 60.0
     assert settings.service_account == "relay-worker"
     rebuilt = launcher_from(launcher.config())
     assert rebuilt.config() == launcher.config()
@@ -80,6 +82,7 @@ def test_kubernetes_without_its_section_is_a_clear_spec_error(tmp_path: Path) ->
     ("  tolerations:\n  - key: spot\n    effect: Sometimes\n", 10,
      "kubernetes.tolerations.0.effect", "NoSchedule"),
     ("  node_selector:\n    pool: 'a b'\n", 8, "kubernetes.node_selector", "node labels"),
+    ("  termination_grace: 5s\n", 8, "kubernetes.termination_grace", "at least 10 seconds"),
 ])
 def test_a_bad_placement_is_a_spec_error_at_its_line(tmp_path: Path, section: str, line: int,
                                                     field: str, expected: str) -> None:

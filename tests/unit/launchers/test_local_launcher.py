@@ -23,7 +23,7 @@ from relay.launchers.local.launcher import (
     group_members,
 )
 from relay_train.protocol.channel_auth import new_secret
-from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
+from relay_train.protocol.launch import LAUNCH_FILE, STOP_FILE, LaunchConfig, attempt_id_of
 from relay_train.protocol.routes import NodeState
 
 SLEEP_WITH_CHILD = "sleep 60 & sleep 60"
@@ -168,6 +168,24 @@ def test_stop_kills_a_stopped_group(
     assert_all_gone(workload)
     # It died of the SIGTERM it saw once continued, not of a SIGKILL after the grace.
     assert stopped.wait(timeout=5) == -signal.SIGTERM
+
+
+def test_stop_marks_its_sigterm_as_relays_before_sending_it(
+    tmp_path: Path, workload: Workload, launcher: LocalLauncher
+) -> None:
+    # An agent the channel's ask cannot reach (here: no port at all, as a frozen or loaded
+    # agent's ask that times out) must still read the SIGTERM as Relay's stop, not as a
+    # preemption notice (relay_train.agent.notice): it finds the mark when the signal comes.
+    root = tmp_path / "try-1"
+    mark = root / STOP_FILE
+    agent = workload.agent(f"trap 'if [ -e {mark} ]; then exit 0; else exit 75; fi' TERM; "
+                           "sleep 60 & wait", min_members=2)
+    workload.attempt(root, {"node-a": agent})
+    assert not mark.exists()
+
+    assert launcher.stop(Attempt(root), grace_seconds=5) == []
+
+    assert agent.wait(timeout=5) == 0  # 75: it saw no mark, a notice
 
 
 def test_stop_sigkills_a_group_that_ignores_sigterm(

@@ -11,7 +11,7 @@ from relay_train.agent import notice as notice_module
 from relay_train.agent.node import NodeAgent
 from relay_train.agent.notice import STOP_MARGIN_SECONDS, Notice, grace_from_env
 from relay_train.protocol.env import ENV_PREEMPT_GRACE
-from relay_train.protocol.launch import LaunchConfig
+from relay_train.protocol.launch import STOP_FILE, LaunchConfig
 from relay_train.protocol.routes import (
     AGE_SECONDS,
     DEFAULT_PREEMPT_GRACE_SECONDS,
@@ -66,6 +66,26 @@ def test_a_sigterm_after_relays_stop_is_no_notice(tmp_path: Path) -> None:
     agent.request_stop("Relay asked over the channel")
     agent._on_term(signal.SIGTERM, None)
     assert agent.notice is None and PREEMPTED not in agent.status_record()
+
+
+def test_a_sigterm_relay_marked_as_its_stop_is_no_notice(tmp_path: Path) -> None:
+    # Relay's channel request came late or never (a frozen or loaded agent), but the local
+    # launcher marked its stop in the attempt folder before signalling.
+    agent = _agent(tmp_path)
+    (tmp_path / STOP_FILE).write_text("{}")
+    agent._on_term(signal.SIGTERM, None)
+    assert agent.notice is None and agent.stopping is True
+    assert PREEMPTED not in agent.status_record()
+
+
+def test_a_stop_asked_after_a_notice_stops_the_ranks_at_once(tmp_path: Path) -> None:
+    # The SIGTERM outran Relay's (slow) channel request: the request, when it comes, stops
+    # the ranks now instead of at the end of the drain window.
+    agent = _agent(tmp_path)
+    agent._on_term(signal.SIGTERM, None)
+    assert agent.notice is not None and agent.stopping is False
+    agent.request_stop("Relay asked over the channel")
+    assert agent.stopping is True
 
 
 def test_the_agent_stops_its_ranks_itself_in_time_for_the_platforms_kill(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from contextlib import closing
@@ -43,10 +44,10 @@ from relay.launchers.k8s.cluster_nodes import (
 from relay.launchers.k8s.objects import (
     ANNOTATION_LAUNCHED_AT,
     ANNOTATION_NODES,
+    LABEL_ATTEMPT,
     LABEL_SEGMENT_KEY,
     POD_ATTEMPT_DIR,
     RENDEZVOUS_PORT,
-    TERMINATION_GRACE_SECONDS,
     AttemptKey,
     agent_url,
     configmap_manifest,
@@ -54,6 +55,7 @@ from relay.launchers.k8s.objects import (
     master_addr,
     owner_reference,
     service_manifest,
+    termination_grace,
 )
 from relay.launchers.k8s.status import (
     job_failure,
@@ -284,20 +286,43 @@ class KubernetesLauncher(KubernetesNodes):
         return pod.spec.node_name if pod is not None and pod.spec.node_name else node
 
     def stop(self, attempt: Attempt, grace_seconds: float = 5.0) -> list[str]:
-        """Delete the Job in the foreground; return the pods still there (should be none)."""
-        return self._stop_job(AttemptKey.of(attempt).name, grace_seconds)
+        """Ask the pods' agents to stop over the channel, then delete the Job in the
+        foreground; return the pods still there (should be none). An agent that was asked
+        stops its ranks at once and takes its pod's SIGTERM as Relay's stop; one that was
+        not (frozen, unreachable) takes it as a preemption notice and stops within the grace."""
+        channel = self.channel(attempt)
+        asked = channel.ask_to_stop()
+        log.info("Stopping %s: agents that said yes: %s", AttemptKey.of(attempt).name,
+                 ", ".join(sorted(asked)) or "none")
+        return self._stop_job(AttemptKey.of(attempt).name, grace_seconds, asked)
 
     def stop_all(self, segment_dir: Path) -> list[str]:
-        """Stop every Job of a segment, whichever attempt and worker created it."""
+        """Stop every Job of a segment, whichever attempt and worker created it (the agents
+        of an attempt whose folder is here are asked first, as by :meth:`stop`)."""
         key = AttemptKey.from_dir(Path(segment_dir) / "try-0")
         jobs = self._call(self.batch.list_namespaced_job, self.namespace,
                           label_selector=f"{LABEL_SEGMENT_KEY}={key.segment_key}").items
         survivors: list[str] = []
         for job in jobs:
-            survivors += self._stop_job(job.metadata.name, 5.0)
+            attempt = Attempt(Path(segment_dir) / f"try-{job.metadata.labels.get(LABEL_ATTEMPT)}")
+            if AttemptKey.of(attempt).name == job.metadata.name and self._knows(attempt):
+                survivors += self.stop(attempt)
+            else:  # no channel secret here to ask its agents with
+                survivors += self._stop_job(job.metadata.name, 5.0, set())
         return survivors
 
-    def _stop_job(self, name: str, grace_seconds: float) -> list[str]:
+    @staticmethod
+    def _knows(attempt: Attempt) -> bool:
+        """Return whether this worker has the attempt's launch record (its channel secret)."""
+        try:
+            launch_record.config_of(attempt.runs_in)
+        except (OSError, ValueError, TypeError):
+            return False
+        return True
+
+    def _stop_job(self, name: str, grace_seconds: float, stopping: set[str]) -> list[str]:
+        """Delete the Job in the foreground and wait for its pods; ``stopping``: the slots
+        whose agents said they stop (the others' pods get only ``grace_seconds``)."""
         selector = f"relay.dev/attempt-id={name}"
         try:
             self._call(self.batch.delete_namespaced_job, name, self.namespace,
@@ -306,7 +331,8 @@ class KubernetesLauncher(KubernetesNodes):
         except ApiException as exc:
             if exc.status != 404:
                 raise
-        self._wait_pods_gone(selector, TERMINATION_GRACE_SECONDS + grace_seconds)
+        self._hurry_unasked(selector, stopping, grace_seconds)
+        self._wait_pods_gone(selector, termination_grace(self.settings) + grace_seconds)
         left = self._pods(selector)
         for pod in left:
             # Its kubelet is not acting (node down or partitioned): drop the API object so
@@ -320,6 +346,26 @@ class KubernetesLauncher(KubernetesNodes):
                 if exc.status != 404:
                     raise
         return [f"pod {p.metadata.name}" for p in self._pods(selector)]
+
+    def _hurry_unasked(self, selector: str, stopping: set[str], grace_seconds: float) -> None:
+        """Delete, with Relay's stop grace, the pods whose agents did not say they stop.
+
+        Their SIGTERM reads as a preemption notice (the ask never reached them) and the
+        pod's grace is a notice's (``kubernetes.termination_grace``, 30 s by default): a
+        stop would wait for all of it, and for a frozen node's pod before it counts as stuck.
+        Deleting again with a shorter grace shortens the pod's (its deletionTimestamp moves).
+        The Job is being deleted first, so its controller makes no replacement."""
+        job = self._job_named(selector.split("=", 1)[1])
+        slots = json.loads(job.metadata.annotations[ANNOTATION_NODES]) if job is not None else []
+        for index, pod in newest_by_index(self._pods(selector)).items():
+            if index < len(slots) and slots[index] in stopping:
+                continue
+            try:
+                self._call(self.core.delete_namespaced_pod, pod.metadata.name, self.namespace,
+                           grace_period_seconds=math.ceil(grace_seconds))
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
 
     def _wait_pods_gone(self, selector: str, timeout: float) -> None:
         """Watch the attempt's pods until each is gone or stuck, or ``timeout`` passes."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from relay_train.protocol.routes import AGENT_PORT
 from relay_train.protocol.signing import KEYRING_FILE
 
 GROUP = "relay.dev"
+LABEL_ATTEMPT = f"{GROUP}/attempt"  # the try's number
 LABEL_ATTEMPT_ID = f"{GROUP}/attempt-id"
 LABEL_SEGMENT_KEY = f"{GROUP}/segment-key"
 ANNOTATION_NODES = f"{GROUP}/nodes"
@@ -50,7 +52,6 @@ POD_ATTEMPT_DIR = "/relay/attempt"
 CHANNEL_TLS_MOUNT = "/relay/channel-tls"  # the agents' certificate and key (their TLS Secret)
 RENDEZVOUS_PORT = 29500
 AGENT_CONTAINER = "agent"
-TERMINATION_GRACE_SECONDS = 10  # the agent gives its ranks 5 s after SIGTERM
 AGENT_LINGER_SECONDS = 10  # after its ranks end, the agent answers (exit codes, errors) this long
 FINISHED_TTL_SECONDS = 3600  # Relay deletes Jobs itself; this only catches leftovers
 WORKER_UID = 50000  # deploy/worker.Dockerfile's USER; runAsNonRoot is checked by UID
@@ -125,7 +126,7 @@ class AttemptKey:
             f"{GROUP}/dag-id": safe_label(self.dag_id),
             f"{GROUP}/dag-run": safe_label(self.dag_run),
             f"{GROUP}/segment": str(self.segment),
-            f"{GROUP}/attempt": str(self.attempt),
+            LABEL_ATTEMPT: str(self.attempt),
             LABEL_SEGMENT_KEY: self.segment_key,
             LABEL_ATTEMPT_ID: self.name,
         }
@@ -229,6 +230,11 @@ def _resources(k8s: KubernetesSpec) -> dict[str, Any]:
     return {"requests": dict(wanted), "limits": dict(wanted)}
 
 
+def termination_grace(k8s: KubernetesSpec) -> int:
+    """Return the pods' terminationGracePeriodSeconds (whole seconds, rounded up)."""
+    return math.ceil(k8s.termination_grace)
+
+
 def _secret_env(key: AttemptKey, secret_keys: list[str]) -> list[dict[str, Any]]:
     """Return the env variables read from the attempt's Secret (never a value in clear)."""
     return [{"name": SECRET_ENV[item], "valueFrom": {"secretKeyRef": {
@@ -241,7 +247,7 @@ def _container(k8s: KubernetesSpec, key: AttemptKey, secret_keys: list[str]) -> 
             "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
         {"name": ENV_HOST, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         # An eviction's SIGTERM is a preemption notice: the agent's grace is the pod's.
-        {"name": ENV_PREEMPT_GRACE, "value": str(TERMINATION_GRACE_SECONDS)},
+        {"name": ENV_PREEMPT_GRACE, "value": str(termination_grace(k8s))},
         {"name": "MASTER_ADDR", "value": master_addr(key)},
         {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
         {"name": "OMP_NUM_THREADS", "value": "1"},
@@ -304,7 +310,7 @@ def job_manifest(key: AttemptKey, k8s: KubernetesSpec, nodes: list[str], ranks_p
         "subdomain": key.name,  # with the headless Service: <job>-<index>.<job> resolves
         "serviceAccountName": k8s.service_account,
         "automountServiceAccountToken": False,  # the pods never call the API
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": termination_grace(k8s),
         "securityContext": _pod_security(),
         "affinity": _affinity(key, quarantined),
         "containers": [_container(k8s, key, keys)],

@@ -27,7 +27,6 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +35,7 @@ from relay.core.attempt import Attempt, AttemptState
 from relay.core.exceptions import NotOursError
 from relay.core.proctree import group_members
 from relay.launchers import launch_record
-from relay.launchers.agent_client import MAX_PARALLEL, AgentChannel
+from relay.launchers.agent_client import AgentChannel
 from relay.launchers.agent_groups import Group
 from relay.launchers.base import LaunchStatus, NodeStatus, notice_of, overall_state
 from relay.launchers.local.signals import LocalSignals
@@ -47,13 +46,13 @@ from relay.launchers.local.warm_agents import (
 from relay.launchers.local.warm_start import LocalWarmStart
 from relay_train.protocol import pids
 from relay_train.protocol.channel_auth import new_secret
-from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
+from relay_train.protocol.heartbeat import write_atomically
+from relay_train.protocol.launch import LAUNCH_FILE, STOP_FILE, LaunchConfig, attempt_id_of
 from relay_train.protocol.routes import (
     ERRORS,
     EXIT_CODES,
     STATE,
     NodeState,
-    Route,
 )
 
 if TYPE_CHECKING:
@@ -281,7 +280,11 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
             log.warning("Test hook %s: cannot reach %s to stop it (a simulated partition)",
                         ENV_PARTITIONED, sorted(cut_off & set(handle)))
         reachable = [n for n in handle if n not in cut_off]
-        self._ask_to_stop(attempt, reachable)
+        if reachable:
+            # Marked before asking: an agent whose ask is late or lost (frozen, loaded) still
+            # takes the SIGTERM below as Relay's stop, not as a preemption notice.
+            write_atomically(root / STOP_FILE, json.dumps({"at": time.time()}))
+        self.channel(attempt).ask_to_stop(reachable, STOP_ASK_TIMEOUT_SECONDS)
         groups = {handle[n]["pgid"]: handle[n]["started"] for n in reachable}
         ours = {g: s for g, s in groups.items() if self._ours(g, s)}
         live = [g for g in ours if group_members(g)]
@@ -308,16 +311,6 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
         if survivors:
             log.error("Processes %s survived SIGKILL in %s", survivors, root)
         return [f"pid {p}" for p in survivors]
-
-    def _ask_to_stop(self, attempt: Attempt, nodes: list[str]) -> None:
-        """Ask the agents over the channel first, as on a cluster (signals follow anyway)."""
-        channel = self.channel(attempt)
-        targets = [n for n in nodes if n in channel.addresses and n not in channel.silent]
-        if not targets:
-            return
-        with ThreadPoolExecutor(max_workers=min(len(targets), MAX_PARALLEL)) as pool:
-            list(pool.map(lambda n: channel.call_quietly(n, Route.STOP, STOP_ASK_TIMEOUT_SECONDS),
-                          targets))
 
     @staticmethod
     def _ours(pgid: int, started: int | None) -> bool:

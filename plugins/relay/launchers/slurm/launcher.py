@@ -46,7 +46,6 @@ from relay_train.protocol.routes import (
     SETTLED,
     STATE,
     NodeState,
-    Route,
 )
 
 if TYPE_CHECKING:
@@ -57,7 +56,6 @@ log = logging.getLogger(__name__)
 HANDLE_FILE = "handle.json"  # the handle, beside Relay's copy of the launch file
 NODE_CHECK_SECONDS = 2.0  # Slurm's node states are read at most this often
 STOP_POLL_SECONDS = 0.2
-STOP_ASK_TIMEOUT_SECONDS = 1.0
 QUARANTINE_REASON = "relay:"  # how a drain by Relay starts its reason (only those are resumed)
 
 
@@ -283,10 +281,7 @@ class SlurmLauncher:
         if job is None or job.ended:
             return []
         if job.state == "RUNNING":
-            channel = self.channel(attempt)
-            for node in channel.addresses:
-                if node not in channel.silent:
-                    channel.call_quietly(node, Route.STOP, STOP_ASK_TIMEOUT_SECONDS)
+            self.channel(attempt).ask_to_stop()
         return self._cancel(job.job_id, handle, grace_seconds)
 
     def _cancel(self, job_id: str, handle: dict[str, Any], grace_seconds: float) -> list[str]:

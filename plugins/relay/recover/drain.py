@@ -28,10 +28,20 @@ def done(before: dict[int, Heartbeat], now: dict[int, Heartbeat]) -> bool:
     return all(r in now and now[r].phase == Phase.DONE.value for r in before)
 
 
+def drain_target(beats: dict[int, Heartbeat], end_step: int | None) -> int:
+    """Return the step to drain to: :data:`DRAIN_LEAD_STEPS` past the furthest rank, but
+    never past the segment's end (the ranks stop and checkpoint there anyway: a target past
+    it names a step no checkpoint will have)."""
+    target = max(b.step for b in beats.values()) + DRAIN_LEAD_STEPS
+    return target if end_step is None else min(target, end_step)
+
+
 def drain(
-    attempt: Attempt, timeout_seconds: float, launcher: Launcher | None = None
+    attempt: Attempt, timeout_seconds: float, launcher: Launcher | None = None,
+    end_step: int | None = None,
 ) -> int | None:
-    """Ask the ranks to checkpoint and stop a few steps ahead; return the step, if they did.
+    """Ask the ranks to checkpoint and stop a few steps ahead (at most at ``end_step``, the
+    segment's end); return the step, if they did.
 
     The request goes to every node's agent over the channel; an agent that does not take
     it (unreachable, or serving another attempt) leaves the drain to time out.
@@ -40,7 +50,7 @@ def drain(
     beats = launcher.status(attempt).heartbeats
     if not beats:
         return None
-    stop_at = max(b.step for b in beats.values()) + DRAIN_LEAD_STEPS
+    stop_at = drain_target(beats, end_step)
     channel = launcher.channel(attempt)
     taken = [n for n in channel.addresses if channel.ask(n, Route.DRAIN, **{STOP_AT: stop_at})]
     if len(taken) < len(channel.addresses):

@@ -79,7 +79,7 @@ def save_state(attempt: Attempt, cfg: LaunchConfig, fault: Fault, step: str,
         if step == DRAIN:
             window, saved.note = drain_window(fault, timeouts["checkpoint_timeout"], time.time())
             if window > 0:
-                saved.drained_at = drain(attempt, window, launcher)
+                saved.drained_at = drain(attempt, window, launcher, cfg.end_step)
             if saved.drained_at is None and fault.kind is FaultKind.PREEMPTED:
                 saved.note = saved.note or (
                     f"the ranks did not drain within the notice's grace (the {window:.1f}s "

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from processes import write_heartbeat_for
+from residents import ResidentRun
 
 from relay.core.proctree import group_members
 from relay.launchers.local.launcher import LocalLauncher
@@ -200,20 +200,12 @@ def test_an_ask_taken_and_never_answered_is_given_up_on(
     assert list(asks_dir(tmp_path, "node-c").iterdir()) == []
 
 
-def test_a_resident_leaves_once_its_run_writes_no_heartbeat(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(resident, "IDLE_CHECK_SECONDS", 0.05)
-    monkeypatch.setattr(resident.signal, "signal", lambda *_: None)  # pytest's own SIGTERM
-    monkeypatch.setattr(Resident, "preload", lambda self: 0.0)
-    beat = tmp_path / "segment-000" / "try-1" / "heartbeats" / "rank-0.json"
-    beat.parent.mkdir(parents=True)
-    write_heartbeat_for(beat, 1.2)
-    directory = tmp_path / RESIDENT_DIR
-    directory.mkdir()
+def test_a_resident_leaves_once_its_run_writes_no_heartbeat(resident_run: ResidentRun) -> None:
+    resident_run.ranks_beat_for(1.2)
     started = time.monotonic()
-    assert Resident(directory, "node-c", idle_seconds=0.3).run() == 0
+    assert resident_run.resident(idle_seconds=0.3).run() == 0
     assert time.monotonic() - started >= 1.2, "left while its run was still writing heartbeats"
-    assert not ready_file(directory, "node-c").exists()
+    assert not resident_run.ready()
 
 
 def _parent(pid: int) -> int:

@@ -5,13 +5,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
-from processes import write_heartbeat_for
+from residents import ResidentRun
 
 from relay.launchers.local.continuity import LocalContinuity
 from relay.launchers.local.launcher import LocalLauncher
-from relay_train.agent import resident
-from relay_train.agent.resident import RESIDENT_DIR, Resident, ready_file
 from relay_train.protocol import run_lease
 
 
@@ -56,15 +53,8 @@ def test_the_local_continuity_renews_the_runs_lease(tmp_path: Path) -> None:
 
 
 def test_a_resident_leaves_once_its_runs_lease_lapses_though_ranks_still_beat(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(resident, "IDLE_CHECK_SECONDS", 0.05)
-    monkeypatch.setattr(resident.signal, "signal", lambda *_: None)  # pytest's own SIGTERM
-    monkeypatch.setattr(Resident, "preload", lambda self: 0.0)
-    beat = tmp_path / "segment-000" / "try-1" / "heartbeats" / "rank-0.json"
-    beat.parent.mkdir(parents=True)
-    write_heartbeat_for(beat, 3600.0)  # a workload its dead orchestrator left training
-    (tmp_path / run_lease.LEASE_FILE).write_text('{"until": 1.0}')  # nobody renews it
-    directory = tmp_path / RESIDENT_DIR
-    directory.mkdir()
-    assert Resident(directory, "node-c", idle_seconds=3600.0).run() == 0
-    assert not ready_file(directory, "node-c").exists()
+        resident_run: ResidentRun) -> None:
+    resident_run.ranks_beat_for(3600.0)  # a workload its dead orchestrator left training
+    (resident_run.run / run_lease.LEASE_FILE).write_text('{"until": 1.0}')  # nobody renews it
+    assert resident_run.resident(idle_seconds=3600.0).run() == 0
+    assert not resident_run.ready()

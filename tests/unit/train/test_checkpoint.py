@@ -8,6 +8,7 @@ import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -111,6 +112,17 @@ def assert_state_equal(actual: object, expected: object) -> None:
         assert actual == expected
 
 
+def new_checkpointer(tmp_path: Path, sink: FolderSink, closing: list[Checkpointer] | None = None,
+                     **options: Any) -> Checkpointer:
+    """Return a checkpointer publishing to ``sink`` (job "j", one rank, no parent, the test
+    key ring, unless ``options`` say otherwise); ``closing``: closed after the test."""
+    checkpointer = Checkpointer(sink, tmp_path / "staging", **{
+        "job": "j", "world_size": 1, "parent": None, "keys": KEYS, **options})
+    if closing is not None:
+        closing.append(checkpointer)
+    return checkpointer
+
+
 @pytest.fixture
 def closing() -> Iterator[list[Checkpointer]]:
     """Checkpointers made by a test, closed afterwards (errors already checked)."""
@@ -130,15 +142,9 @@ def test_publishes_every_checkpoint_in_order_with_a_parent_chain(
     model, optimizer = make_model()
     sink = FolderSink(tmp_path / "sink")
     seen: list[int] = []
-    checkpointer = Checkpointer(
-        sink,
-        tmp_path / "staging",
-        job="demo",
-        world_size=4,
-        parent=ROOT_PARENT, keys=KEYS,
-        asynchronous=asynchronous,
-        on_published=lambda m: seen.append(m.step),
-    )
+    checkpointer = new_checkpointer(tmp_path, sink, job="demo", world_size=4,
+                                    parent=ROOT_PARENT, asynchronous=asynchronous,
+                                    on_published=lambda m: seen.append(m.step))
     steps = [10, 20, 30, 40]
     for step in steps:
         train_step(model, optimizer)
@@ -166,10 +172,7 @@ def test_publishes_every_checkpoint_in_order_with_a_parent_chain(
 def test_first_checkpoint_without_parent_has_none(tmp_path: Path) -> None:
     model, optimizer = make_model()
     sink = FolderSink(tmp_path / "sink")
-    checkpointer = Checkpointer(
-        sink, tmp_path / "staging", job="demo", world_size=1, parent=None, keys=KEYS,
-        asynchronous=False
-    )
+    checkpointer = new_checkpointer(tmp_path, sink, job="demo", asynchronous=False)
     checkpointer.save(model, optimizer, 5, {})
     checkpointer.save(model, optimizer, 6, {})
     checkpointer.close()
@@ -182,9 +185,7 @@ def test_first_checkpoint_without_parent_has_none(tmp_path: Path) -> None:
 def test_submitted_work_runs_in_order_with_checkpoints(tmp_path: Path, closing: list) -> None:
     model, optimizer = make_model()
     sink = FolderSink(tmp_path / "sink")
-    checkpointer = Checkpointer(sink, tmp_path / "staging", job="j", world_size=1, parent=None,
-                                keys=KEYS)
-    closing.append(checkpointer)
+    checkpointer = new_checkpointer(tmp_path, sink, closing)
     order: list[str] = []
     checkpointer.save(model, optimizer, 1, {})
     checkpointer.submit(lambda: order.append(f"metrics after {sink.calls}"))
@@ -201,9 +202,7 @@ def test_async_snapshot_is_a_copy_of_the_live_state(tmp_path: Path, closing: lis
     # The sink holds the background thread inside publish(1), so checkpoint 2
     # is written to disk only after the test has changed the live weights.
     sink = FolderSink(tmp_path / "sink", gate_at_step=1, gate=gate)
-    checkpointer = Checkpointer(sink, tmp_path / "staging", job="j", world_size=1, parent=None,
-                                keys=KEYS)
-    closing.append(checkpointer)
+    checkpointer = new_checkpointer(tmp_path, sink, closing)
 
     checkpointer.save(model, optimizer, 1, {})
     expected_model = clone_state(model.state_dict())
@@ -246,9 +245,7 @@ def test_failing_sink_surfaces_from_close_and_stops_later_publishes(
     model, optimizer = make_model()
     gate = threading.Event()
     sink = FolderSink(tmp_path / "sink", fail_at_step=2, gate_at_step=2, gate=gate)
-    checkpointer = Checkpointer(sink, tmp_path / "staging", job="j", world_size=1, parent=None,
-                                keys=KEYS)
-    closing.append(checkpointer)
+    checkpointer = new_checkpointer(tmp_path, sink, closing)
 
     checkpointer.save(model, optimizer, 1, {})
     checkpointer.save(model, optimizer, 2, {})
@@ -274,10 +271,7 @@ def test_failing_sink_surfaces_from_close_and_stops_later_publishes(
 def test_sync_sink_failure_raises_from_save(tmp_path: Path) -> None:
     model, optimizer = make_model()
     sink = FolderSink(tmp_path / "sink", fail_at_step=1)
-    checkpointer = Checkpointer(
-        sink, tmp_path / "staging", job="j", world_size=1, parent=None, keys=KEYS,
-        asynchronous=False
-    )
+    checkpointer = new_checkpointer(tmp_path, sink, asynchronous=False)
     with pytest.raises(OSError, match="sink is full"):
         checkpointer.save(model, optimizer, 1, {})
     assert checkpointer.published == []
@@ -286,10 +280,7 @@ def test_sync_sink_failure_raises_from_save(tmp_path: Path) -> None:
 def test_load_verified_round_trips_state(tmp_path: Path) -> None:
     model, optimizer = make_model()
     sink = FolderSink(tmp_path / "sink")
-    checkpointer = Checkpointer(
-        sink, tmp_path / "staging", job="j", world_size=1, parent=None, keys=KEYS,
-        asynchronous=False
-    )
+    checkpointer = new_checkpointer(tmp_path, sink, asynchronous=False)
     checkpointer.save(model, optimizer, 12, {"data": {"position": 12, "seed": 7}})
     path, manifest = sink.published[0]
 
@@ -310,10 +301,7 @@ def test_load_verified_round_trips_state(tmp_path: Path) -> None:
 def test_load_verified_rejects_a_flipped_byte(tmp_path: Path) -> None:
     model, optimizer = make_model()
     sink = FolderSink(tmp_path / "sink")
-    checkpointer = Checkpointer(
-        sink, tmp_path / "staging", job="j", world_size=1, parent=None, keys=KEYS,
-        asynchronous=False
-    )
+    checkpointer = new_checkpointer(tmp_path, sink, asynchronous=False)
     checkpointer.save(model, optimizer, 1, {})
     path, manifest = sink.published[0]
     damaged = tmp_path / "damaged.pt"
@@ -329,10 +317,7 @@ def test_load_verified_rejects_a_flipped_byte(tmp_path: Path) -> None:
 def test_restore_rng_replays_the_draws_after_the_snapshot(tmp_path: Path) -> None:
     model, optimizer = make_model()
     sink = FolderSink(tmp_path / "sink")
-    checkpointer = Checkpointer(
-        sink, tmp_path / "staging", job="j", world_size=1, parent=None, keys=KEYS,
-        asynchronous=False
-    )
+    checkpointer = new_checkpointer(tmp_path, sink, asynchronous=False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1234)
         random.seed(99)
@@ -427,9 +412,7 @@ def test_flush_waits_until_the_checkpoints_queued_so_far_are_published(
     model, optimizer = make_model()
     gate = threading.Event()
     sink = FolderSink(tmp_path / "sink", gate_at_step=30, gate=gate)
-    checkpointer = Checkpointer(sink, tmp_path / "staging", job="j", world_size=1, parent=None,
-                                keys=KEYS)
-    closing.append(checkpointer)
+    checkpointer = new_checkpointer(tmp_path, sink, closing)
     checkpointer.save(model, optimizer, 30, {})
     assert checkpointer.flush(0.3) is False  # the upload of step 30 still runs
     assert [m.step for _p, m in sink.published] == []

@@ -345,6 +345,10 @@ def test_a_node_marked_silent_is_not_asked_again_and_keeps_its_last_word(
         status = agents.status(Attempt(root))
         assert not frozen.was_asked()
         assert sorted(status.heartbeats) == [0, 1, 2, 3]
+        # Every launcher's stop asks through here: the yes-sayers come back, node-b is skipped.
+        assert channel.ask_to_stop() == {"node-a"}
+        assert not frozen.was_asked()
+        assert agents.nodes["node-a"].stop_reasons == ["Relay asked over the channel"]
     finally:
         frozen.close()
 

@@ -296,6 +296,7 @@ class NodeAgent(NodeStatus):
             self.notice = notice_of_sigterm(self.root, self.grace_seconds)  # logged by _supervise
             self.stopping = self.notice is None
 
+
 def fork_standby(node: str, directory: Path, ttl: float, linger: float) -> int:
     """Fork a copy of this preloaded process (an agent or a resident) that leaves its
     attempt and waits in ``directory`` as ``node``'s standby; return its PID (the

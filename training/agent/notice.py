@@ -9,8 +9,9 @@ the attempt folder with the agents (the local launcher) it also marks its stop t
 (:data:`relay_train.protocol.launch.STOP_FILE`) before signalling, so an ask that came
 late or never (a frozen or loaded agent) still makes the SIGTERM a stop. A SIGTERM to
 an agent whose ranks run, that Relay neither asked nor marked, is a notice. (On a
-cluster the mark cannot reach the node's disk: an agent that missed the ask drains
-within the pod's or job's grace, then stops.)
+cluster the mark cannot reach the node's disk: an agent that missed the ask reads its
+SIGTERM as a notice, and Relay's stop ends it after the stop's own grace: Slurm's
+``scancel -s KILL``, or its pod deleted again with that grace.)
 
 The agent then keeps its ranks training and says so on its channel
 (:data:`~relay_train.protocol.routes.PREEMPTED`: the grace and the notice's age), so

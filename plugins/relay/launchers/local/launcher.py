@@ -281,9 +281,7 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
                         ENV_PARTITIONED, sorted(cut_off & set(handle)))
         reachable = [n for n in handle if n not in cut_off]
         if reachable:
-            # Marked before asking: an agent whose ask is late or lost (frozen, loaded) still
-            # takes the SIGTERM below as Relay's stop, not as a preemption notice.
-            write_atomically(root / STOP_FILE, json.dumps({"at": time.time()}))
+            self._mark_stop(root)
         self.channel(attempt).ask_to_stop(reachable, STOP_ASK_TIMEOUT_SECONDS)
         groups = {handle[n]["pgid"]: handle[n]["started"] for n in reachable}
         ours = {g: s for g, s in groups.items() if self._ours(g, s)}
@@ -311,6 +309,17 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
         if survivors:
             log.error("Processes %s survived SIGKILL in %s", survivors, root)
         return [f"pid {p}" for p in survivors]
+
+    @staticmethod
+    def _mark_stop(root: Path) -> None:
+        """Mark the stop in the attempt folder before asking and signalling: an agent whose
+        ask is late or lost (frozen, loaded) still takes its SIGTERM as Relay's stop, not as
+        a preemption notice. A mark that cannot be written stops nothing from stopping."""
+        try:
+            write_atomically(root / STOP_FILE, json.dumps({"at": time.time()}))
+        except OSError as exc:
+            log.warning("Cannot mark the stop of %s (%s): an agent that misses the channel's "
+                        "ask reads its SIGTERM as a preemption notice", root, exc)
 
     @staticmethod
     def _ours(pgid: int, started: int | None) -> bool:

@@ -281,13 +281,14 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
             log.warning("Test hook %s: cannot reach %s to stop it (a simulated partition)",
                         ENV_PARTITIONED, sorted(cut_off & set(handle)))
         reachable = [n for n in handle if n not in cut_off]
-        self._ask_to_stop(attempt, reachable)
+        took = self._ask_to_stop(attempt, reachable)
         groups = {handle[n]["pgid"]: handle[n]["started"] for n in reachable}
         ours = {g: s for g, s in groups.items() if self._ours(g, s)}
         live = [g for g in ours if group_members(g)]
         if not live:
             return []
         log.info("Stopping process groups %s of %s", live, root)
+        self._kill_deaf_agents({n: handle[n] for n in reachable if n not in took}, live)
         for sig in (signal.SIGTERM, signal.SIGCONT):  # SIGCONT: a stopped rank must see SIGTERM
             for pgid in live:
                 pids.signal_group(pgid, ours[pgid], sig)
@@ -309,15 +310,33 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
             log.error("Processes %s survived SIGKILL in %s", survivors, root)
         return [f"pid {p}" for p in survivors]
 
-    def _ask_to_stop(self, attempt: Attempt, nodes: list[str]) -> None:
-        """Ask the agents over the channel first, as on a cluster (signals follow anyway)."""
+    def _ask_to_stop(self, attempt: Attempt, nodes: list[str]) -> set[str]:
+        """Ask the agents over the channel first, as on a cluster (signals follow anyway);
+        return the nodes whose agent answered."""
         channel = self.channel(attempt)
         targets = [n for n in nodes if n in channel.addresses and n not in channel.silent]
         if not targets:
-            return
+            return set()
         with ThreadPoolExecutor(max_workers=min(len(targets), MAX_PARALLEL)) as pool:
-            list(pool.map(lambda n: channel.call_quietly(n, Route.STOP, STOP_ASK_TIMEOUT_SECONDS),
-                          targets))
+            replies = list(pool.map(
+                lambda n: channel.call_quietly(n, Route.STOP, STOP_ASK_TIMEOUT_SECONDS), targets))
+        return {n for n, reply in zip(targets, replies, strict=True) if reply is not None}
+
+    @staticmethod
+    def _kill_deaf_agents(deaf: dict[str, dict[str, int | None]], live: list[int]) -> None:
+        """SIGKILL the agent of each node on the channel that did not answer the stop (a
+        frozen node: ``deaf``, node -> its handle); its ranks get the SIGTERM that follows.
+
+        An agent takes a SIGTERM nobody asked for over the channel as the platform's
+        preemption notice (relay_train.agent.notice): its ranks exit, but it keeps answering
+        until the notice's grace, so a stop sent to it as SIGTERM waited the whole
+        ``grace_seconds`` before its SIGKILL (5.2 s of a frozen node's time to resume in
+        `relay bench resume`)."""
+        for node, ids in deaf.items():
+            if ids["port"] is not None and ids["pgid"] in live and ids["pid"] == ids["pgid"]:
+                log.warning("The agent of %s did not answer the stop over the channel: "
+                            "SIGKILL (a SIGTERM would read as a preemption notice)", node)
+                pids.signal_process(int(ids["pid"]), ids["started"], signal.SIGKILL)
 
     @staticmethod
     def _ours(pgid: int, started: int | None) -> bool:

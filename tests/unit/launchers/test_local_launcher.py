@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from agents import close_served_agents, serve  # noqa: F401 - the fixture closes them
+from agents import FrozenAgent, close_served_agents, serve  # noqa: F401 - the fixture closes them
 
 from relay.core.attempt import Attempt, AttemptState
 from relay.launchers.local.launcher import (
@@ -429,3 +429,73 @@ def test_failed_ranks_ignores_running_and_clean_exits() -> None:
     )
 
     assert status.failed_ranks() == {2: 1, 3: -9}
+
+
+# --- an agent that cannot be asked to stop ------------------------------------------------
+
+# As a node agent does: a SIGTERM nobody asked for over the channel is a preemption notice
+# (its ranks, here the child, still die of it). The child starts before the trap is set.
+AGENT_TAKING_TERM_AS_NOTICE = 'sleep 60 & trap "" TERM; while :; do sleep 1; done'
+
+
+def launch_file(root: Path) -> Path:
+    """Write the launch file of a one-node attempt at ``root`` (its channel secret)."""
+    root.mkdir(parents=True, exist_ok=True)
+    LaunchConfig(
+        job="t", seed=1, model={}, data={}, optimizer={}, start_step=0, end_step=10,
+        checkpoint_every=5, nodes=["node-a"], ranks_per_node=1, tracking_uri="", run_id="r",
+        attempt_dir=str(root), attempt=1, segment=0, channel_secret=new_secret(),
+    ).write(root / LAUNCH_FILE)
+    return root
+
+
+def on_channel(root: Path, agent: subprocess.Popen[bytes], address: str) -> Path:
+    """Write the handle of the attempt's one node ``agent``, its channel at ``address``."""
+    handle = {"node-a": {**agent_handle(agent.pid), "port": int(address.rsplit(":", 1)[1])}}
+    (root / HANDLE_FILE).write_text(json.dumps({"nodes": handle, "started_at": time.time(),
+                                                "attempt_id": attempt_id_of(root)}))
+    return root
+
+
+def term_ignored(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    ignored = next(line for line in status.splitlines() if line.startswith("SigIgn:"))
+    return bool(int(ignored.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+
+
+def test_stop_sigkills_at_once_an_agent_that_did_not_answer_the_stop(
+    tmp_path: Path, workload: Workload, launcher: LocalLauncher,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    agent = workload.agent(AGENT_TAKING_TERM_AS_NOTICE, min_members=2)
+    assert wait_for(lambda: term_ignored(agent.pid))
+    frozen = FrozenAgent()  # its channel takes the connection and never answers
+    try:
+        root = on_channel(launch_file(tmp_path / "try-1"), agent, frozen.address)
+        with caplog.at_level("INFO", logger="relay.launchers.local.launcher"):
+            assert launcher.stop(Attempt(root), grace_seconds=5) == []
+    finally:
+        frozen.close()
+
+    assert_all_gone(workload)
+    assert agent.wait(timeout=5) == -signal.SIGKILL
+    # Killed because it could not be asked, not after the grace for ignoring SIGTERM.
+    assert "did not answer the stop" in caplog.text
+    assert "ignored SIGTERM" not in caplog.text
+
+
+def test_stop_leaves_an_agent_that_answered_the_stop_to_sigterm(
+    tmp_path: Path, workload: Workload, launcher: LocalLauncher,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    agent = workload.agent(SLEEP_WITH_CHILD, min_members=2)
+    root = launch_file(tmp_path / "try-1")
+    served = serve(root, {"node-a": [0]})  # a channel that answers, as a live agent's
+    on_channel(root, agent, served.addresses["node-a"])
+
+    with caplog.at_level("INFO", logger="relay.launchers.local.launcher"):
+        assert launcher.stop(Attempt(root), grace_seconds=5) == []
+
+    assert_all_gone(workload)
+    assert agent.wait(timeout=5) == -signal.SIGTERM
+    assert "did not answer the stop" not in caplog.text

@@ -50,7 +50,8 @@ def _print(bed: Any) -> None:  # noqa: ANN401 - a TestBed; imported lazily (root
               f"  (run: nsenter -t {host.init} -n -u -m -p -- CMD)")
 
 
-def _load(state_file: str | None = None) -> Any:  # noqa: ANN401 - a TestBed or None
+def load_bed(state_file: str | None = None) -> Any:  # noqa: ANN401 - a TestBed or None
+    """Return the test bed `relay testbed up` made (or the one ``state_file`` records), if up."""
     from relay.tools.testbed.hosts import TestBed
 
     if state_file:
@@ -68,7 +69,7 @@ def _load(state_file: str | None = None) -> Any:  # noqa: ANN401 - a TestBed or 
 def _cmd_down(args: argparse.Namespace) -> int:
     from relay.tools.testbed import TestBedError, hosts
 
-    bed = _load(args.state)
+    bed = load_bed(args.state)
     if bed is None:
         print("No test bed is up")
         return 0
@@ -85,7 +86,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    bed = _load()
+    bed = load_bed()
     if bed is None:
         print("No test bed is up")
         return 1

@@ -27,10 +27,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return 1
     began = time.monotonic()
     try:
+        hide = [str(settings.relay_home())]  # the hosts cannot read Relay's disk
         if args.no_slurm:
-            bed = hosts.up([f"node{i + 1}" for i in range(args.nodes)])
+            bed = hosts.up([f"node{i + 1}" for i in range(args.nodes)], hide=hide)
         else:
-            bed = slurm.up(args.nodes, timeout=args.timeout)
+            bed = slurm.up(args.nodes, timeout=args.timeout, hide=hide)
     except TestBedError as err:
         print(f"cluster-up failed: {err}", file=sys.stderr)
         return 1

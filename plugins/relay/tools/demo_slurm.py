@@ -35,8 +35,14 @@ LINGER_SECONDS = 5.0  # an agent answers this long after its ranks end (Relay re
 
 def slurm_faults(faults: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Return the local demo's faults with their nodes named as on the bed."""
-    return [{**f, "chaos": {**f["chaos"], **({"node": NODE_NAMES[f["chaos"]["node"]]}
-                                             if "node" in f["chaos"] else {})}}
+    def renamed(text: str) -> str:
+        for local, bed in NODE_NAMES.items():
+            text = text.replace(local, bed)
+        return text
+
+    return [{"what": renamed(f["what"]),
+             "chaos": {**f["chaos"], **({"node": NODE_NAMES[f["chaos"]["node"]]}
+                                        if "node" in f["chaos"] else {})}}
             for f in faults]
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from relay_train.agent.notice import Notice
 from relay_train.agent.ranks import RankProcess, log_tail, rank_log
 from relay_train.protocol.heartbeat import node_clock
-from relay_train.protocol.injection import CHAOS_LOG
+from relay_train.protocol.injection import CHAOS_LOG, CHAOS_SENT
 from relay_train.protocol.launch import FIRST_STEP_FILE, LaunchConfig
 from relay_train.protocol.routes import (
     AGENT_CLOCK,
@@ -76,6 +76,8 @@ class NodeStatus:
                 except ValueError:  # a rank is writing it: read again at the next ask
                     size = -1
             self._chaos = (size, found)
+            if found:  # the rank of a stop_node waits for this before it freezes the node
+                (self.cfg.root / CHAOS_SENT).write_text(str(len(found)))
         return self._chaos[1]
 
     def _first_step(self) -> dict[str, Any] | None:

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from relay.core import settings
+from relay.core.attempt import AttemptState
 from relay.lineage.report import fault_rows, final_state, newest_parent, reference_run
-from relay.lineage.store import Lineage
+from relay.lineage.store import TAG_OUTCOME, Lineage
 from relay.tools.demo import DEMO_FAULTS, run_demo
 from relay.tools.demo_slurm import JOB, on_slurm, slurm_faults
 from relay.tools.testbed import slurm
@@ -28,7 +29,8 @@ pytestmark = pytest.mark.cluster_ns
 
 def test_the_demo_on_slurm_recovers_its_three_faults_bit_exact(
         relay_home: Path, tmp_path: Path) -> None:
-    """Took TODO on this 2-core machine at load TODO (both DAG runs, the bed up and down)."""
+    """Took 1,253 s on this 2-core machine at load ~20-35 (2026-12-07 06:12-06:33 UTC): ~7
+    min waiting for the test-bed lease, the fault-free run 449 s, the run with faults 337 s."""
     if slurm.can_run_slurm():
         pytest.skip(slurm.can_run_slurm())
     faults = slurm_faults(DEMO_FAULTS)
@@ -43,9 +45,13 @@ def test_the_demo_on_slurm_recovers_its_three_faults_bit_exact(
         rows = fault_rows(lineage, faulty)
         a = final_state(lineage, reference, tmp_path / "reference")
         b = final_state(lineage, faulty, tmp_path / "faulty")
-        children = lineage.child_runs(faulty)
-        logs = {f.path for c in children for f in lineage.client.list_artifacts(
-            c.info.run_id, "logs")}
+        completed = [c for c in lineage.child_runs(faulty)
+                     if AttemptState.from_outcome(c.data.tags.get(TAG_OUTCOME))
+                     is AttemptState.COMPLETED]
+        shipped = {(c.info.run_id, f.path) for c in completed
+                   for f in lineage.client.list_artifacts(c.info.run_id, "logs")}
+        expected = {(c.info.run_id, f"logs/{n}") for c in completed
+                    for n in c.data.params["nodes"].split(",")}
 
     found = [(r.segment, r.kind, r.rank, r.node, r.lost_steps) for r in rows]
     assert found == [(0, "hang", 1, "node1", 0), (1, "node_unresponsive", None, "node2", 0),
@@ -56,4 +62,6 @@ def test_the_demo_on_slurm_recovers_its_three_faults_bit_exact(
     assert a is not None and b is not None
     exact, lines = verdict(a, b)
     assert exact, lines
-    assert {"logs/node1", "logs/node2"} <= logs, logs  # rank logs sent to MLflow
+    # Rank logs sent to MLflow by every node of every attempt that ended by itself (an
+    # attempt Relay stops after a fault does not send them yet).
+    assert completed and shipped == expected, (shipped, expected)

@@ -63,10 +63,12 @@ test-postgres: $(STAMP)
 	$(BIN)/python -m pytest -q --tb=short -m postgres tests/services
 
 # Namespace hosts on a private bridge (198.18.0.0/24) with a real Slurm cluster (root only):
-# slurmctld on host slurmctl, slurmd on node1..node3. `cluster-down` removes exactly what was made.
+# slurmctld on host slurmctl, slurmd on node1..node$(NODES). `cluster-down` removes exactly what was
+# made. `make cluster-up NODES=5` is the bed `relay demo --launcher slurm` runs on (else it makes one).
+NODES ?= 3
 cluster-up: $(STAMP)
 	bash scripts/system-deps.sh slurm
-	$(BIN)/relay testbed up
+	$(BIN)/relay testbed up --nodes $(NODES)
 
 cluster-down: $(STAMP)
 	$(BIN)/relay testbed down

@@ -100,7 +100,8 @@ class Session(SessionState, CollectivePhases, PlacedRank):
         self._rng_states = RankStates(rank, cfg.world_size)
         self._placement: RankDevice | None = None
         self._chaos = ChaosMonkey(cfg.chaos, segment=cfg.segment, attempt=cfg.attempt,
-                                  rank=rank, node=node, record_dir=cfg.root)
+                                  rank=rank, node=node, record_dir=cfg.root,
+                                  announce=cfg.logs_to_mlflow)  # Relay can't read this disk
         self._heartbeat = HeartbeatWriter(cfg.heartbeat_dir, rank, node,
                                           cfg.heartbeat_interval_seconds, step=cfg.start_step)
         self._phases = StepPhases(self._heartbeat)

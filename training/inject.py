@@ -32,10 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from relay_train.protocol.env import ENV_NODE_AGENT_PID
-from relay_train.protocol.injection import CHAOS_LOG, LASTING, InjectedFault
+from relay_train.protocol.injection import CHAOS_LOG, CHAOS_SENT, LASTING, InjectedFault
 from relay_train.protocol.pids import signal_group, signal_process, start_time
 
 log = logging.getLogger(__name__)
+
+# A stop_node that must be announced (``announce``) strikes this long after it is recorded:
+# time for the node's agent to carry the strike to Relay before it is frozen itself.
+ANNOUNCE_SECONDS = 1.5
 
 def chaos_hang_forever() -> None:
     """Stay alive (heartbeats keep coming) but never finish the step.
@@ -58,8 +62,12 @@ class ChaosMonkey:
         rank: int,
         node: str,
         record_dir: Path | None = None,
+        announce: bool = False,
     ) -> None:
         where = {"segment": segment, "attempt": attempt, "rank": rank, "node": node}
+        # Relay cannot read this node's chaos.jsonl (a host or pod of its own): its agent
+        # sends the strikes over the channel, so a stop_node waits for that before freezing.
+        self._announce = announce
         self._planned = [InjectedFault.from_dict(raw) for raw in faults]
         self._faults = [f for f in self._planned if f.targets(**where) or _node_bound(f)]
         self._where = where
@@ -133,16 +141,32 @@ class ChaosMonkey:
             fh.write(attempt)
         return True
 
-    def _record(self, index: int, fault: InjectedFault, step: int) -> None:
+    def _record(self, index: int, fault: InjectedFault, step: int,
+                at: float | None = None) -> None:
         if index in self._struck:
             return
         self._struck.add(index)
         log.warning("CHAOS: injecting %s at step %d (%s)", fault.kind, step, self._where)
         if self._record_dir is not None:
-            entry = {**asdict(fault), **self._where, "step": step, "at": time.time(),
+            entry = {**asdict(fault), **self._where, "step": step, "at": at or time.time(),
                      "pid": os.getpid()}
             with (self._record_dir / CHAOS_LOG).open("a") as fh:
                 fh.write(json.dumps(entry) + "\n")
+
+    def _await_announced(self, strikes_at: float) -> None:
+        """Wait until the node's agent has sent every strike recorded here, or until
+        ``strikes_at`` (then strike anyway: the onset stays unknown to Relay), then until
+        ``strikes_at``: the recorded onset is the moment the node freezes."""
+        folder = self._record_dir or Path(".")
+        recorded = len((folder / CHAOS_LOG).read_text().splitlines())
+        while time.time() < strikes_at:
+            try:
+                if int((folder / CHAOS_SENT).read_text() or 0) >= recorded:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+        time.sleep(max(0.0, strikes_at - time.time()))
 
     def at_startup(self) -> None:
         """Never start, if a launch failure is planned (the process stays alive, silent)."""
@@ -155,7 +179,12 @@ class ChaosMonkey:
     def before_step(self, step: int) -> None:
         """Strike the one-shot process faults planned for ``step``."""
         for index, fault in self._due(step, ("crash", "stop_rank", "stop_node", "preempt")):
-            self._record(index, fault, step)
+            if fault.kind == "stop_node" and self._announce and self._record_dir is not None:
+                strikes_at = time.time() + ANNOUNCE_SECONDS
+                self._record(index, fault, step, at=strikes_at)
+                self._await_announced(strikes_at)
+            else:
+                self._record(index, fault, step)
             if fault.kind == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "stop_rank":

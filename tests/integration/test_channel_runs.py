@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mlflow_server import mlflow_server as running_mlflow_server
 
 from relay.core.attempt import Attempt
 from relay.core.checkpoint_keys import checkpoint_keys
@@ -33,6 +32,7 @@ from relay.recover.ask_rescue import RECEIVED_DIR as RESCUED
 from relay.recover.ask_rescue import request_rescue
 from relay.recover.evidence import ask_for_evidence, collect_evidence
 from relay.tools.bench.common import TINY_MODEL, Store, launch_config, launched, node_ranks, watch
+from relay.tools.mlflow_server import mlflow_server as running_mlflow_server
 from relay.watch.triggers import observe_attempt
 from relay_train.protocol.env import ENV_CLOCK_SKEW
 from relay_train.protocol.heartbeat import read_heartbeats

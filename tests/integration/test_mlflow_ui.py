@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 from browser import Chromium, ensure_chromium
-from mlflow_server import mlflow_server
 
 from relay.core.attempt import AttemptState
 from relay.core.checkpoint_keys import checkpoint_keys
 from relay.lineage.links import experiment_url
 from relay.lineage.models import record_chain
 from relay.lineage.store import TAG_FAULT, Lineage
+from relay.tools.mlflow_server import mlflow_server
 from relay_train.checkpoints.publish import MlflowCheckpointSink
 from relay_train.protocol.manifest import CHECKPOINT_FILE, CheckpointManifest, file_sha256
 from relay_train.protocol.signing import sign

@@ -3,9 +3,6 @@ Slurm) and `pod_hosts` (three bare node hosts, for Kubernetes pods)."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,22 +10,9 @@ from pathlib import Path
 import pytest
 
 from relay.tools.testbed import TestBed, hosts, slurm
+from relay.tools.testbed.lease import lease
 
-LEASE = Path("/run/lock/relay-testbed-lease.lock")  # held while a test's bed is up
 RANGE_WAIT_SECONDS = 600.0
-
-
-@contextlib.contextmanager
-def lease() -> Iterator[None]:
-    """Hold the machine's one test-bed lease (they share 198.18.0.0/24): wait for another
-    test's bed to go first."""
-    LEASE.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(LEASE, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,6 @@ import pytest
 from k8s_fake import FakeApiServer
 from k8s_kubelet import Kubelets
 from k8s_pod_host import can_host_pods
-from mlflow_server import mlflow_server
 
 from relay.core.attempt import AttemptState
 from relay.core.faults import Fault
@@ -53,6 +52,7 @@ from relay.nodes.pool import NodePool
 from relay.policy.decide import decide
 from relay.policy.model import load_policy
 from relay.recover.pipeline import quarantine
+from relay.tools.mlflow_server import mlflow_server
 from relay.tools.testbed import TestBed
 from relay.tools.testbed.hosts import ROOT_ADDRESS
 from relay.watch.triggers import SegmentWatchTrigger

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 from mlflow.tracking import MlflowClient
-from mlflow_server import mlflow_server
 
 from relay.core.attempt import Attempt
 from relay.core.checkpoint_keys import checkpoint_keys
@@ -25,6 +24,7 @@ from relay.nodes.pool import NodePool
 from relay.policy.model import Detection
 from relay.spec.slurm import SlurmSpec
 from relay.tools.bench.common import TINY_MODEL, watch
+from relay.tools.mlflow_server import mlflow_server
 from relay.tools.testbed import TestBed, slurm
 from relay.tools.testbed.hosts import ROOT_ADDRESS, ROOT_NAME
 from relay_train.protocol.launch import FIRST_STEP_FILE, LAUNCH_FILE, LaunchConfig

@@ -108,6 +108,7 @@ class NodeAgent(NodeStatus):
         self.linger_seconds = linger_seconds
         self._error_tails: dict[int, str] = {}
         self._first: dict[str, Any] | None = None
+        self._chaos: tuple[int, list[dict[str, Any]]] = (0, [])
         self._address = (bind, cfg.agent_ports.get(node, 0) if port is None else port)
         self.server: AgentServer | None = None
         self._standby_asks: queue.SimpleQueue[StandbyAsk] = queue.SimpleQueue()

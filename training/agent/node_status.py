@@ -13,10 +13,12 @@ from typing import Any
 from relay_train.agent.notice import Notice
 from relay_train.agent.ranks import RankProcess, log_tail, rank_log
 from relay_train.protocol.heartbeat import node_clock
+from relay_train.protocol.injection import CHAOS_LOG, CHAOS_SENT
 from relay_train.protocol.launch import FIRST_STEP_FILE, LaunchConfig
 from relay_train.protocol.routes import (
     AGENT_CLOCK,
     AGENT_PID,
+    CHAOS,
     ERRORS,
     EXIT_CODES,
     FIRST_STEP,
@@ -38,6 +40,7 @@ class NodeStatus:
     notice: Notice | None  # the platform's preemption notice, once a SIGTERM came
     _error_tails: dict[int, str]  # rank -> the last lines of its log, read once
     _first: dict[str, Any] | None  # rank 0's first-step record, read once
+    _chaos: tuple[int, list[dict[str, Any]]]  # chaos.jsonl's size when read, its records
 
     def status_record(self) -> dict[str, Any]:
         """Return this node's state for the channel: state, PIDs, exit codes, errors."""
@@ -53,7 +56,29 @@ class NodeStatus:
             ERRORS: self._errors(procs),
             AGENT_CLOCK: node_clock(),
             FIRST_STEP: self._first_step(),
+            **({CHAOS: strikes} if (strikes := self._strikes()) else {}),
         }
+
+    def _strikes(self) -> list[dict[str, Any]]:
+        """Return the faults injected on this node so far (its ranks' ``chaos.jsonl``): an
+        injected fault's onset, for Relay's figures, when Relay does not share this disk."""
+        path = self.cfg.root / CHAOS_LOG
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return []
+        if size != self._chaos[0]:
+            lines = path.read_text().splitlines()
+            found = []
+            for line in lines:
+                try:
+                    found.append(json.loads(line))
+                except ValueError:  # a rank is writing it: read again at the next ask
+                    size = -1
+            self._chaos = (size, found)
+            if found:  # the rank of a stop_node waits for this before it freezes the node
+                (self.cfg.root / CHAOS_SENT).write_text(str(len(found)))
+        return self._chaos[1]
 
     def _first_step(self) -> dict[str, Any] | None:
         """Return rank 0's first-step record if it runs here and wrote it (the time to

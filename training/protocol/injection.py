@@ -39,6 +39,9 @@ ONE_SHOT = ("crash", "hang", "stop_rank", "stop_node", "preempt", "nan", "launch
 LASTING = ("straggler", "jitter", "pace")
 KINDS = ONE_SHOT + LASTING
 CHAOS_LOG = "chaos.jsonl"  # in the attempt folder: one line per strike
+# In the attempt folder, by the node agent: how many of CHAOS_LOG's strikes its status has
+# carried to Relay (a node whose disk Relay cannot read; see ChaosMonkey's ``announce``).
+CHAOS_SENT = "chaos.sent"
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ HEARTBEATS = "heartbeats"  # the node's ranks' heartbeat records, each with its 
 AGE_SECONDS = "age_seconds"  # since the record was written, on the node's clock
 PHASE_AGE_SECONDS = "phase_age_seconds"  # since the rank entered its phase, likewise
 FIRST_STEP = "first_step"  # rank 0's first productive step (launch.FIRST_STEP_FILE's record)
+CHAOS = "chaos"  # the faults injected on the node so far (its chaos.jsonl's records), if any
 CROSSED = "crossed"  # the last segment boundaries rank 0 recorded crossing (rank 0's node)
 # Only from an agent that received a preemption notice (SIGTERM that was not Relay's stop):
 # {grace_seconds, drain_seconds, age_seconds}: the platform's grace, how long after the notice

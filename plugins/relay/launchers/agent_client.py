@@ -54,9 +54,11 @@ from relay.launchers.agent_groups import (
 )
 from relay.launchers.agent_requests import AgentRequests
 from relay_train.protocol.heartbeat import Heartbeat, write_atomically
+from relay_train.protocol.injection import CHAOS_LOG
 from relay_train.protocol.launch import FIRST_STEP_FILE
 from relay_train.protocol.routes import (
     AGE_SECONDS,
+    CHAOS,
     CROSSED,
     FIRST_STEP,
     HEARTBEATS,
@@ -121,19 +123,25 @@ class AgentChannel(AgentRequests):
         self._group_pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, Future[NodeReport | None]] = {}
         self.silent: set[str] = set()  # nodes known not to answer (a frozen node): not asked
+        self._strikes_kept = 0  # the injected faults written into Relay's chaos.jsonl so far
 
-    def keep_first_step(self, attempt_dir: Path) -> None:
-        """Write rank 0's first-step record, as its agent sent it, into Relay's attempt
-        folder when the ranks wrote theirs elsewhere (a pod's or a host's own disk): the
-        time to resume reads it there (relay.lineage.resume_time)."""
+    def keep_node_records(self, attempt_dir: Path) -> None:
+        """Write what the ranks recorded on their own disk (a pod's or a host's), as their
+        agents sent it, into Relay's attempt folder: rank 0's first-step record and the
+        faults injected so far (``chaos.jsonl``, every node's, oldest first). The time to
+        resume and the fault table read them there (relay.lineage.resume_time, .report)."""
         target = attempt_dir / FIRST_STEP_FILE
-        if target.exists():
-            return
         for report in self.reports.values():
             found = report.record.get(FIRST_STEP)
-            if isinstance(found, dict):
+            if isinstance(found, dict) and not target.exists():
                 write_atomically(target, json.dumps(found))
-                return
+        strikes = [s for r in self.reports.values() for s in r.record.get(CHAOS) or []
+                   if isinstance(s, dict)]
+        if len(strikes) > self._strikes_kept:
+            strikes.sort(key=lambda s: float(s.get("at") or 0.0))
+            write_atomically(attempt_dir / CHAOS_LOG,
+                             "".join(json.dumps(s) + "\n" for s in strikes))
+            self._strikes_kept = len(strikes)
 
     def mark_silent(self, nodes: set[str]) -> None:
         """Stop asking ``nodes`` (a fault found them frozen): each ask would only cost its

@@ -20,7 +20,7 @@ DEMO_SPEC = settings.jobs_dir() / "demo.yaml"
 def _cmd_demo(args: argparse.Namespace) -> int:
     from relay.tools import demo
 
-    return demo.main(Path(args.spec), inject_fault=not args.no_faults)
+    return demo.main(Path(args.spec), inject_fault=not args.no_faults, launcher=args.launcher)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the demo job end to end through Airflow")
     demo.add_argument("--spec", default=str(DEMO_SPEC), help="job spec (default: %(default)s)")
     demo.add_argument("--no-faults", action="store_true", help="do not inject the demo's crash")
+    demo.add_argument("--launcher", choices=["local", "slurm"], default="local",
+                      help="local: simulated nodes on this machine; slurm: the Slurm test bed "
+                      "(root; the bed `relay testbed up --nodes 5` made, else its own)")
     demo.set_defaults(func=_cmd_demo)
 
     verify_cmd = sub.add_parser(

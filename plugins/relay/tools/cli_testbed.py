@@ -27,10 +27,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return 1
     began = time.monotonic()
     try:
+        hide = [str(settings.relay_home())]  # the hosts cannot read Relay's disk
         if args.no_slurm:
-            bed = hosts.up([f"node{i + 1}" for i in range(args.nodes)])
+            bed = hosts.up([f"node{i + 1}" for i in range(args.nodes)], hide=hide)
         else:
-            bed = slurm.up(args.nodes, timeout=args.timeout)
+            bed = slurm.up(args.nodes, timeout=args.timeout, hide=hide)
     except TestBedError as err:
         print(f"cluster-up failed: {err}", file=sys.stderr)
         return 1
@@ -50,7 +51,8 @@ def _print(bed: Any) -> None:  # noqa: ANN401 - a TestBed; imported lazily (root
               f"  (run: nsenter -t {host.init} -n -u -m -p -- CMD)")
 
 
-def _load(state_file: str | None = None) -> Any:  # noqa: ANN401 - a TestBed or None
+def load_bed(state_file: str | None = None) -> Any:  # noqa: ANN401 - a TestBed or None
+    """Return the test bed `relay testbed up` made (or the one ``state_file`` records), if up."""
     from relay.tools.testbed.hosts import TestBed
 
     if state_file:
@@ -68,7 +70,7 @@ def _load(state_file: str | None = None) -> Any:  # noqa: ANN401 - a TestBed or 
 def _cmd_down(args: argparse.Namespace) -> int:
     from relay.tools.testbed import TestBedError, hosts
 
-    bed = _load(args.state)
+    bed = load_bed(args.state)
     if bed is None:
         print("No test bed is up")
         return 0
@@ -85,7 +87,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    bed = _load()
+    bed = load_bed()
     if bed is None:
         print("No test bed is up")
         return 1

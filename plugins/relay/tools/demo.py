@@ -109,21 +109,23 @@ def run_dag_test(
 class ProgressPrinter:
     """Print what the segments of the newest DAG run are doing, from their attempt folders."""
 
-    def __init__(self, dag_dir: Path, total_steps: int, since: float) -> None:
+    def __init__(self, dag_dir: Path, total_steps: int, since: float,
+                 spec: JobSpec | None = None) -> None:
         self.dag_dir = dag_dir
+        self.spec = spec  # its launcher answers for the attempts (None: the local one)
         self.total_steps = total_steps
         self.since = since
         self.seen_tries: set[Path] = set()
         self.reported_end: set[Path] = set()
         self.last_step = -1
-        self._launcher: Any = None  # a LocalLauncher: the agents answer over their channel
+        self._launcher: Any = None  # the spec's launcher: the agents answer over their channel
 
     def _status(self, attempt: Path) -> Any:  # noqa: ANN401 - a LaunchStatus
-        """Ask the attempt's node agents (the demo runs the local launcher)."""
+        """Ask the attempt's node agents through the spec's launcher."""
         if self._launcher is None:
-            from relay.launchers.local.launcher import LocalLauncher
+            from relay.launchers import launcher_for, launcher_from
 
-            self._launcher = LocalLauncher()
+            self._launcher = launcher_for(self.spec) if self.spec else launcher_from(None)
         return self._launcher.status(Attempt(attempt))
 
     def _tries(self) -> list[Path]:
@@ -251,7 +253,7 @@ def run_once(spec: JobSpec, conf: dict[str, Any], env: dict[str, str], label: st
     print(f"\n{label}: `airflow dags test {spec.dag_id}` (task logs: {log_file})", flush=True)
     started = time.time()
     proc = run_dag_test(spec.dag_id, conf, env, log_file)
-    progress = ProgressPrinter(settings.runs_dir() / spec.dag_id, spec.total_steps, started)
+    progress = ProgressPrinter(settings.runs_dir() / spec.dag_id, spec.total_steps, started, spec)
     try:
         while proc.poll() is None:
             progress.poll()
@@ -269,8 +271,22 @@ def run_once(spec: JobSpec, conf: dict[str, Any], env: dict[str, str], label: st
     return newest_parent(Lineage.from_settings(), spec.job, spec.dag_id, started)
 
 
-def main(spec_file: Path, inject_fault: bool) -> int:
-    """Run the demo job (and its fault-free reference); return the process exit code."""
+def main(spec_file: Path, inject_fault: bool, launcher: str = "local") -> int:
+    """Run the demo job (and its fault-free reference) with ``launcher`` (``local``:
+    simulated nodes on this machine; ``slurm``: the Slurm test bed, relay.tools.demo_slurm);
+    return the process exit code."""
+    if launcher == "slurm":
+        from relay.tools.demo_slurm import on_slurm, slurm_faults
+
+        print("Relay demo on Slurm: the test bed's hosts, a real Slurm cluster", flush=True)
+        with on_slurm(settings.relay_home(), spec_file) as slurm_spec:
+            return run_demo(slurm_spec, inject_fault, slurm_faults(DEMO_FAULTS))
+    return run_demo(spec_file, inject_fault, DEMO_FAULTS)
+
+
+def run_demo(spec_file: Path, inject_fault: bool, faults: list[dict[str, Any]]) -> int:
+    """Run the job of ``spec_file`` fault-free (the reference, once) and with ``faults``;
+    print the fault table and whether the final weights are the reference's bit for bit."""
     import hashlib
 
     from relay.lineage.report import (
@@ -292,7 +308,8 @@ def main(spec_file: Path, inject_fault: bool) -> int:
     pool = NodePool()
     for node in pool.quarantines():
         pool.release(node)  # the demo's simulated nodes start healthy every time
-    print(f"  simulated nodes: {', '.join(pool.nodes)} (all healthy)")
+    kind = "simulated" if spec.launcher == "local" else spec.launcher
+    print(f"  {kind} nodes: {', '.join(pool.nodes)} (all healthy)")
     lineage = Lineage.from_settings()
     if not inject_fault:
         parent = run_once(spec, {"chaos": []}, env, "run")
@@ -311,9 +328,9 @@ def main(spec_file: Path, inject_fault: bool) -> int:
     else:
         print(f"\nFault-free reference: MLflow run {reference} (reused from an earlier demo).")
     print("\nNow the same job with the three faults Relay exists for:")
-    for fault in DEMO_FAULTS:
+    for fault in faults:
         print(f"  - {fault['what']}: {json.dumps(fault['chaos'])}")
-    faulty = run_once(spec, {"chaos": [f["chaos"] for f in DEMO_FAULTS]}, env, "with faults")
+    faulty = run_once(spec, {"chaos": [f["chaos"] for f in faults]}, env, "with faults")
     if faulty is None:
         return 1
     where_to_look(spec.job, faulty)

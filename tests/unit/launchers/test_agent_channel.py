@@ -376,10 +376,40 @@ def test_rank_0s_first_step_sent_over_the_channel_lands_in_relays_attempt_folder
 
     channel = AgentChannel("attempt", {}, "secret")
     channel.reports["pod-1"] = NodeReport("pod-1", 1.0, {FIRST_STEP: None})
-    channel.keep_first_step(tmp_path)
+    channel.keep_node_records(tmp_path)
     assert not (tmp_path / FIRST_STEP_FILE).exists()
 
     first = {"step": 41, "at": 5.0, "node": "pod-0", "spawned_at": 1.0, "startup": {}}
     channel.reports["pod-0"] = NodeReport("pod-0", 2.0, {FIRST_STEP: first})
-    channel.keep_first_step(tmp_path)
+    channel.keep_node_records(tmp_path)
     assert json.loads((tmp_path / FIRST_STEP_FILE).read_text()) == first
+
+
+def test_faults_injected_on_a_node_of_its_own_come_back_over_the_channel(
+        tmp_path: Path) -> None:
+    """An agent sends its node's chaos.jsonl in its status; Relay writes every node's
+    strikes, oldest first, into its own attempt folder (the fault table's onset)."""
+    from types import SimpleNamespace
+
+    from relay.launchers.agent_client import NodeReport
+    from relay.lineage.report import chaos_strikes
+    from relay_train.agent.node_status import NodeStatus
+    from relay_train.protocol.injection import CHAOS_LOG
+    from relay_train.protocol.routes import CHAOS
+
+    node_dir = tmp_path / "node"
+    node_dir.mkdir()
+    agent = SimpleNamespace(cfg=SimpleNamespace(root=node_dir), _chaos=(0, []))
+    assert NodeStatus._strikes(agent) == []  # type: ignore[arg-type]
+    late = {"kind": "stop_node", "step": 95, "at": 20.0, "node": "node2"}
+    (node_dir / CHAOS_LOG).write_text(json.dumps(late) + "\n")
+    assert NodeStatus._strikes(agent) == [late]  # type: ignore[arg-type]
+
+    early = {"kind": "hang", "step": 35, "at": 10.0, "node": "node1"}
+    channel = AgentChannel("attempt", {}, "secret")
+    channel.reports["node2"] = NodeReport("node2", 1.0, {CHAOS: [late]})
+    channel.keep_node_records(tmp_path)
+    assert chaos_strikes(tmp_path) == [late]
+    channel.reports["node1"] = NodeReport("node1", 2.0, {CHAOS: [early]})
+    channel.keep_node_records(tmp_path)
+    assert chaos_strikes(tmp_path) == [early, late]

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -252,9 +251,10 @@ def test_rank_0s_first_step_comes_back_over_the_channel_into_relays_folder(
     relay_root = tmp_path / "relay"
     relay_root.mkdir()
     record = {"state": "running", FIRST_STEP: {"step": 0, "at": 12.5, "spawned_at": 10.0}}
-    channel = SimpleNamespace(reports={"node1": NodeReport("node1", 1.0, record, {}, set())})
+    channel = AgentChannel("attempt", {}, "secret")
+    channel.reports["node1"] = NodeReport("node1", 1.0, record, {}, set())
 
-    AgentChannel.keep_first_step(channel, relay_root)  # type: ignore[arg-type]
+    channel.keep_node_records(relay_root)
 
     assert json.loads((relay_root / FIRST_STEP_FILE).read_text())["at"] == 12.5
 

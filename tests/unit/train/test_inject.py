@@ -130,3 +130,42 @@ def test_stop_node_under_torchrun_freezes_the_agent_and_every_rank() -> None:
         for pid in pids:
             os.killpg(os.getpgid(pid), signal.SIGKILL)
         agent.wait()
+
+
+def test_an_announced_stop_node_waits_for_its_agent_to_send_the_strike(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a node whose disk Relay cannot read, the strike is recorded with the moment the
+    node will freeze, the node's agent sends it (and says so in chaos.sent), and only then,
+    at that moment, does the node freeze."""
+    import threading
+    from types import SimpleNamespace
+
+    import relay_train.inject as inject
+    from relay_train.agent.node_status import NodeStatus
+    from relay_train.protocol.injection import CHAOS_LOG
+
+    frozen: list[float] = []
+    monkeypatch.setattr(inject, "_freeze_node", lambda: frozen.append(time.time()))
+    monkeypatch.setattr(inject, "ANNOUNCE_SECONDS", 1.0)
+    agent = SimpleNamespace(cfg=SimpleNamespace(root=tmp_path), _chaos=(0, []))
+    sent: list[list[dict[str, object]]] = []
+    sent_at: list[float] = []
+
+    def agent_polled() -> None:  # the watcher asks the agent for its status
+        while not sent:
+            if (tmp_path / CHAOS_LOG).exists():
+                found = NodeStatus._strikes(agent)  # type: ignore[arg-type]
+                if found:
+                    sent.append(found)
+                    sent_at.append(time.time())
+            time.sleep(0.05)
+
+    poller = threading.Thread(target=agent_polled)
+    poller.start()
+    monkey = ChaosMonkey([{"kind": "stop_node", "step": 5, "node": "node2"}], segment=0,
+                         attempt=1, rank=2, node="node2", record_dir=tmp_path, announce=True)
+    monkey.before_step(5)
+    poller.join(5)
+    assert sent and sent[0][0]["kind"] == "stop_node"
+    assert frozen and sent_at[0] < frozen[0]  # sent before the node froze
+    assert frozen[0] >= float(sent[0][0]["at"])  # the recorded onset is the freeze

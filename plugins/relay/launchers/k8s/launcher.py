@@ -231,7 +231,7 @@ class KubernetesLauncher(KubernetesNodes):
                  for i, slot in enumerate(slots)}
         channel = self.channel(attempt, slots)
         channel.poll([s for s, n in nodes.items() if n.state == NodeState.RUNNING])
-        channel.keep_first_step(attempt.runs_in)  # the pods wrote theirs on their own disk
+        channel.keep_node_records(attempt.runs_in)  # the pods wrote theirs on their own disk
         for slot, node in nodes.items():
             merge_agent_report(node, channel.reports.get(slot))
         failure = job_failure(job)

@@ -38,6 +38,7 @@ from relay.launchers import launch_record
 from relay.launchers.agent_client import AgentChannel
 from relay.launchers.agent_groups import Group
 from relay.launchers.base import LaunchStatus, NodeStatus, notice_of, overall_state
+from relay.launchers.handle_file import HANDLE_FILE, HandleFile
 from relay.launchers.local.signals import LocalSignals
 from relay.launchers.local.warm_agents import (
     LINGER_SECONDS,
@@ -65,7 +66,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-HANDLE_FILE = "handle.json"
 STOP_GRACE_SECONDS = 5.0
 ENV_PARTITIONED = "RELAY_TEST_PARTITIONED_NODES"  # test hook: nodes stop() cannot reach
 STOP_ASK_TIMEOUT_SECONDS = 0.5
@@ -96,7 +96,7 @@ def agent_handle(pid: int) -> dict[str, int | None]:
     return {"pid": pid, "pgid": pid, "started": pids.start_time(pid)}
 
 
-class LocalLauncher(LocalSignals, LocalWarmStart):
+class LocalLauncher(HandleFile, LocalSignals, LocalWarmStart):
     """Start, watch and stop segment attempts as local process groups."""
 
     name = "local"
@@ -104,11 +104,7 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
     def __init__(self) -> None:
         from relay.launchers.local.continuity import LocalContinuity
 
-        self._channels: dict[Path, AgentChannel] = {}
-        self._attached: dict[Path, dict[str, Any]] = {}  # root -> a handle that travelled
-        # root -> (handle.json's stat, what it said): a poll reads it twice, and at 1,024
-        # nodes parsing it cost more than the detector
-        self._read: dict[Path, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+        HandleFile.__init__(self)
         self.continuity = LocalContinuity(self)
 
     def config(self) -> dict[str, Any]:
@@ -173,28 +169,6 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
         self.release_standbys(standby_dir)
         return Attempt(root, nodes=tuple(cfg.nodes))
 
-    def handle(self, attempt: Attempt) -> dict[str, Any]:
-        """Return the attempt's handle: its id, the agents' PIDs, PGIDs, start times and
-        channel ports, and when it was launched (an attached one, else ``handle.json``)."""
-        root = attempt.runs_in
-        if root in self._attached:
-            return dict(self._attached[root])
-        try:
-            seen = (root / HANDLE_FILE).stat()
-            key = (seen.st_mtime_ns, seen.st_size, seen.st_ino)
-            if root not in self._read or self._read[root][0] != key:
-                self._read[root] = (key, dict(json.loads((root / HANDLE_FILE).read_text())))
-            return dict(self._read[root][1])
-        except (OSError, ValueError, TypeError):
-            return {}
-
-    def attach(self, attempt: Attempt, handle: dict[str, Any]) -> None:
-        """Use ``handle`` for ``attempt`` (its ``handle.json`` may not be here)."""
-        root = attempt.runs_in
-        if handle:
-            self._attached[root] = dict(handle)
-            self._channels.pop(root, None)
-
     def _handle(self, attempt: Attempt) -> dict[str, dict[str, int | None]]:
         try:
             nodes = self.handle(attempt)["nodes"]
@@ -218,14 +192,6 @@ class LocalLauncher(LocalSignals, LocalWarmStart):
             log.warning("The aggregators in the handle of %s are unreadable: asking every agent "
                         "directly", attempt.runs_in)
             return []
-
-    def started_at(self, attempt: Attempt) -> float:
-        """Return when the attempt was launched (epoch seconds)."""
-        found = self.handle(attempt)
-        if "started_at" not in found:
-            raise KeyError(f"no launch handle for {attempt.runs_in} (neither attached nor "
-                           f"{HANDLE_FILE})")
-        return float(found["started_at"])
 
     def channel(self, attempt: Attempt) -> AgentChannel:
         """Return the channel to the attempt's agents (on loopback, at the recorded ports)."""

@@ -35,6 +35,7 @@ from relay.core.attempt import Attempt, AttemptState
 from relay.launchers import launch_record
 from relay.launchers.agent_client import AgentChannel
 from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
+from relay.launchers.handle_file import HANDLE_FILE, HandleFile
 from relay.launchers.slurm.commands import Slurm, SlurmError, SlurmJob, SlurmNode
 from relay.spec.slurm import SlurmSpec
 from relay_train.protocol.channel_auth import new_secret
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HANDLE_FILE = "handle.json"  # the handle, beside Relay's copy of the launch file
 NODE_CHECK_SECONDS = 2.0  # Slurm's node states are read at most this often
 STOP_POLL_SECONDS = 0.2
 QUARANTINE_REASON = "relay:"  # how a drain by Relay starts its reason (only those are resumed)
@@ -108,7 +108,7 @@ def node_status(node: str, job: SlurmJob | None, info: SlurmNode | None,
     return status
 
 
-class SlurmLauncher:
+class SlurmLauncher(HandleFile):
     """Start, watch and stop segment attempts as Slurm jobs."""
 
     name = "slurm"
@@ -119,8 +119,7 @@ class SlurmLauncher:
         env = ({**os.environ, "SLURM_CONF": self.settings.slurm_conf}
                if self.settings.slurm_conf else None)
         self.slurm = slurm or Slurm(env)
-        self._channels: dict[Path, AgentChannel] = {}
-        self._attached: dict[Path, dict[str, Any]] = {}
+        HandleFile.__init__(self)
         self._cluster: tuple[float, dict[str, SlurmNode]] | None = None
 
     def config(self) -> dict[str, Any]:
@@ -169,7 +168,8 @@ class SlurmLauncher:
         cfg = replace(cfg, attempt_id=cfg.attempt_id or attempt_id_of(root),
                       channel_secret=new_secret(),  # fresh for every attempt
                       agent_ports={n: agent_port for n in cfg.nodes},
-                      master_addr=cfg.nodes[0], master_port=master_port)
+                      master_addr=cfg.nodes[0], master_port=master_port,
+                      logs_to_mlflow=True)  # the rank logs stay on the nodes' own disks
         root.mkdir(parents=True, exist_ok=True)
         cfg.write(root / LAUNCH_FILE)  # Relay's copy (0600): the channel secret, for its reports
         excluded = sorted(n for n in held if n in cluster and n not in cfg.nodes)
@@ -188,29 +188,6 @@ class SlurmLauncher:
         log.info("Slurm job %s: attempt %s on %s (agents on port %d); excluded: %s", job_id,
                  cfg.attempt_id, ",".join(cfg.nodes), agent_port, ", ".join(excluded) or "none")
         return Attempt(root, nodes=tuple(cfg.nodes))
-
-    def handle(self, attempt: Attempt) -> dict[str, Any]:
-        """Return the attempt's handle: job id, attempt id, addresses, port, launch time."""
-        root = attempt.runs_in
-        if root in self._attached:
-            return dict(self._attached[root])
-        try:
-            return dict(json.loads((root / HANDLE_FILE).read_text()))
-        except (OSError, ValueError, TypeError):
-            return {}
-
-    def attach(self, attempt: Attempt, handle: dict[str, Any]) -> None:
-        """Use ``handle`` for ``attempt`` (its ``handle.json`` may not be here)."""
-        if handle:
-            self._attached[attempt.runs_in] = dict(handle)
-            self._channels.pop(attempt.runs_in, None)
-
-    def started_at(self, attempt: Attempt) -> float:
-        """Return when the attempt was launched (epoch seconds, Relay's clock)."""
-        found = self.handle(attempt)
-        if "started_at" not in found:
-            raise KeyError(f"no launch handle for {attempt.runs_in}")
-        return float(found["started_at"])
 
     def _job(self, handle: dict[str, Any]) -> SlurmJob | None:
         """Return the handle's job if it is still this attempt's (the fence), else None."""
@@ -259,7 +236,7 @@ class SlurmLauncher:
                 if not (channel.reports.get(n) and channel.reports[n].record.get(STATE) in SETTLED)]
         if job is not None and job.state == "RUNNING":
             channel.poll(live)
-        channel.keep_first_step(attempt.runs_in)
+        channel.keep_node_records(attempt.runs_in)
         nodes = {}
         for node in handle.get("addresses") or {}:
             report = channel.reports.get(node)

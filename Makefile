@@ -8,7 +8,7 @@ STAMP := $(VENV)/.relay-installed
 export RELAY_HOME ?= $(CURDIR)/.relay
 
 .PHONY: venv demo test lint bench clean up down test-slow test-services test-postgres \
-	cluster-up cluster-down test-cluster
+	cluster-up cluster-down test-cluster test-cluster-demo
 
 # This machine's pip config names local indexes that may not exist; pip warns about each.
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
@@ -49,7 +49,7 @@ down: $(STAMP)
 
 # Long end-to-end recoveries through Airflow (user script, three faults, DCP, evidence, observe).
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q --tb=short -m slow
+	$(BIN)/python -m pytest -q --tb=short -m 'slow and not cluster_ns'
 
 # Slow tests against the services of `make up` (each test starts and stops its own).
 test-services: $(STAMP)
@@ -77,7 +77,12 @@ cluster-down: $(STAMP)
 # and the Kubernetes launcher's pods run as rendered on such hosts.
 test-cluster: $(STAMP)
 	bash scripts/system-deps.sh slurm
-	$(BIN)/python -m pytest -q --tb=short -m cluster_ns tests/testbed
+	$(BIN)/python -m pytest -q --tb=short -m 'cluster_ns and not slow' tests/testbed
+
+# `relay demo --launcher slurm` on the test bed, against a fault-free run (root; ~13 min at least).
+test-cluster-demo: $(STAMP)
+	bash scripts/system-deps.sh slurm
+	$(BIN)/python -m pytest -q --tb=short -m 'cluster_ns and slow' tests/testbed
 
 bench: $(STAMP)
 	$(BIN)/relay bench checkpoint

@@ -24,7 +24,8 @@ from relay.tools.demo_slurm import JOB, on_slurm, slurm_faults
 from relay.tools.testbed import slurm
 from relay.tools.verify import verdict
 
-pytestmark = pytest.mark.cluster_ns
+# cluster_ns and slow: `make test-cluster-demo` (about 13 min of bed time), not `make test-cluster`.
+pytestmark = [pytest.mark.cluster_ns, pytest.mark.slow]
 
 
 def test_the_demo_on_slurm_recovers_its_three_faults_bit_exact(

@@ -147,25 +147,38 @@ class StragglerRule:
         """Return the ratio in force: the policy's, raised by the job's own spread."""
         return self._spread.ratio
 
-    def _interval_excess(self, active: list[Heartbeat], now: float) -> dict[int, float]:
-        """Return each rank's compute beyond the others' median over the steps it finished
-        since the last poll (at most the time that passed), where every figure is known;
-        remember this poll's totals for the next."""
+    def _interval_excess(self, active: list[Heartbeat], now: float
+                         ) -> Callable[[int], float | None]:
+        """Return ``rank ->`` its compute beyond the others' median over the steps it
+        finished since the last poll (at most the time that passed; None where a figure is
+        unknown); remember this poll's totals for the next. Only the ranks over the ratio
+        are asked: the figure is worked out for those alone."""
         per_step: dict[int, tuple[float, int, float]] = {}  # rank -> (per step, steps, since)
+        totals = self._totals
         for beat in active:
-            if beat.compute_total is None:
+            total = beat.compute_total
+            if total is None:
                 continue
-            seen = self._totals.get(beat.rank)
-            if seen is not None and beat.step > seen[0] and beat.compute_total >= seen[1]:
-                steps = beat.step - seen[0]
-                per_step[beat.rank] = ((beat.compute_total - seen[1]) / steps, steps, seen[2])
-            if seen is None or beat.step != seen[0]:
-                self._totals[beat.rank] = (beat.step, beat.compute_total, now)
+            rank, step = beat.rank, beat.step
+            seen = totals.get(rank)
+            if seen is None:
+                totals[rank] = (step, total, now)
+            elif step != seen[0]:
+                if step > seen[0] and total >= seen[1]:
+                    per_step[rank] = ((total - seen[1]) / (step - seen[0]), step - seen[0],
+                                      seen[2])
+                totals[rank] = (step, total, now)
         if len(per_step) < 2:
-            return {}
+            return lambda _rank: None
         others = leave_one_out(sorted(p for p, _, _ in per_step.values()))
-        return {rank: min(max(p - others(p), 0.0) * steps, now - since)
-                for rank, (p, steps, since) in per_step.items()}
+
+        def excess(rank: int) -> float | None:
+            if rank not in per_step:
+                return None
+            p, steps, since = per_step[rank]
+            return min(max(p - others(p), 0.0) * steps, now - since)
+
+        return excess
 
     def _track(self, beat: Heartbeat, extra: float, now: float,
                exact: float | None) -> _SlowRun:
@@ -218,33 +231,43 @@ class StragglerRule:
         ordered = sorted(b.compute_seconds or 0.0 for b in active)
         median_of_others = leave_one_out(ordered)
         spread, limit = self._spread, self._spread.ratio
-        ratios, extra, others_of = {}, {}, {}
-        for beat in active:
-            others = others_of[beat.rank] = median_of_others(beat.compute_seconds or 0.0)
-            ratios[beat.rank] = (beat.compute_seconds or 0.0) / others if others > 0 else 0.0
-            extra[beat.rank] = (beat.compute_seconds or 0.0) - others
-        over = [b for b in active if ratios[b.rank] > limit]
-        over_ranks = {b.rank for b in over}  # (ranks are unique among the active)
+        # A rank's ratio to the others' median rises with its compute (the others' median
+        # can only fall as it grows), so the ranks over the ratio are those above the
+        # highest compute that is not: found from the top, one step past the slow ranks.
+        # Only those, and the ranks with a clock or a run to end, are looked at one by one.
+        highest_under: float | None = None  # the highest ratio not over (the spread's figure)
+        bound = -math.inf  # compute at or under this is not over the ratio
+        for value in reversed(ordered):
+            others = median_of_others(value)
+            ratio = value / others if others > 0 else 0.0
+            if ratio <= limit:
+                highest_under, bound = ratio, value
+                break
+        tracked = self._runs.keys() | self._held.since.keys()
         due: list[tuple[float, float]] = []  # (lost, held) of each rank whose run is due
         slow: list[Heartbeat] = []  # the ranks over the ratio, judged this poll
-        for beat in active:
-            rank = beat.rank
-            if rank in over_ranks and spread.machine_wide(others_of[rank]):
+        ratios: dict[int, float] = {}
+        for beat in [b for b in active if (b.compute_seconds or 0.0) > bound
+                     or b.rank in tracked]:
+            rank, value = beat.rank, beat.compute_seconds or 0.0
+            others = median_of_others(value)
+            ratios[rank] = ratio = value / others if others > 0 else 0.0
+            over = ratio > limit
+            if over and spread.machine_wide(others):
                 self._held.pause(rank)  # the others slowed too: not this rank's doing
                 continue
-            held = self._held.hold(rank, rank in over_ranks, now)
-            if rank not in over_ranks:
+            held = self._held.hold(rank, over, now)
+            if not over:
                 ended = self._runs.pop(rank, None)
                 if ended is not None:  # over the ratio for a while, then not: noise
                     spread.blip(ended.peak)
                 continue
-            run = self._track(beat, extra[rank], now, exact.get(rank))
-            run.peak = max(run.peak, ratios[rank])
+            run = self._track(beat, value - others, now, exact(rank))
+            run.peak = max(run.peak, ratio)
             slow.append(beat)
             if self._due(run, held):
                 due.append((run.lost, held))
-        under = [ratios[b.rank] for b in active if b.rank not in over_ranks]
-        spread.add(max(under) if under else None, ordered[len(ordered) // 2])
+        spread.add(highest_under, ordered[len(ordered) // 2])
         if not due:
             return None
         lost, held = max(due)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from relay.launchers.agent_groups import AGGREGATE_SECONDS, decode_node
-from relay.tools.bench.agent_sim import SimAgent, SimAggregator
+from relay.tools.bench.agent_sim import SimAgent, SimAggregator, Simulator, shards_for
 from relay.tools.bench.sim_cluster import HEARTBEAT_SECONDS, Cluster, SimFault
 from relay_train.protocol.heartbeat import Phase
 from relay_train.protocol.routes import NODES, SEEN_AGE_SECONDS
@@ -143,3 +143,24 @@ def test_a_frozen_aggregator_does_not_stop_the_ranks() -> None:
 def now_fresh(job: Cluster, rank: int, now: float) -> bool:
     beat = job.heartbeat(rank, now)
     return beat is not None and now - beat.wall_clock < HEARTBEAT_SECONDS
+
+
+@pytest.mark.parametrize(("nodes", "group_size"), [(100, 32), (40, 0), (8, 32)])
+def test_the_shards_serve_every_node_and_aggregator_once(nodes: int, group_size: int,
+                                                         tmp_path: Path) -> None:
+    """One simulator process per group: together they serve each node once, and each
+    aggregator with every node of its group."""
+    job = Cluster(nodes, 2, T0)
+    shards = shards_for(nodes, group_size)
+    served, groups = [], {}
+    for shard in range(shards):
+        sim = Simulator(job, "a", tmp_path, "s" * 32, group_size, shard, shards)
+        try:
+            served += sim.ports()
+            groups.update(sim.groups)
+            assert all(set(g) <= set(sim.ports()) for g in sim.groups.values())
+        finally:
+            sim.close()
+    assert sorted(served) == sorted(job.node_name(n) for n in range(nodes))
+    assert shards == (len(groups) or -(-nodes // 32))
+    assert sorted(n for g in groups.values() for n in g) == (sorted(served) if groups else [])

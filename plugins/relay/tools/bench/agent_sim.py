@@ -29,10 +29,16 @@ group's agents said at the aggregator's last round (every ``AGGREGATE_SECONDS``)
 nodes' answers age as a real aggregator's do. ``stop_node`` on an aggregator's name
 freezes that aggregator.
 
+One process cannot keep up with the watcher's requests at a thousand nodes (it fell
+behind its aggregators, which then counted as down): the bench runs one per shard
+(``SHARD SHARDS STARTED_AT``), each serving every ``SHARDS``-th group of nodes (with its
+aggregator) from the same model of the job, on the same clock (``STARTED_AT``); every
+fault is written to every shard.
+
 Run: ``python -m relay.tools.bench.agent_sim ROOT NODES RANKS_PER_NODE ATTEMPT_ID
-[GROUP_SIZE]`` with the channel secret as stdin's first line; it writes ``ports.json`` (node
--> port, aggregators: name -> port and nodes, and its ``started_at``) in ROOT once every
-node listens.
+[GROUP_SIZE [SHARD SHARDS STARTED_AT]]`` with the channel secret as stdin's first line; it
+writes ``ports-SHARD.json`` (:func:`ports_file`: node -> port, aggregators: name -> port
+and nodes, and its ``started_at``) in ROOT once every node it serves listens.
 """
 
 from __future__ import annotations
@@ -57,7 +63,19 @@ from relay_train.protocol.routes import EXIT_CODES, HEARTBEATS, STATE, NodeState
 
 log = logging.getLogger(__name__)
 
-PORTS_FILE = "ports.json"
+SHARD_NODES = 32  # nodes a simulator process serves (the bench's shards) without aggregators
+
+
+def ports_file(shard: int) -> str:
+    """Return the name of the file shard ``shard`` writes its ports in."""
+    return f"ports-{shard}.json"
+
+
+def shards_for(nodes: int, group_size: int) -> int:
+    """Return how many simulator processes serve ``nodes`` nodes: one per aggregator's group
+    (or per :data:`SHARD_NODES` nodes without aggregators)."""
+    per = group_size if group_size > 0 and groups_of([""] * nodes, group_size) else SHARD_NODES
+    return max(1, math.ceil(nodes / per))
 
 
 class SimAgent:
@@ -151,20 +169,24 @@ def _sim_handler(base: type[StreamRequestHandler], cluster: Cluster) -> type:
 
 
 class Simulator:
-    """Serve every simulated node's channel from one thread."""
+    """Serve the simulated nodes' channels of one shard (every ``shards``-th group of
+    nodes, with its aggregator) from one thread."""
 
     def __init__(self, cluster: Cluster, attempt_id: str, root: Path, secret: str,
-                 group_size: int = 0) -> None:
+                 group_size: int = 0, shard: int = 0, shards: int = 1) -> None:
         self.cluster = cluster
         self.servers: dict[str, Any] = {}  # node -> its (never started) AgentServer's httpd
+        names = [cluster.node_name(n) for n in range(cluster.nodes)]
+        cut = groups_of(names, group_size) if group_size > 0 else []
+        blocks = cut or [names[i:i + SHARD_NODES] for i in range(0, len(names), SHARD_NODES)]
         agents = {}
-        for n in range(cluster.nodes):
-            node = cluster.node_name(n)
+        for node in (n for b, block in enumerate(blocks) if b % shards == shard for n in block):
             agents[node] = SimAgent(cluster, node, attempt_id, root)
             self.servers[node] = self._serve(agents[node], secret)
         self.groups: dict[str, list[str]] = {}  # aggregator -> its nodes
-        cut = groups_of(list(agents), group_size) if group_size > 0 else []
         for g, nodes in enumerate(cut):
+            if g % shards != shard:
+                continue
             name = f"aggregator-{g}"
             self.groups[name] = nodes
             offset = cluster.started_at + AGGREGATE_SECONDS * g / max(len(cut), 1)
@@ -240,10 +262,12 @@ def main(argv: list[str]) -> int:
     """Serve ``NODES`` simulated agents until killed."""
     root, nodes, per_node, attempt_id = Path(argv[0]), int(argv[1]), int(argv[2]), argv[3]
     group_size = int(argv[4]) if len(argv) > 4 else 0
+    shard, shards = (int(argv[5]), int(argv[6])) if len(argv) > 6 else (0, 1)
+    started_at = float(argv[7]) if len(argv) > 7 else time.time()
     secret = sys.stdin.readline().strip()  # the channel secret: not on the command line
-    cluster = Cluster(nodes, per_node, time.time())
-    sim = Simulator(cluster, attempt_id, root, secret, group_size)
-    write_atomically(root / PORTS_FILE, json.dumps({"ports": sim.ports(),
+    cluster = Cluster(nodes, per_node, started_at)
+    sim = Simulator(cluster, attempt_id, root, secret, group_size, shard, shards)
+    write_atomically(root / ports_file(shard), json.dumps({"ports": sim.ports(),
                                                     "aggregators": sim.aggregators(),
                                                     "started_at": cluster.started_at}))
     threading.Thread(target=_read_faults, args=(cluster,), daemon=True).start()

@@ -1,11 +1,11 @@
 """`relay bench watcher`: what the watcher costs, and how fast it detects, at many nodes.
 
-Another process (:mod:`relay.tools.bench.agent_sim`) serves every simulated node's agent
-channel on loopback: the real server's request handling and HMAC credential, 8 ranks a
-node by default, their heartbeats modelled on the clock. This process runs the real
-``SegmentWatchTrigger`` over them (asking every agent over HTTP, as on a cluster) with the
-thresholds of ``policies/default.yaml`` at its poll interval, so the CPU figure is the
-watcher's own. Per size it reports:
+Other processes (:mod:`relay.tools.bench.agent_sim`, one per group of nodes) serve every
+simulated node's agent channel on loopback: the real server's request handling and HMAC
+credential, 8 ranks a node by default, their heartbeats modelled on the clock. This
+process runs the real ``SegmentWatchTrigger`` over them (asking every agent over HTTP, as
+on a cluster) with the thresholds of ``policies/default.yaml`` at its poll interval, so the
+CPU figure is the watcher's own. Per size it reports:
 
 - a fault-free run of ``--seconds``: the watcher's CPU as a share of one core, its
   resident memory, and each poll's latency (one ``observe_attempt``: every agent asked)
@@ -40,7 +40,7 @@ import relay
 from relay.launchers.agent_groups import DIRECT_MAX_NODES, GROUP_SIZE
 from relay.launchers.local.launcher import HANDLE_FILE, agent_handle
 from relay.policy.model import Detection, load_policy
-from relay.tools.bench.agent_sim import PORTS_FILE
+from relay.tools.bench.agent_sim import ports_file, shards_for
 from relay.tools.bench.sim_cluster import SimFault
 from relay.watch import triggers
 from relay.watch.triggers import SegmentWatchTrigger
@@ -80,9 +80,10 @@ def default_detection() -> Detection:
 
 @contextmanager
 def simulated(nodes: int, per_node: int, group_size: int = 0,
-              ) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
+              ) -> Iterator[tuple[Path, list[subprocess.Popen[bytes]]]]:
     """Start the simulator for ``nodes`` nodes (and their aggregators, ``group_size`` nodes
-    each: 0 for none); yield the attempt folder and the process."""
+    each: 0 for none), one process per group (:func:`shards_for`); yield the attempt folder
+    and the processes."""
     with tempfile.TemporaryDirectory(prefix="relay-bench-watcher-") as tmp:
         root = Path(tmp)
         secret = new_secret()
@@ -91,34 +92,46 @@ def simulated(nodes: int, per_node: int, group_size: int = 0,
                      end_step=0, checkpoint_every=0, nodes=names, ranks_per_node=per_node,
                      tracking_uri="", run_id="", attempt_dir=str(root), attempt=1, segment=0,
                      channel_secret=secret).write(root / LAUNCH_FILE)
-        sim = subprocess.Popen(
-            [sys.executable, "-m", "relay.tools.bench.agent_sim", str(root), str(nodes),
-             str(per_node), ATTEMPT_ID, str(group_size)], stdin=subprocess.PIPE)
+        shards, started_at = shards_for(nodes, group_size), time.time()
+        sims: list[subprocess.Popen[bytes]] = []
         try:
-            assert sim.stdin is not None
-            sim.stdin.write(f"{secret}\n".encode())
-            sim.stdin.flush()
-            while not (root / PORTS_FILE).exists():
-                if sim.poll() is not None:
-                    raise RuntimeError(f"agent_sim exited with {sim.returncode} before serving")
-                time.sleep(0.1)
-            ports = json.loads((root / PORTS_FILE).read_text())
-            handle = {node: {**agent_handle(sim.pid), "port": port}
-                      for node, port in ports["ports"].items()}
+            for shard in range(shards):
+                sims.append(subprocess.Popen(
+                    [sys.executable, "-m", "relay.tools.bench.agent_sim", str(root), str(nodes),
+                     str(per_node), ATTEMPT_ID, str(group_size), str(shard), str(shards),
+                     repr(started_at)], stdin=subprocess.PIPE))
+                assert sims[-1].stdin is not None
+                sims[-1].stdin.write(f"{secret}\n".encode())
+                sims[-1].stdin.flush()
+            handle: dict[str, Any] = {}
+            aggregators: dict[str, Any] = {}
+            for shard, sim in enumerate(sims):
+                while not (root / ports_file(shard)).exists():
+                    if sim.poll() is not None:
+                        raise RuntimeError(f"agent_sim exited with {sim.returncode} before "
+                                           "serving")
+                    time.sleep(0.1)
+                ports = json.loads((root / ports_file(shard)).read_text())
+                handle.update({node: {**agent_handle(sim.pid), "port": port}
+                               for node, port in ports["ports"].items()})
+                aggregators.update(ports.get("aggregators") or {})
             (root / HANDLE_FILE).write_text(json.dumps({
-                "nodes": handle, "aggregators": ports.get("aggregators") or {},
-                "started_at": ports["started_at"], "attempt_id": ATTEMPT_ID}))
-            yield root, sim
+                "nodes": dict(sorted(handle.items(), key=lambda kv: int(kv[0].split("-")[1]))),
+                "aggregators": aggregators, "started_at": started_at,
+                "attempt_id": ATTEMPT_ID}))
+            yield root, sims
         finally:
-            sim.kill()
-            sim.wait()
+            for sim in sims:
+                sim.kill()
+                sim.wait()
 
 
-def strike(sim: subprocess.Popen[bytes], fault: SimFault) -> None:
-    """Script ``fault`` into the running simulator."""
-    assert sim.stdin is not None
-    sim.stdin.write((json.dumps(fault.__dict__) + "\n").encode())
-    sim.stdin.flush()
+def strike(sims: list[subprocess.Popen[bytes]], fault: SimFault) -> None:
+    """Script ``fault`` into every running simulator process."""
+    for sim in sims:
+        assert sim.stdin is not None
+        sim.stdin.write((json.dumps(fault.__dict__) + "\n").encode())
+        sim.stdin.flush()
 
 
 class PollTimer:
@@ -191,14 +204,15 @@ def healthy(nodes: int, per_node: int, seconds: float, detection: Detection,
     """Watch a fault-free job for ``seconds``: CPU, memory, poll latency, and every event
     (a false alarm ends a trigger's run: a fresh one goes on watching, as a retry's would)."""
     events: list[dict[str, Any]] = []
-    with simulated(nodes, per_node, group_size) as (root, sim), PollTimer() as polls:
-        cpu0, wall0, sim0 = time.process_time(), time.perf_counter(), _cpu_seconds(sim.pid)
+    with simulated(nodes, per_node, group_size) as (root, sims), PollTimer() as polls:
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        sim0 = sum(_cpu_seconds(sim.pid) for sim in sims)
         while (left := seconds - (time.perf_counter() - wall0)) > 0:
             event = asyncio.run(_first_event(_trigger(root, nodes, per_node, detection), left))
             if event is not None:
                 events.append(event)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-        sim_cpu = _cpu_seconds(sim.pid) - sim0
+        sim_cpu = sum(_cpu_seconds(sim.pid) for sim in sims) - sim0
         rss = _rss_mb()
     lat = sorted(polls.seconds) or [float("nan")]
     return {"cpu_share": cpu / wall, "sim_share": sim_cpu / wall, "rss_mb": rss,
@@ -219,11 +233,11 @@ def detect(nodes: int, per_node: int, trial: Trial, detection: Detection,
     """Strike ``trial``'s fault after the warm-up; return the latency and what was called."""
     node, rank = f"node-{nodes - 1}", (nodes - 1) * per_node + 1
     struck: list[float] = []
-    with simulated(nodes, per_node, group_size) as (root, sim):
+    with simulated(nodes, per_node, group_size) as (root, sims):
         def fire() -> None:
             at = time.time()
             struck.append(at)
-            strike(sim, SimFault(trial.kind, at, node=node if trial.on_node else None,
+            strike(sims, SimFault(trial.kind, at, node=node if trial.on_node else None,
                                  rank=None if trial.on_node else rank))
 
         trigger = _trigger(root, nodes, per_node, detection)
@@ -238,11 +252,11 @@ def detect(nodes: int, per_node: int, trial: Trial, detection: Detection,
 def aggregator_frozen(nodes: int, per_node: int, detection: Detection,
                       group_size: int) -> list[dict[str, Any]]:
     """Freeze the last aggregator after the warm-up; return the events of QUIET_SECONDS."""
-    with simulated(nodes, per_node, group_size) as (root, sim):
+    with simulated(nodes, per_node, group_size) as (root, sims):
         name = f"aggregator-{(nodes - 1) // group_size}"
         trigger = _trigger(root, nodes, per_node, detection)
         event = asyncio.run(_first_event(trigger, WARMUP_SECONDS + QUIET_SECONDS, lambda: strike(
-            sim, SimFault("stop_node", time.time(), node=name))))
+            sims, SimFault("stop_node", time.time(), node=name))))
     return [event] if event is not None else []
 
 
@@ -262,7 +276,7 @@ def measure(nodes: int, per_node: int, seconds: float, faults: bool = True,
           f"events: {_said(h['events'])}", flush=True)
     bad = bool(h["events"])
     for trial in TRIALS if faults else ():
-        d = detect(nodes, per_node, trial, detection)
+        d = detect(nodes, per_node, trial, detection, group_size)
         said = f"{d['latency']:.2f}s" if d["latency"] is not None else "not detected"
         print(f"  {'':5} {trial.name:<12} detected after {said} "
               f"({d['called']}{'' if d['right'] else ': WRONG'})", flush=True)
@@ -284,7 +298,8 @@ def main(nodes: list[int] | None = None, seconds: float = 30.0, per_node: int = 
     print(f"Watcher at scale{' (SMOKE: too small for figures)' if smoke else ''}: the real "
           f"SegmentWatchTrigger polling every {default_detection().poll_interval:g}s "
           f"({DEFAULT_POLICY.name if DEFAULT_POLICY.exists() else 'model defaults'}) over "
-          f"simulated agents (relay.tools.bench.agent_sim, another process, HTTP on loopback), "
+          f"simulated agents (relay.tools.bench.agent_sim, one process per group of nodes, HTTP "
+          f"on loopback; load average {os.getloadavg()[0]:.1f}), "
           f"{seconds:g}s fault-free per size, then "
           f"{'(smoke: none)' if smoke else 'one'} run per fault struck after "
           f"{WARMUP_SECONDS:g}s. Compared with: one core, and issue 32's goal at 1,024 nodes "

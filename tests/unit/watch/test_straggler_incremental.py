@@ -1,0 +1,139 @@
+"""The straggler rule looks one by one only at the ranks over the ratio (and those with a
+clock or a run to end): it must judge exactly as a pass over every rank does.
+
+:class:`FullPass` is the rule as it was before (every rank's ratio, excess and clock each
+poll), kept here as the reference; both are fed the same random sequences of polls
+(jitter, slow ranks coming and going, ranks not stepping, a machine-wide slowdown) and
+must agree on every fault, every clock, every run and the spread's ratio.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from relay.core.faults import Fault
+from relay.policy.model import StragglerDetection
+from relay.watch.slowness import StragglerRule, leave_one_out
+from relay_train.protocol.heartbeat import Heartbeat, Phase
+
+
+class FullPass(StragglerRule):
+    """The rule judging every rank every poll (the reference)."""
+
+    def _interval_excess(self, active: list[Heartbeat], now: float):  # type: ignore[no-untyped-def, override]
+        per_step: dict[int, tuple[float, int, float]] = {}
+        for beat in active:
+            if beat.compute_total is None:
+                continue
+            seen = self._totals.get(beat.rank)
+            if seen is not None and beat.step > seen[0] and beat.compute_total >= seen[1]:
+                steps = beat.step - seen[0]
+                per_step[beat.rank] = ((beat.compute_total - seen[1]) / steps, steps, seen[2])
+            if seen is None or beat.step != seen[0]:
+                self._totals[beat.rank] = (beat.step, beat.compute_total, now)
+        if len(per_step) < 2:
+            return lambda _rank: None
+        others = leave_one_out(sorted(p for p, _, _ in per_step.values()))
+        exact = {rank: min(max(p - others(p), 0.0) * steps, now - since)
+                 for rank, (p, steps, since) in per_step.items()}
+        return exact.get
+
+    def check(self, active: list[Heartbeat], now: float) -> Fault | None:
+        active = [b for b in active if b.compute_seconds]
+        judged = {b.rank for b in active} if len(active) >= 2 else set()
+        for rank in [r for r in self._held.since if r not in judged]:
+            self._held.pause(rank)
+        if not judged:
+            return None
+        exact = self._interval_excess(active, now)
+        if self._stepping_since is None:
+            self._stepping_since = now
+        if now - self._stepping_since < self.rule.sustained:
+            return None
+        ordered = sorted(b.compute_seconds or 0.0 for b in active)
+        median_of_others = leave_one_out(ordered)
+        spread, limit = self._spread, self._spread.ratio
+        ratios, extra, others_of = {}, {}, {}
+        for beat in active:
+            others = others_of[beat.rank] = median_of_others(beat.compute_seconds or 0.0)
+            ratios[beat.rank] = (beat.compute_seconds or 0.0) / others if others > 0 else 0.0
+            extra[beat.rank] = (beat.compute_seconds or 0.0) - others
+        over_ranks = {b.rank for b in active if ratios[b.rank] > limit}
+        due: list[tuple[float, float]] = []
+        slow: list[Heartbeat] = []
+        for beat in active:
+            rank = beat.rank
+            if rank in over_ranks and spread.machine_wide(others_of[rank]):
+                self._held.pause(rank)
+                continue
+            held = self._held.hold(rank, rank in over_ranks, now)
+            if rank not in over_ranks:
+                ended = self._runs.pop(rank, None)
+                if ended is not None:
+                    spread.blip(ended.peak)
+                continue
+            run = self._track(beat, extra[rank], now, exact(rank))
+            run.peak = max(run.peak, ratios[rank])
+            slow.append(beat)
+            if self._due(run, held):
+                due.append((run.lost, held))
+        under = [ratios[b.rank] for b in active if b.rank not in over_ranks]
+        spread.add(max(under) if under else None, ordered[len(ordered) // 2])
+        if not due:
+            return None
+        return Fault.__new__(Fault)  # the fault's text is the shared code's (below)
+
+
+def _polls(seed: int, ranks: int, polls: int) -> list[tuple[float, list[Heartbeat]]]:
+    """Return a random job: per poll, the time and the stepping ranks' records."""
+    rng = random.Random(seed)
+    step = dict.fromkeys(range(ranks), 0)
+    total = dict.fromkeys(range(ranks), 0.0)
+    slow: dict[int, float] = {}
+    base, out = 0.05, []
+    for i in range(polls):
+        now = 1_000.0 + 0.5 * i
+        if rng.random() < 0.15:  # a rank turns slow, or recovers
+            rank = rng.randrange(ranks)
+            if rank in slow:
+                del slow[rank]
+            else:
+                slow[rank] = rng.choice([1.3, 1.6, 2.0, 3.0, 8.0])
+        if rng.random() < 0.05:
+            base *= rng.choice([0.5, 2.0, 3.0])  # the whole machine slows, or recovers
+        beats = []
+        for rank in range(ranks):
+            if rng.random() < 0.05:
+                continue  # not stepping this poll (a late answer)
+            steps = rng.choice([0, 1, 3, 5])
+            per = base * slow.get(rank, 1.0) * rng.uniform(0.9, 1.1)
+            step[rank] += steps
+            total[rank] += per * steps
+            beats.append(Heartbeat(rank=rank, node=f"node-{rank // 4}", pid=1, step=step[rank],
+                                   phase=Phase.COMPUTE.value, phase_started_at=now,
+                                   compute_seconds=per if rng.random() > 0.02 else 0.0,
+                                   compute_total=None if rng.random() < 0.03 else total[rank],
+                                   wall_clock=now))
+        out.append((now, beats))
+    return out
+
+
+def _state(rule: StragglerRule) -> tuple[object, ...]:
+    runs = {r: vars(run) for r, run in rule._runs.items()}
+    return (runs, dict(rule._held.since), set(rule._held.paused), dict(rule._totals),
+            rule.ratio)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_judging_only_the_ranks_over_the_ratio_equals_a_pass_over_every_rank(seed: int) -> None:
+    policy = StragglerDetection(sustained=3.0, lost_seconds=1.0)
+    fast, full = StragglerRule(policy), FullPass(policy)
+    slow_seen = False
+    for now, beats in _polls(seed, ranks=4 + seed * 4, polls=80):
+        got, want = fast.check(list(beats), now), full.check(list(beats), now)
+        assert (got is None) == (want is None), f"poll at {now}"
+        assert _state(fast) == _state(full), f"poll at {now}"
+        slow_seen = slow_seen or bool(fast._runs)
+    assert slow_seen  # the sequence had slow ranks to judge

@@ -6,6 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.relay-installed
 export RELAY_HOME ?= $(CURDIR)/.relay
+# pytest's default selection (addopts in pyproject.toml), repeated where `make test` adds to it.
+DEFAULT_TESTS := not services and not postgres and not slow and not cluster_ns
 
 .PHONY: venv demo test lint bench clean up down test-slow test-services test-postgres \
 	cluster-up cluster-down test-cluster test-cluster-demo
@@ -33,7 +35,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q --durations=15
+	@# Tests that start no real workload (not marked integration) run on both cores,
+	@# one file per pytest-xdist worker (module fixtures stay in one process; each worker
+	@# has its own RELAY_HOME, tests/conftest.py); the real multi-process runs then run
+	@# alone, as the detector's timing expects.
+	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile -m "$(DEFAULT_TESTS) and not integration"
+	$(BIN)/python -m pytest -q --durations=15 -m "$(DEFAULT_TESTS) and integration"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -36,7 +36,7 @@ from relay.nodes.pool import Quarantine
 from relay.spec.job import load_job_spec
 from relay.spec.slurm import SlurmSpec
 from relay_train.agent.unpack import unpack
-from relay_train.protocol.env import ENV_LAUNCH_B64
+from relay_train.protocol.env import ENV_LAUNCH_B64, ENV_SHIELD_RANKS
 from relay_train.protocol.launch import FIRST_STEP_FILE, LAUNCH_FILE, LaunchConfig
 from relay_train.protocol.routes import FIRST_STEP, NodeState
 
@@ -137,6 +137,8 @@ def test_the_batch_script_carries_the_launch_file_each_node_unpacks_locally(
     assert got.root == launch.parent and got.channel_secret == "s3cret"
     assert (launch.stat().st_mode & 0o777) == 0o600
     assert ENV_LAUNCH_B64 in script and "srun --export=ALL --ntasks-per-node=1" in script
+    # Slurm's SIGTERM reaches every process of the step: the ranks leave it to their agent.
+    assert f"export {ENV_SHIELD_RANKS}=1" in script.splitlines()
     assert "/opt/py -m relay_train.agent.unpack" in script
     assert base64.b64decode(encoded)  # the script holds no path of Relay's disk to read
 

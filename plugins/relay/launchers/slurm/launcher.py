@@ -38,7 +38,7 @@ from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
 from relay.launchers.slurm.commands import Slurm, SlurmError, SlurmJob, SlurmNode
 from relay.spec.slurm import SlurmSpec
 from relay_train.protocol.channel_auth import new_secret
-from relay_train.protocol.env import ENV_LAUNCH_B64
+from relay_train.protocol.env import ENV_LAUNCH_B64, ENV_SHIELD_RANKS
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 from relay_train.protocol.routes import (
     ERRORS,
@@ -77,6 +77,9 @@ def batch_script(cfg: LaunchConfig, settings: SlurmSpec) -> str:
         f"# Relay attempt {cfg.attempt_id}: one node agent per node (relay_train.agent.unpack)",
         'export HOME="${HOME:-/tmp}"',
         f"export {ENV_LAUNCH_B64}={shlex.quote(encoded)}",
+        # Slurm signals every process of the step: the ranks leave a SIGTERM to their agent
+        # (a preemption notice, relay_train.agent.notice), which ends them with SIGUSR1.
+        f"export {ENV_SHIELD_RANKS}=1",
         "exec srun --export=ALL --ntasks-per-node=1 --kill-on-bad-exit=0 " + shlex.join(task),
         "",
     ])

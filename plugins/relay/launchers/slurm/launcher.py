@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from relay.core.attempt import Attempt, AttemptState
 from relay.launchers import launch_record
 from relay.launchers.agent_client import AgentChannel
-from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
+from relay.launchers.base import LaunchStatus, NodeStatus, notice_of, overall_state
 from relay.launchers.slurm.commands import Slurm, SlurmError, SlurmJob, SlurmNode
 from relay.spec.slurm import SlurmSpec
 from relay_train.protocol.channel_auth import new_secret
@@ -94,6 +94,8 @@ def node_status(node: str, job: SlurmJob | None, info: SlurmNode | None,
         status.state = NodeState(report.get(STATE, NodeState.RUNNING))
         status.exit_codes = {int(r): c for r, c in (report.get(EXIT_CODES) or {}).items()}
         status.errors = {int(r): str(t) for r, t in (report.get(ERRORS) or {}).items()}
+        if received_at is not None:  # Slurm's --signal / preemption SIGTERM, as its agent took it
+            status.notice = notice_of(report, received_at)
         failed = {r: c for r, c in status.exit_codes.items() if c not in (None, 0)}
         if failed:
             status.detail = f"ranks exited with {failed}"

@@ -49,13 +49,18 @@ def _figure(what: str, **values: float | int | str) -> None:
     log.warning(line)
 
 
+def _drained(launcher: SlurmLauncher, culprit: str) -> None:
+    """Assert ``culprit`` is drained in Slurm with Relay's reason (its quarantine)."""
+    node = launcher.cluster(fresh=True)[culprit]
+    assert "DRAIN" in node.states and node.reason.startswith("relay: node_unresponsive"), node
+
+
 def _quarantined_and_retried(launcher: SlurmLauncher, tracking: str, segment: Path,
                              culprit: str, onset: float) -> None:
     """Assert ``culprit`` is drained in Slurm with Relay's reason, then retry the segment on
     the nodes left and see it train to its end without the culprit (``onset``: when the
     fault was made, epoch seconds: the time to resume ends at the retry's first step)."""
-    node = launcher.cluster(fresh=True)[culprit]
-    assert "DRAIN" in node.states and node.reason.startswith("relay: node_unresponsive"), node
+    _drained(launcher, culprit)
     retry = config(tracking, segment / "try-1", NodePool().healthy(), steps=4)
     assert retry.nodes == [n for n in NODES if n != culprit]
     done = trained(launcher, retry)
@@ -116,8 +121,7 @@ def test_a_killed_slurmd_is_read_from_slurm_and_its_node_quarantined(
         testbed: TestBed, tracking: str, launcher: SlurmLauncher, relay_home: Path) -> None:
     """node2's slurmd is SIGKILLed while its agent and rank train on: Slurm marks node2
     NOT_RESPONDING (SlurmdTimeout=5 on the bed), the launcher reads it in `scontrol show
-    node -o`, node2 is called unresponsive, drained, and the retry trains on node1 and node3
-    (~60-90 s at load ~10)."""
+    node -o`, node2 is called unresponsive and drained (~60 s at load ~15)."""
     segment = relay_home / "slurm" / "dag" / "slurmd" / "segment-000"
     cfg = config(tracking, segment / "try-0", NODES, steps=100_000)
     attempt = launcher.launch(cfg)
@@ -127,12 +131,11 @@ def test_a_killed_slurmd_is_read_from_slurm_and_its_node_quarantined(
                    if Path(f"/proc/{p}/comm").read_text().strip() == "slurmd"]
         assert len(daemons) == 1, daemons
         os.kill(daemons[0], signal.SIGKILL)
-        onset = time.time()
         _fault_on(launcher, cfg, "node2", "slurmd killed", time.monotonic())
         node = launcher.cluster(fresh=True)["node2"]
         assert node.unresponsive, node  # Slurm's word, not only the agent's silence
         assert launcher.stop(attempt, grace_seconds=2.0) == []
-        _quarantined_and_retried(launcher, tracking, segment, "node2", onset)
+        _drained(launcher, "node2")  # (the retry elsewhere: the link cut's test)
     finally:
         launcher.stop(attempt, grace_seconds=1.0)
         if not any(Path(f"/proc/{p}/comm").read_text().strip() == "slurmd"

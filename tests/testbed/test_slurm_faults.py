@@ -101,7 +101,7 @@ def test_a_cut_link_is_node_unresponsive_on_that_host_quarantined_and_retried_el
         testbed: TestBed, tracking: str, launcher: SlurmLauncher, relay_home: Path) -> None:
     """node3's link goes down mid-training: node3 is called unresponsive (not a hang of the
     two nodes left waiting on it), drained, and the retry trains on node1 and node2
-    (~60-90 s at load ~10)."""
+    (~60 s at load ~15)."""
     segment = relay_home / "slurm" / "dag" / "netcut" / "segment-000"
     cfg = config(tracking, segment / "try-0", NODES, steps=100_000)
     attempt = launcher.launch(cfg)
@@ -152,7 +152,7 @@ def test_a_slurm_signal_is_a_preemption_notice_drained_without_loss_and_not_quar
     the job step, ranks included) mid-training: the ranks, shielded, train on; the agents
     take it as the notice; the fault is `preempted`, the default policy drains within the
     grace (0 lost steps), quarantines nothing, and the retry resumes from the drained step
-    without that node (~60-90 s at load ~10)."""
+    without that node (~40 s at load ~15)."""
     lineage = Lineage(tracking, tmp_path / "artifacts")
     parent = lineage.parent_run("slurmpreempt", "dag", "preempt")
     segment = relay_home / "slurm" / "dag" / "preempt" / "segment-000"

@@ -247,13 +247,14 @@ class SessionState:
         """After a failure: let checkpoints already saved reach MLflow before the rank dies.
 
         A peer's crash ends this rank's loop within milliseconds, often while the
-        checkpoint of a few steps ago is still uploading. SIGTERM is ignored
+        checkpoint of a few steps ago is still uploading. SIGTERM (and SIGUSR1) is ignored
         meanwhile (the node agent SIGKILLs after its grace period anyway).
         """
         if self._checkpointer is None or self._closed:
             return
         self._closed = True
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a shielded rank's end (agent.ranks)
         try:
             self._checkpointer.close(timeout_seconds)
         except Exception:  # noqa: BLE001 - the rank is failing already; say why and go on

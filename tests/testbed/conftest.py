@@ -3,13 +3,20 @@ Slurm) and `pod_hosts` (three bare node hosts, for Kubernetes pods)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from slurm_bed import NODES
 
+from relay.launchers import launcher_from
+from relay.launchers.slurm.launcher import SlurmLauncher
+from relay.spec.slurm import SlurmSpec
+from relay.tools.mlflow_server import mlflow_server
 from relay.tools.testbed import TestBed, hosts, slurm
+from relay.tools.testbed.hosts import ROOT_ADDRESS, ROOT_NAME
 from relay.tools.testbed.lease import lease
 
 RANGE_WAIT_SECONDS = 600.0
@@ -27,6 +34,27 @@ def testbed(relay_home: Path) -> Iterator[TestBed]:
             yield bed
         finally:
             hosts.down(bed)
+
+
+@pytest.fixture(scope="module")
+def tracking(testbed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An MLflow server in the root namespace on the bridge; yield its URL as Relay sees it."""
+    root = tmp_path_factory.mktemp("mlflow-bridge")
+    with mlflow_server(root, host=ROOT_ADDRESS,
+                       allowed_hosts=f"{ROOT_NAME}:*,{ROOT_ADDRESS}:*") as url:
+        yield url
+
+
+@pytest.fixture
+def launcher(testbed: TestBed, monkeypatch: pytest.MonkeyPatch) -> SlurmLauncher:
+    """The Slurm launcher on the bed's cluster (Relay's node pool: node1..node3)."""
+    monkeypatch.setenv("RELAY_NODES", ",".join(NODES))
+    settings = SlurmSpec(node_home=f"{testbed.folder}/hosts/{{node}}/attempts",
+                         python=sys.executable, linger=5.0,
+                         slurm_conf=slurm.slurm_env(testbed)["SLURM_CONF"])
+    found = launcher_from({"kind": "slurm", **settings.model_dump()})
+    assert isinstance(found, SlurmLauncher)
+    return found
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
 
 The agent (:mod:`relay_train.agent.node`) forks one process per local rank from its
 preloaded interpreter; the child takes the rank's environment (torchrun's and Relay's),
-its own log file and the default SIGTERM, then runs :func:`relay_train.worker.run_rank`.
+its own log file and the default SIGTERM (SIGTERM ignored and SIGUSR1 its end when the
+platform signals ranks too: ``$RELAY_SHIELD_RANKS``), then runs :func:`relay_train.worker.run_rank`.
 A failed rank's own error is the end of its log, which the agent reports to Relay.
 A spec's ``entrypoint.python`` makes the agent start each rank with that interpreter
 instead (:class:`ExecRank`: ``python -m relay_train.agent.ranks LOG LAUNCH``, see
@@ -28,6 +29,7 @@ from relay_train.protocol.env import (
     ENV_HEARTBEAT_INTERVAL,
     ENV_LAUNCH,
     ENV_NODE,
+    ENV_SHIELD_RANKS,
     ENV_SPAWNED_AT,
 )
 from relay_train.protocol.interpreter import RANK_MODULE, interpreter_env, worker_path
@@ -35,7 +37,14 @@ from relay_train.protocol.launch import LaunchConfig
 
 log = logging.getLogger("relay_train.agent.ranks")
 
-TERM_GRACE_SECONDS = 5.0  # from SIGTERM to SIGKILL
+TERM_GRACE_SECONDS = 5.0  # from SIGTERM (or SIGUSR1, shielded) to SIGKILL
+
+
+def end_signal() -> signal.Signals:
+    """Return the signal that ends a rank: SIGTERM, or SIGUSR1 when the ranks are shielded
+    from the platform's SIGTERM (``$RELAY_SHIELD_RANKS``: Slurm signals the whole step, and
+    only the agent may take it as a notice)."""
+    return signal.SIGUSR1 if os.environ.get(ENV_SHIELD_RANKS) == "1" else signal.SIGTERM
 
 
 def rank_log(cfg: LaunchConfig, rank: int) -> Path:
@@ -126,10 +135,19 @@ def exec_rank(cfg: LaunchConfig, env: dict[str, str], log_file: Path, launch_fil
     return ExecRank(popen, name)
 
 
+def take_rank_signals() -> None:
+    """Make :func:`end_signal` end this process; a shielded rank ignores SIGTERM (the
+    platform's, for its agent to take as a notice)."""
+    ending = end_signal()
+    if ending != signal.SIGTERM:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(ending, signal.SIG_DFL)
+
+
 def become_rank(env: dict[str, str], log_file: Path, launch_file: Path) -> None:
     """The forked child: become one rank (its own log, environment and signals)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.update(env)
+    take_rank_signals()
     # relay_train.init() reads the file the agent was given: on Kubernetes the ConfigMap's,
     # not the attempt folder's (which no one writes in a pod).
     os.environ[ENV_LAUNCH] = str(launch_file)
@@ -162,12 +180,17 @@ def log_tail(path: Path, lines: int = 12, max_chars: int = 4000) -> str:
 
 def stop_ranks(running: list[RankProcess], reason: str,
                grace_seconds: float = TERM_GRACE_SECONDS) -> None:
-    """Terminate ``running``: SIGTERM, then SIGKILL to any still alive after the grace."""
+    """Terminate ``running``: SIGTERM (:func:`end_signal`), then SIGKILL to any still alive
+    after the grace."""
     if not running:
         return
     log.warning("stopping %d rank(s): %s", len(running), reason)
+    ending = end_signal()
     for proc in running:
-        proc.terminate()
+        if ending == signal.SIGTERM:
+            proc.terminate()
+        elif proc.pid is not None and proc.exitcode is None:  # not reaped: still its PID
+            os.kill(proc.pid, ending)
     deadline = time.monotonic() + grace_seconds
     for proc in running:
         proc.join(max(0.0, deadline - time.monotonic()))

@@ -70,6 +70,11 @@ ENV_LAUNCH_B64 = "RELAY_LAUNCH_B64"
 # the seconds from the SIGTERM its node agent receives to the platform's SIGKILL. Unset: the
 # agent assumes relay_train.protocol.routes.DEFAULT_PREEMPT_GRACE_SECONDS.
 ENV_PREEMPT_GRACE = "RELAY_PREEMPT_GRACE_SECONDS"
+# Set ("1") by a launcher whose platform signals every process of a node, ranks included
+# (Slurm: `scancel --signal`, `--signal=TERM@N` and a preemption's SIGTERM reach the whole
+# job step): the ranks ignore SIGTERM, so the agent alone takes it as the notice, and the
+# agent ends its ranks with SIGUSR1 instead (relay_train.agent.ranks.end_signal).
+ENV_SHIELD_RANKS = "RELAY_SHIELD_RANKS"
 
 
 # What the rank's environment gets from torchrun's contract and Relay: a job spec's

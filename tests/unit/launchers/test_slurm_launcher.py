@@ -15,6 +15,7 @@ import pytest
 from relay.core.attempt import Attempt
 from relay.launchers import launcher_for, launcher_from
 from relay.launchers.agent_client import AgentChannel, NodeReport
+from relay.launchers.base import Notice
 from relay.launchers.slurm import commands
 from relay.launchers.slurm.commands import (
     Slurm,
@@ -35,9 +36,16 @@ from relay.nodes.pool import Quarantine
 from relay.spec.job import load_job_spec
 from relay.spec.slurm import SlurmSpec
 from relay_train.agent.unpack import unpack
-from relay_train.protocol.env import ENV_LAUNCH_B64
+from relay_train.protocol.env import ENV_LAUNCH_B64, ENV_SHIELD_RANKS
 from relay_train.protocol.launch import FIRST_STEP_FILE, LAUNCH_FILE, LaunchConfig
-from relay_train.protocol.routes import FIRST_STEP, NodeState
+from relay_train.protocol.routes import (
+    AGE_SECONDS,
+    DRAIN_SECONDS,
+    FIRST_STEP,
+    GRACE_SECONDS,
+    PREEMPTED,
+    NodeState,
+)
 
 JOB_RUNNING = (
     "JobId=1 JobName=relay-x UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 "
@@ -136,6 +144,8 @@ def test_the_batch_script_carries_the_launch_file_each_node_unpacks_locally(
     assert got.root == launch.parent and got.channel_secret == "s3cret"
     assert (launch.stat().st_mode & 0o777) == 0o600
     assert ENV_LAUNCH_B64 in script and "srun --export=ALL --ntasks-per-node=1" in script
+    # Slurm's SIGTERM reaches every process of the step: the ranks leave it to their agent.
+    assert f"export {ENV_SHIELD_RANKS}=1" in script.splitlines()
     assert "/opt/py -m relay_train.agent.unpack" in script
     assert base64.b64decode(encoded)  # the script holds no path of Relay's disk to read
 
@@ -207,6 +217,21 @@ def test_node_health_comes_from_slurm_unless_the_agent_already_settled() -> None
     assert done.state is NodeState.SUCCEEDED
     assert ended.state is NodeState.FAILED and "CANCELLED" in ended.detail
     assert node_status("node2", job, idle, None, None).state is NodeState.STARTING
+
+
+def test_an_agents_preemption_notice_reaches_the_node_status() -> None:
+    """Slurm's --signal (or a preemption's SIGTERM) is the agent's notice: the status carries
+    it (the detector's ``preempted``), placed on Relay's clock by the answer's arrival."""
+    job = parse_job(JOB_RUNNING)
+    idle = parse_node(NODE_DRAINED.replace("State=IDLE+DRAIN", "State=ALLOCATED"))
+    record = {"state": "running",
+              PREEMPTED: {GRACE_SECONDS: 30.0, DRAIN_SECONDS: 24.0, AGE_SECONDS: 2.0}}
+
+    noticed = node_status("node2", job, idle, record, 100.0)
+
+    assert noticed.state is NodeState.RUNNING
+    assert noticed.notice == Notice(grace_seconds=30.0, drain_by=122.0)
+    assert node_status("node2", job, idle, {"state": "running"}, 100.0).notice is None
 
 
 def test_quarantines_drain_with_reason_and_expiry_and_releases_resume_relays_drains() -> None:

@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 from relay.core.attempt import Attempt, AttemptState
 from relay.launchers import launch_record
 from relay.launchers.agent_client import AgentChannel
-from relay.launchers.base import LaunchStatus, NodeStatus, overall_state
+from relay.launchers.base import LaunchStatus, NodeStatus, notice_of, overall_state
 from relay.launchers.handle_file import HANDLE_FILE, HandleFile
 from relay.launchers.slurm.commands import Slurm, SlurmError, SlurmJob, SlurmNode
 from relay.spec.slurm import SlurmSpec
 from relay_train.protocol.channel_auth import new_secret
-from relay_train.protocol.env import ENV_LAUNCH_B64
+from relay_train.protocol.env import ENV_LAUNCH_B64, ENV_SHIELD_RANKS
 from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig, attempt_id_of
 from relay_train.protocol.routes import (
     ERRORS,
@@ -75,6 +75,9 @@ def batch_script(cfg: LaunchConfig, settings: SlurmSpec) -> str:
         f"# Relay attempt {cfg.attempt_id}: one node agent per node (relay_train.agent.unpack)",
         'export HOME="${HOME:-/tmp}"',
         f"export {ENV_LAUNCH_B64}={shlex.quote(encoded)}",
+        # Slurm signals every process of the step: the ranks leave a SIGTERM to their agent
+        # (a preemption notice, relay_train.agent.notice), which ends them with SIGUSR1.
+        f"export {ENV_SHIELD_RANKS}=1",
         "exec srun --export=ALL --ntasks-per-node=1 --kill-on-bad-exit=0 " + shlex.join(task),
         "",
     ])
@@ -89,6 +92,8 @@ def node_status(node: str, job: SlurmJob | None, info: SlurmNode | None,
         status.state = NodeState(report.get(STATE, NodeState.RUNNING))
         status.exit_codes = {int(r): c for r, c in (report.get(EXIT_CODES) or {}).items()}
         status.errors = {int(r): str(t) for r, t in (report.get(ERRORS) or {}).items()}
+        if received_at is not None:  # Slurm's --signal / preemption SIGTERM, as its agent took it
+            status.notice = notice_of(report, received_at)
         failed = {r: c for r, c in status.exit_codes.items() if c not in (None, 0)}
         if failed:
             status.detail = f"ranks exited with {failed}"

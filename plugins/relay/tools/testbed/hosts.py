@@ -269,3 +269,22 @@ def down(bed: TestBed) -> list[str]:
         removed.append(f"folder {bed.folder}")
     log.info("test bed %s down: %s", bed.name, ", ".join(removed) or "nothing left")
     return removed
+
+
+def set_link(bed: TestBed, name: str, up: bool) -> None:
+    """Bring host ``name``'s link (its eth0) up or down: a network cut and its repair."""
+    state = "up" if up else "down"
+    procs.run(["ip", "-n", bed.host(name).netns, "link", "set", "eth0", state],
+              f"set host {name}'s link {state}")
+
+
+def set_netem(bed: TestBed, name: str, netem: list[str] | None) -> None:
+    """Put ``tc netem`` (e.g. ``["delay", "200ms"]``, ``["loss", "20%"]``) on host ``name``'s
+    link, whose outgoing packets it then delays or drops; None removes it."""
+    netns = bed.host(name).netns
+    if netem is None:
+        procs.run(["tc", "-n", netns, "qdisc", "del", "dev", "eth0", "root"],
+                  f"remove netem from host {name}")
+        return
+    procs.run(["tc", "-n", netns, "qdisc", "add", "dev", "eth0", "root", "netem", *netem],
+              f"add netem {' '.join(netem)} to host {name}")

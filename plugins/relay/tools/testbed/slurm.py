@@ -44,7 +44,7 @@ def up(nodes: int = 3, timeout: float = 30.0, hide: list[str] | None = None) -> 
         logs = Path(bed.folder) / "logs"
         _start(bed, CONTROLLER, ["slurmctld", "-D", "-i"], logs / "slurmctld.out")
         for name in names:
-            _start(bed, name, ["slurmd", "-D"], logs / f"slurmd-{name}.out")
+            start_slurmd(bed, name)
         wait_idle(bed, names, timeout)
     except BaseException:
         hosts.down(bed)
@@ -108,6 +108,11 @@ def _start(bed: TestBed, host: str, argv: list[str], out: Path) -> None:
     with out.open("w") as sink:
         bed.host(host).popen(argv, env=slurm_env(bed), stdout=sink, stderr=subprocess.STDOUT,
                              start_new_session=True)
+
+
+def start_slurmd(bed: TestBed, node: str) -> None:
+    """Start ``node``'s slurmd (at bring-up, or again after a test killed it)."""
+    _start(bed, node, ["slurmd", "-D"], Path(bed.folder) / "logs" / f"slurmd-{node}.out")
 
 
 def states(bed: TestBed) -> dict[str, str]:

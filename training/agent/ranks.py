@@ -24,6 +24,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from relay_train.device import apply_thread_count
+from relay_train.protocol import pids
 from relay_train.protocol.env import (
     ENV_HEARTBEAT_DIR,
     ENV_HEARTBEAT_INTERVAL,
@@ -190,7 +191,7 @@ def stop_ranks(running: list[RankProcess], reason: str,
         if ending == signal.SIGTERM:
             proc.terminate()
         elif proc.pid is not None and proc.exitcode is None:  # not reaped: still its PID
-            os.kill(proc.pid, ending)
+            pids.signal_process(proc.pid, pids.start_time(proc.pid), ending)
     deadline = time.monotonic() + grace_seconds
     for proc in running:
         proc.join(max(0.0, deadline - time.monotonic()))

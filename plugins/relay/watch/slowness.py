@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,6 +54,8 @@ from relay.core.faults import Fault, FaultKind
 from relay.policy.model import MIN_SLOW_STEPS, StragglerDetection, ThroughputDetection
 from relay.watch.spread import RateSpread, RatioSpread
 from relay_train.protocol.heartbeat import Heartbeat
+
+GRACE_POLLS = 1  # polls under the ratio a slow run survives (its clock stopped meanwhile)
 
 
 def leave_one_out(ordered: list[float]) -> Callable[[float], float]:
@@ -125,6 +128,7 @@ class _SlowRun:
     last_seen: float
     last_step: int
     steps: int = 1  # distinct steps seen over the ratio
+    under: int = 0  # polls under the ratio since it was last over (see GRACE_POLLS)
     lost: float = 0.0  # seconds the job waited on this rank
     peak: float = 0.0  # the highest ratio seen in the run
 
@@ -212,6 +216,56 @@ class StragglerRule:
         return held >= self.rule.sustained or (
             budget is not None and run.lost >= budget and run.steps >= MIN_SLOW_STEPS)
 
+    def _judge(self, beat: Heartbeat, others: float, now: float, exact: float | None,
+               due: list[tuple[float, float]], slow: list[Heartbeat]) -> float:
+        """Judge one rank against the others' median compute ``others``: start, go on
+        with or end its slow run (adding it to ``slow``, and its (lost, held) to ``due``
+        when it is due); return its ratio. A run survives :data:`GRACE_POLLS` polls under
+        the ratio, its clock stopped and nothing counted: a straggler measured under the
+        ratio for a poll on a loaded host goes on where it was."""
+        rank, value, spread = beat.rank, beat.compute_seconds or 0.0, self._spread
+        ratio = value / others if others > 0 else 0.0
+        over = ratio > spread.ratio
+        if over and spread.machine_wide(others):
+            self._held.pause(rank)  # the others slowed too: not this rank's doing
+            return ratio
+        run = self._runs.get(rank)
+        if not over:
+            if run is not None and run.under < GRACE_POLLS:
+                run.under += 1
+                run.last_seen, run.last_step = now, beat.step  # its steps now were not slow
+                self._held.pause(rank)
+                return ratio
+            self._held.hold(rank, False, now)
+            if self._runs.pop(rank, None) is not None:  # over for a while, then not: noise?
+                spread.ended(rank, run.peak if run else ratio)
+            return ratio
+        spread.returned(rank)
+        held = self._held.hold(rank, True, now)
+        run = self._track(beat, value - others, now, exact)
+        run.under = 0
+        run.peak = max(run.peak, ratio)
+        slow.append(beat)
+        if self._due(run, held):
+            due.append((run.lost, held))
+        return ratio
+
+    def _highest_under(self, ordered: list[float], median_of_others: Callable[[float], float],
+                       active: list[Heartbeat]) -> float | None:
+        """Return the highest ratio not over the ratio in force among the ranks neither
+        in a slow run nor suspected (the spread's sample), found from the top."""
+        left_out = Counter(b.compute_seconds or 0.0 for b in active
+                           if b.rank in self._runs or b.rank in self._spread.suspects)
+        for value in reversed(ordered):
+            if left_out[value] > 0:
+                left_out[value] -= 1
+                continue
+            others = median_of_others(value)
+            ratio = value / others if others > 0 else 0.0
+            if ratio <= self._spread.ratio:
+                return ratio
+        return None
+
     def check(self, active: list[Heartbeat], now: float) -> Fault | None:
         """Return a straggler fault once one is due (``active``: the stepping ranks)."""
         active = [b for b in active if b.compute_seconds]
@@ -235,13 +289,11 @@ class StragglerRule:
         # can only fall as it grows), so the ranks over the ratio are those above the
         # highest compute that is not: found from the top, one step past the slow ranks.
         # Only those, and the ranks with a clock or a run to end, are looked at one by one.
-        highest_under: float | None = None  # the highest ratio not over (the spread's figure)
         bound = -math.inf  # compute at or under this is not over the ratio
         for value in reversed(ordered):
             others = median_of_others(value)
-            ratio = value / others if others > 0 else 0.0
-            if ratio <= limit:
-                highest_under, bound = ratio, value
+            if (value / others if others > 0 else 0.0) <= limit:
+                bound = value
                 break
         tracked = self._runs.keys() | self._held.since.keys()
         due: list[tuple[float, float]] = []  # (lost, held) of each rank whose run is due
@@ -249,25 +301,10 @@ class StragglerRule:
         ratios: dict[int, float] = {}
         for beat in [b for b in active if (b.compute_seconds or 0.0) > bound
                      or b.rank in tracked]:
-            rank, value = beat.rank, beat.compute_seconds or 0.0
-            others = median_of_others(value)
-            ratios[rank] = ratio = value / others if others > 0 else 0.0
-            over = ratio > limit
-            if over and spread.machine_wide(others):
-                self._held.pause(rank)  # the others slowed too: not this rank's doing
-                continue
-            held = self._held.hold(rank, over, now)
-            if not over:
-                ended = self._runs.pop(rank, None)
-                if ended is not None:  # over the ratio for a while, then not: noise
-                    spread.blip(ended.peak)
-                continue
-            run = self._track(beat, value - others, now, exact(rank))
-            run.peak = max(run.peak, ratio)
-            slow.append(beat)
-            if self._due(run, held):
-                due.append((run.lost, held))
-        spread.add(highest_under, ordered[len(ordered) // 2])
+            others = median_of_others(beat.compute_seconds or 0.0)
+            ratios[beat.rank] = self._judge(beat, others, now, exact(beat.rank), due, slow)
+        spread.add(self._highest_under(ordered, median_of_others, active),
+                   ordered[len(ordered) // 2])
         if not due:
             return None
         lost, held = max(due)

@@ -6,13 +6,20 @@ the noise of a loaded machine (a rank that loses its core for a few slices, ever
 slower while other work runs) is not taken for a fault:
 
 - **straggler ratio**: per poll after start-up, one sample - the highest compute ratio
-  (a rank's compute over the others' median) among the ranks the rule does not hold
-  slow, and the peak of each slow run that ended without being called (a blip that
-  went away is noise by definition). The ratio in force is
+  (a rank's compute over the others' median) among the ranks the rule does not
+  suspect, and the peak of each slow run that ended without being called, once its
+  rank has stayed under the ratio for :data:`CLEAN_POLLS` polls (a blip that went
+  away is noise by definition). The ratio in force is
   ``1 + RATIO_MARGIN x (p95 of the last WINDOW samples - 1)``, never below the
-  policy's ``ratio`` and never above :data:`MAX_RATIO`. A lasting straggler's own
-  ratios are never samples (its run does not end), so it cannot teach the rule that
-  it is normal. On a steady job the samples are ~1.0 and the policy's ratio holds.
+  policy's ``ratio`` and never above :data:`MAX_RATIO`. A straggler's own ratios are
+  never samples: while its run lasts it is held slow, and a run that ends and comes
+  back within CLEAN_POLLS polls (a lasting straggler measured under the ratio now and
+  then on a loaded host) was no blip - its peak is dropped, and its rank's ratios
+  under the ratio meanwhile are not samples either (:attr:`RatioSpread.suspects`).
+  Before that rule a 3x straggler measured at 1.2-3.3x on a loaded 2-core host
+  taught the ratio its own peaks, the ratio rose to the cap in seven polls and the
+  straggler was never called. On a steady job the samples are ~1.0 and the policy's
+  ratio holds.
 - **machine-wide slowdown**: per poll, the median compute of every stepping rank;
   its median over the window is the job's usual compute. A rank over the ratio whose
   *others* are themselves over the ratio x that usual figure is not a straggler: the
@@ -38,6 +45,7 @@ RATIO_MARGIN = 1.25  # the ratio in force sits this far beyond the noise's p95 e
 # host (at a cap of 3.0, a 3x straggler measured just under 3x was missed at load ~3).
 MAX_RATIO = 2.5
 MIN_SAMPLES = 10  # polls before the spread counts (until then: the policy's figures)
+CLEAN_POLLS = 6  # polls a rank stays under the ratio before its ended run's peak is noise
 HIGH = 0.95  # the quantile of the ratio samples the noise is judged by
 LOW = 0.05  # the quantile of the throughput samples the dips are judged by
 FLOOR_MARGIN = 1.5  # the floor in force sits this far below the dips' depth
@@ -51,19 +59,42 @@ class RatioSpread:
         self.policy_ratio = ratio
         self._ratios: deque[float] = deque(maxlen=WINDOW)
         self._medians: deque[float] = deque(maxlen=WINDOW)
+        # rank -> (the peak of its slow run that ended, polls under the ratio since)
+        self._ended: dict[int, tuple[float, int]] = {}
         self.ratio = ratio  # the ratio in force: updated by :meth:`add`
 
+    @property
+    def suspects(self) -> set[int]:
+        """Return the ranks whose slow run ended less than CLEAN_POLLS polls ago."""
+        return set(self._ended)
+
     def add(self, highest: float | None, median: float) -> None:
-        """Fold in one poll: the highest ratio of the ranks not held slow (None: none),
-        and the median compute per step of every stepping rank."""
+        """Fold in one poll: the highest ratio of the ranks not suspected (None: none),
+        and the median compute per step of every stepping rank; fold in the peaks of
+        the runs whose ranks have now stayed under the ratio CLEAN_POLLS polls."""
         if highest is not None:
             self._ratios.append(highest)
         if median > 0:
             self._medians.append(median)
+        for rank, (peak, polls) in list(self._ended.items()):
+            if polls + 1 < CLEAN_POLLS:
+                self._ended[rank] = (peak, polls + 1)
+            else:
+                del self._ended[rank]
+                self._ratios.append(peak)
         self._update()
 
+    def ended(self, rank: int, peak: float) -> None:
+        """Say ``rank``'s slow run ended without being called at ``peak``: noise, if the
+        rank stays under the ratio CLEAN_POLLS polls."""
+        self._ended[rank] = (peak, 0)
+
+    def returned(self, rank: int) -> None:
+        """Say ``rank`` is over the ratio again: its last run was no blip."""
+        self._ended.pop(rank, None)
+
     def blip(self, peak: float) -> None:
-        """Fold in the peak ratio of a slow run that ended without being called."""
+        """Fold in the peak ratio of a slow run that went away."""
         self._ratios.append(peak)
         self._update()
 

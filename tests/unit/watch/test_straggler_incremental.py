@@ -54,33 +54,17 @@ class FullPass(StragglerRule):
             return None
         ordered = sorted(b.compute_seconds or 0.0 for b in active)
         median_of_others = leave_one_out(ordered)
-        spread, limit = self._spread, self._spread.ratio
-        ratios, extra, others_of = {}, {}, {}
-        for beat in active:
-            others = others_of[beat.rank] = median_of_others(beat.compute_seconds or 0.0)
-            ratios[beat.rank] = (beat.compute_seconds or 0.0) / others if others > 0 else 0.0
-            extra[beat.rank] = (beat.compute_seconds or 0.0) - others
-        over_ranks = {b.rank for b in active if ratios[b.rank] > limit}
+        limit = self._spread.ratio
+        ratios: dict[int, float] = {}
         due: list[tuple[float, float]] = []
         slow: list[Heartbeat] = []
         for beat in active:
-            rank = beat.rank
-            if rank in over_ranks and spread.machine_wide(others_of[rank]):
-                self._held.pause(rank)
-                continue
-            held = self._held.hold(rank, rank in over_ranks, now)
-            if rank not in over_ranks:
-                ended = self._runs.pop(rank, None)
-                if ended is not None:
-                    spread.blip(ended.peak)
-                continue
-            run = self._track(beat, extra[rank], now, exact(rank))
-            run.peak = max(run.peak, ratios[rank])
-            slow.append(beat)
-            if self._due(run, held):
-                due.append((run.lost, held))
-        under = [ratios[b.rank] for b in active if b.rank not in over_ranks]
-        spread.add(max(under) if under else None, ordered[len(ordered) // 2])
+            others = median_of_others(beat.compute_seconds or 0.0)
+            ratios[beat.rank] = self._judge(beat, others, now, exact(beat.rank), due, slow)
+        suspects = self._runs.keys() | self._spread.suspects
+        under = [ratios[b.rank] for b in active
+                 if ratios[b.rank] <= limit and b.rank not in suspects]
+        self._spread.add(max(under) if under else None, ordered[len(ordered) // 2])
         if not due:
             return None
         return Fault.__new__(Fault)  # the fault's text is the shared code's (below)
@@ -123,7 +107,7 @@ def _polls(seed: int, ranks: int, polls: int) -> list[tuple[float, list[Heartbea
 def _state(rule: StragglerRule) -> tuple[object, ...]:
     runs = {r: vars(run) for r, run in rule._runs.items()}
     return (runs, dict(rule._held.since), set(rule._held.paused), dict(rule._totals),
-            rule.ratio)
+            rule.ratio, dict(rule._spread._ended))
 
 
 @pytest.mark.parametrize("seed", range(8))

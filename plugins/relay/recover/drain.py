@@ -7,6 +7,7 @@ triggerer's environment, where Airflow's metadata database is off limits.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from relay.core.attempt import Attempt, AttemptState
@@ -16,6 +17,11 @@ from relay_train.protocol.routes import STOP_AT, Route
 
 log = logging.getLogger(__name__)
 DRAIN_LEAD_STEPS = 2
+# How far the ranks may be past the newest heartbeat read when the request reaches them: a
+# record up to a heartbeat interval old (a second through Slurm's channel), and the way
+# there. Unpaced ranks at 15 steps/s were past a 2-step lead in one of two drains on Slurm.
+DRAIN_LEAD_SECONDS = 1.5
+RATE_SAMPLE_SECONDS = 0.3  # between the two reads the step rate is measured from
 POLL_SECONDS = 0.1
 
 
@@ -28,11 +34,23 @@ def done(before: dict[int, Heartbeat], now: dict[int, Heartbeat]) -> bool:
     return all(r in now and now[r].phase == Phase.DONE.value for r in before)
 
 
-def drain_target(beats: dict[int, Heartbeat], end_step: int | None) -> int:
-    """Return the step to drain to: :data:`DRAIN_LEAD_STEPS` past the furthest rank, but
-    never past the segment's end (the ranks stop and checkpoint there anyway: a target past
-    it names a step no checkpoint will have)."""
-    target = max(b.step for b in beats.values()) + DRAIN_LEAD_STEPS
+def step_rate(before: dict[int, Heartbeat], after: dict[int, Heartbeat]) -> float:
+    """Return the fastest rank's steps a second between two reads of the heartbeats, by
+    each rank's own clock (its records' ``wall_clock``: no skew between nodes); 0 when no
+    rank's record moved on."""
+    rates = [(b.step - a.step) / (b.wall_clock - a.wall_clock)
+             for r, b in after.items() if (a := before.get(r)) is not None
+             and b.step > a.step and b.wall_clock > a.wall_clock]
+    return max(rates, default=0.0)
+
+
+def drain_target(beats: dict[int, Heartbeat], end_step: int | None, rate: float = 0.0) -> int:
+    """Return the step to drain to: :data:`DRAIN_LEAD_STEPS` past the furthest rank, plus
+    the steps it makes at ``rate`` (steps/s) in :data:`DRAIN_LEAD_SECONDS`, but never past
+    the segment's end (the ranks stop and checkpoint there anyway: a target past it names a
+    step no checkpoint will have)."""
+    target = max(b.step for b in beats.values()) + DRAIN_LEAD_STEPS + math.ceil(
+        max(rate, 0.0) * DRAIN_LEAD_SECONDS)
     return target if end_step is None else min(target, end_step)
 
 
@@ -47,10 +65,12 @@ def drain(
     it (unreachable, or serving another attempt) leaves the drain to time out.
     """
     launcher = launcher or launcher_from(None)
-    beats = launcher.status(attempt).heartbeats
-    if not beats:
+    first = launcher.status(attempt).heartbeats
+    if not first:
         return None
-    stop_at = drain_target(beats, end_step)
+    time.sleep(RATE_SAMPLE_SECONDS)
+    beats = launcher.status(attempt).heartbeats or first
+    stop_at = drain_target(beats, end_step, step_rate(first, beats))
     channel = launcher.channel(attempt)
     taken = [n for n in channel.addresses if channel.ask(n, Route.DRAIN, **{STOP_AT: stop_at})]
     if len(taken) < len(channel.addresses):

@@ -6,10 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from agents import ServedAttempt
 
 from relay.core.attempt import Attempt
-from relay.recover.drain import DRAIN_LEAD_STEPS, done, drain, drain_target
+from relay.recover.drain import (
+    DRAIN_LEAD_SECONDS,
+    DRAIN_LEAD_STEPS,
+    done,
+    drain,
+    drain_target,
+    step_rate,
+)
 from relay_train.protocol.heartbeat import Heartbeat, HeartbeatWriter, Phase
 from relay_train.protocol.launch import DRAIN_FILE
 
@@ -23,6 +31,21 @@ def test_a_drain_targets_a_few_steps_past_the_furthest_rank() -> None:
     beats = {**_beats(40, r0=Phase.COMPUTE), **_beats(42, r1=Phase.COLLECTIVE)}
     assert drain_target(beats, end_step=60) == 42 + DRAIN_LEAD_STEPS
     assert drain_target(beats, end_step=None) == 42 + DRAIN_LEAD_STEPS
+
+
+def test_a_fast_job_is_drained_further_ahead_by_its_step_rate() -> None:
+    # Unpaced ranks at 15 steps/s on Slurm were past a 2-step lead by the time the request
+    # reached them (a heartbeat up to a second old): the drain timed out.
+    before = {r: Heartbeat(rank=r, node="n", pid=1, step=100, wall_clock=50.0) for r in (0, 1)}
+    after = {0: Heartbeat(rank=0, node="n", pid=1, step=106, wall_clock=50.4),  # 15 steps/s
+             1: Heartbeat(rank=1, node="n", pid=1, step=103, wall_clock=50.3)}  # 10 steps/s
+    assert step_rate(before, after) == pytest.approx(15.0)
+    expected = 106 + DRAIN_LEAD_STEPS + int(15.0 * DRAIN_LEAD_SECONDS + 0.999)
+    assert drain_target(after, end_step=None, rate=15.0) == expected > 106 + DRAIN_LEAD_STEPS
+    assert drain_target(after, end_step=110, rate=15.0) == 110
+    # Nothing moved (a stalled job, a slow step): the fixed lead alone.
+    assert step_rate(before, before) == 0.0
+    assert drain_target(before, end_step=None, rate=0.0) == 100 + DRAIN_LEAD_STEPS
 
 
 def test_a_drain_never_targets_a_step_past_the_segments_end() -> None:

@@ -162,9 +162,11 @@ def _failure(spec_file: Path, entry: Entrypoint, python: str,
     fix = (f"install it into the ranks' environment ({python} -m pip install ...; the "
            f"package that provides {missing!r}), or add its folder to entrypoint.env's "
            "PYTHONPATH" if missing else "fix the error it raises")
-    if failed["name"] in dict(WORKER_IMPORTS):
+    where = f"{spec_file}"
+    if failed["name"] in dict(WORKER_IMPORTS):  # the interpreter's fault, not the script's
+        where = f"{_where(spec_file)}: entrypoint.python"
         fix = (f"{fix}; or name a venv layered on Relay's environment (relay spec venv DIR "
                "makes one)")
-    return (f"{spec_file}: the ranks cannot import {failed['name']!r} ({failed['where']}): "
+    return (f"{where}: the ranks cannot import {failed['name']!r} ({failed['where']}): "
             f"{failed['error']}. Expected it importable with {python}, working directory "
             f"{entry.workdir or 'the attempt folder'} and entrypoint.env; {fix}.")

@@ -127,7 +127,8 @@ def test_a_venv_without_relays_worker_side_is_named(tmp_path: Path) -> None:
     path = spec_with(tmp_path, "bare")
     assert load_job_spec(path).launch_entrypoint(path).python == str(bare / "bin" / "python")
     problem = str(import_problem(load_job_spec(path), path))
-    assert "cannot import 'relay_train.api' (Relay's worker side" in problem, problem
+    assert problem.startswith(f"{path}:7: entrypoint.python: the ranks cannot import "
+                              "'relay_train.api' (Relay's worker side"), problem
     assert "No module named" in problem and f"{bare / 'bin' / 'python'} -m pip install" in problem
     assert "relay spec venv DIR makes one" in problem
 

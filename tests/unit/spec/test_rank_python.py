@@ -7,10 +7,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
 
 from relay.core.exceptions import ConfigError, RelayError
+from relay.operators import base as operators
 from relay.spec import entry_check
 from relay.spec.entry_check import import_problem
 from relay.spec.job import load_job_spec
@@ -131,6 +134,19 @@ def test_a_venv_without_relays_worker_side_is_named(tmp_path: Path) -> None:
                               "'relay_train.api' (Relay's worker side"), problem
     assert "No module named" in problem and f"{bare / 'bin' / 'python'} -m pip install" in problem
     assert "relay spec venv DIR makes one" in problem
+
+
+def test_the_dags_preflight_refuses_it_before_any_node_or_mlflow_run(
+        tmp_path: Path, venv: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(entry_check, "WORKER_IMPORTS", STDLIB_WORKER)
+    path = spec_with(tmp_path, "venv", "import venv_only_pkg\n")
+    touched: list[str] = []
+    monkeypatch.setattr(operators, "lineage_store", lambda: touched.append("mlflow"))
+    monkeypatch.setattr(operators, "NodePool", lambda *_, **__: touched.append("nodes"))
+    preflight = operators.PreflightOperator(task_id="preflight", spec_file=str(path))
+    with pytest.raises(AirflowFailException, match=f"cannot import 'venv_only_pkg'.*{venv}"):
+        preflight.execute({"dag_run": SimpleNamespace(conf={}, run_id="manual__1")})
+    assert touched == []
 
 
 def test_a_venv_is_not_made_over_files(tmp_path: Path) -> None:

@@ -77,13 +77,14 @@ def _cmd_spec_venv(args: argparse.Namespace) -> int:
     from relay.core.exceptions import RelayError
     from relay.tools.rank_venv import make_rank_venv
 
+    folder = Path(args.folder).resolve()
     try:
-        python = make_rank_venv(Path(args.folder).resolve(), with_pip=not args.without_pip)
+        python = make_rank_venv(folder, with_pip=not args.without_pip)
     except RelayError as err:
         print(err, file=sys.stderr)
         return 2
-    print(f"made {args.folder}, layered on Relay's environment. In the job spec: "
-          f"entrypoint: {{python: {args.folder}}}; add the script's packages with "
+    print(f"made {folder}, layered on Relay's environment. In the job spec: "
+          f"entrypoint: {{python: {folder}}}; add the script's packages with "
           f"{python} -m pip install ...")
     return 0
 

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from relay.spec.job import JobSpec
 from relay.spec.yamlsource import line_for, load_yaml_with_lines
@@ -139,16 +140,26 @@ def _what_is(path: Path) -> str:
     return "a folder without bin/python" if path.is_dir() else "a file that is not executable"
 
 
+def _answer(stdout: str) -> dict[str, Any] | None:
+    """Return the importer's answer: its last JSON line (an import may print after it at
+    exit), or None."""
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(answer, dict) and (OK_KEY in answer or "name" in answer):
+            return answer
+    return None
+
+
 def _failure(spec_file: Path, entry: Entrypoint, python: str,
              done: subprocess.CompletedProcess[str]) -> str | None:
     """Return the message for a failed import check (None: it passed)."""
-    try:
-        failed = json.loads(done.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        failed = None
-    if done.returncode == 0 and isinstance(failed, dict) and OK_KEY in failed:
+    failed = _answer(done.stdout)
+    if done.returncode == 0 and failed is not None and OK_KEY in failed:
         return None
-    if not isinstance(failed, dict) or "name" not in failed:  # the check never ran to its end
+    if failed is None or "name" not in failed:  # the check never ran to its end
         said = (done.stderr.strip() or done.stdout.strip())[-500:] or "nothing"
         if entry.python is None:
             return (f"{spec_file}: checking the entrypoint's imports with {python} failed "

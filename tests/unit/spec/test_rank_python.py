@@ -83,6 +83,14 @@ def test_an_executable_that_is_not_python_fails_the_preflight(tmp_path: Path) ->
     assert "relay spec venv DIR" in problem
 
 
+def test_an_import_that_prints_at_exit_still_passes(tmp_path: Path) -> None:
+    (tmp_path / "noisy.py").write_text("import atexit\natexit.register(print, 'bye')\n")
+    (tmp_path / "train.py").write_text("import noisy\n")
+    path = tmp_path / "job.yaml"
+    path.write_text(HEAD)  # Relay's own interpreter
+    assert import_problem(load_job_spec(path), path) is None
+
+
 def test_the_venv_is_layered_on_relays_environment(venv: Path) -> None:
     layer = (site_of(venv) / LAYER_FILE).read_text()
     assert all(repr(folder) in layer for folder in relay_site_folders())

@@ -31,14 +31,14 @@ def make_rank_venv(target: Path, *, with_pip: bool = True) -> Path:
     """Make a venv at ``target`` layered on Relay's environment; return its interpreter."""
     if target.exists() and any(target.iterdir()):
         raise RelayError(f"relay spec venv: expected a new or empty folder, found {target} "
-                          "with files in it. Name another folder, or remove it first.")
+                         "with files in it. Name another folder, or remove it first.")
     command = [sys.executable, "-m", "venv", *([] if with_pip else ["--without-pip"]),
                str(target)]
     made = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS,
                           check=False)
     if made.returncode != 0:
         raise RelayError(f"relay spec venv: expected {' '.join(command)} to make the venv, "
-                          f"it exited {made.returncode}: {made.stderr.strip()[-500:]}")
+                         f"it exited {made.returncode}: {made.stderr.strip()[-500:]}")
     python = target / "bin" / "python"
     site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],

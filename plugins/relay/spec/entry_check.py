@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from relay.spec.job import JobSpec
 from relay.spec.yamlsource import line_for, load_yaml_with_lines
@@ -46,7 +47,9 @@ for name, where in json.loads(sys.argv[1]):
         print(json.dumps({"name": name, "where": where, "missing": missing,
                           "error": f"{type(exc).__name__}: {exc}"}))
         sys.exit(3)
+print(json.dumps({"ok": sys.version.split()[0]}))
 """
+OK_KEY = "ok"  # the importer's last line when every import worked: this Python's version
 
 
 def script_imports(script: Path) -> list[tuple[str, str]]:
@@ -97,7 +100,7 @@ def import_problem(spec: JobSpec, spec_file: Path) -> str | None:
     if entry.python is not None and not os.access(entry.python, os.X_OK):
         return (f"{_where(spec_file)}: entrypoint.python: expected a Python interpreter (or a venv "
                 f"folder with bin/python), found {_what_is(Path(entry.python))} at "
-                f"{entry.python}. Make the venv (python -m venv --system-site-packages "
+                f"{entry.python}. Make one layered on Relay's environment (relay spec venv "
                 "DIR; see docs/worker-api.md), or fix the path (relative to the spec's "
                 "folder), or remove entrypoint.python to use Relay's own.")
     try:
@@ -121,7 +124,7 @@ def import_problem(spec: JobSpec, spec_file: Path) -> str | None:
             return (f"{_where(spec_file)}: entrypoint.python: expected a Python interpreter, found "
                     f"{python} that does not start ({exc.strerror}). Fix the path, or "
                     "remove entrypoint.python to use Relay's own.")
-    return None if done.returncode == 0 else _failure(spec_file, entry, python, done)
+    return _failure(spec_file, entry, python, done)
 
 
 def _where(spec_file: Path) -> str:
@@ -137,18 +140,44 @@ def _what_is(path: Path) -> str:
     return "a folder without bin/python" if path.is_dir() else "a file that is not executable"
 
 
+def _answer(stdout: str) -> dict[str, Any] | None:
+    """Return the importer's answer: its last JSON line (an import may print after it at
+    exit), or None."""
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(answer, dict) and (OK_KEY in answer or "name" in answer):
+            return answer
+    return None
+
+
 def _failure(spec_file: Path, entry: Entrypoint, python: str,
-             done: subprocess.CompletedProcess[str]) -> str:
-    """Return the message for a failed import check."""
-    try:
-        failed = json.loads(done.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return (f"{spec_file}: checking the entrypoint's imports with {python} failed "
-                f"(exit code {done.returncode}): {done.stderr[-500:]}")
+             done: subprocess.CompletedProcess[str]) -> str | None:
+    """Return the message for a failed import check (None: it passed)."""
+    failed = _answer(done.stdout)
+    if done.returncode == 0 and failed is not None and OK_KEY in failed:
+        return None
+    if failed is None or "name" not in failed:  # the check never ran to its end
+        said = (done.stderr.strip() or done.stdout.strip())[-500:] or "nothing"
+        if entry.python is None:
+            return (f"{spec_file}: checking the entrypoint's imports with {python} failed "
+                    f"(exit code {done.returncode}): {said}")
+        return (f"{_where(spec_file)}: entrypoint.python: expected a Python interpreter that "
+                f"runs Relay's import check, found {python} that exited {done.returncode} "
+                f"without its answer (it said: {said}). Name a Python 3 interpreter or a "
+                "venv folder (relay spec venv DIR makes one), or remove entrypoint.python "
+                "to use Relay's own.")
     missing = failed["missing"]
     fix = (f"install it into the ranks' environment ({python} -m pip install ...; the "
            f"package that provides {missing!r}), or add its folder to entrypoint.env's "
            "PYTHONPATH" if missing else "fix the error it raises")
-    return (f"{spec_file}: the ranks cannot import {failed['name']!r} ({failed['where']}): "
+    where = f"{spec_file}"
+    if failed["name"] in dict(WORKER_IMPORTS):  # the interpreter's fault, not the script's
+        where = f"{_where(spec_file)}: entrypoint.python"
+        fix = (f"{fix}; or name a venv layered on Relay's environment (relay spec venv DIR "
+               "makes one)")
+    return (f"{where}: the ranks cannot import {failed['name']!r} ({failed['where']}): "
             f"{failed['error']}. Expected it importable with {python}, working directory "
             f"{entry.workdir or 'the attempt folder'} and entrypoint.env; {fix}.")

@@ -70,6 +70,9 @@ FIXES: dict[str, str] = {
     "entrypoint.args": "write entrypoint.args as a list of strings, e.g. args: [--lr, '3e-4']",
     "entrypoint.workdir": "set entrypoint.workdir to the ranks' working directory, relative "
     "to this spec's folder or absolute, e.g. workdir: .",
+    "entrypoint.python": "set entrypoint.python to the ranks' interpreter or a venv folder, "
+    "relative to this spec's folder or absolute, e.g. python: /opt/venvs/train (relay spec "
+    "venv DIR makes one layered on Relay's environment), or remove it to use Relay's own",
     "entrypoint.env": "write entrypoint.env as a mapping of variable names to quoted text, "
     'e.g. env: {HF_HOME: /data/hf, TOKENIZERS_PARALLELISM: "false"}',
     "heartbeat_interval": (

@@ -73,6 +73,22 @@ def _cmd_spec_check(args: argparse.Namespace) -> int:
     return 1 if unimportable else code
 
 
+def _cmd_spec_venv(args: argparse.Namespace) -> int:
+    from relay.core.exceptions import RelayError
+    from relay.tools.rank_venv import make_rank_venv
+
+    folder = Path(args.folder).resolve()
+    try:
+        python = make_rank_venv(folder, with_pip=not args.without_pip)
+    except RelayError as err:
+        print(err, file=sys.stderr)
+        return 2
+    print(f"made {folder}, layered on Relay's environment. In the job spec: "
+          f"entrypoint: {{python: {folder}}}; add the script's packages with "
+          f"{python} -m pip install ...")
+    return 0
+
+
 def _cmd_airflow(args: argparse.Namespace) -> int:
     import subprocess
 
@@ -267,6 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--no-imports", action="store_true",
                        help="skip importing the entrypoint's packages in the ranks' environment")
     check.set_defaults(func=_cmd_spec_check)
+    venv = spec.add_parser("venv", help="make a venv for entrypoint.python, layered on "
+                           "Relay's environment (torch, NumPy, MLflow)")
+    venv.add_argument("folder", help="the new venv's folder")
+    venv.add_argument("--without-pip", action="store_true", help="no pip of its own")
+    venv.set_defaults(func=_cmd_spec_venv)
 
     policy = sub.add_parser("policy", help="recovery policies")
     policy_sub = policy.add_subparsers(dest="policy_cmd", required=True)

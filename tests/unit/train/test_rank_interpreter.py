@@ -1,34 +1,19 @@
 """The spec's entrypoint.python: the agent starts the rank with that interpreter (not a
-fork of its own), and the import preflight runs there and names what it lacks."""
+fork of its own). Its preflight: tests/unit/spec/test_rank_python.py."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing.connection
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from relay.spec import entry_check
-from relay.spec.entry_check import import_problem
-from relay.spec.job import load_job_spec
 from relay_train.agent.node import NodeAgent
 from relay_train.agent.ranks import stop_ranks
 from relay_train.protocol.channel_auth import new_secret
 from relay_train.protocol.interpreter import PATH_FOLDER
 from relay_train.protocol.launch import LAUNCH_FILE, Entrypoint, LaunchConfig
-
-HEAD = """\
-job: user
-total_steps: 20
-steps_per_segment: 10
-checkpoint_every: 10
-entrypoint:
-  script: train.py
-"""
 
 # What the rank's script records: the wrapper's mark, and where relay_train came from.
 SCRIPT = """\
@@ -75,42 +60,3 @@ def test_the_rank_runs_under_the_specs_interpreter(tmp_path: Path) -> None:
     assert seen["mark"] == "wrapped"  # started by the wrapper, not forked from this process
     assert seen["relay_train"] == str(root / PATH_FOLDER / "relay_train" / "__init__.py")
     assert seen["cwd"] == str(root)
-
-
-def spec_with_python(folder: Path, python: str) -> Path:
-    (folder / "train.py").write_text("import json\n")
-    path = folder / "job.yaml"
-    path.write_text(HEAD + f"  python: {python}\n")
-    return path
-
-
-def test_a_missing_interpreter_fails_the_preflight_naming_file_line_and_field(
-        tmp_path: Path) -> None:
-    path = spec_with_python(tmp_path, "venvs/gone")
-    problem = str(import_problem(load_job_spec(path), path))
-    assert problem.startswith(f"{path}:7: entrypoint.python: expected a Python interpreter")
-    assert f"found nothing at {tmp_path / 'venvs' / 'gone'}" in problem
-    assert "python -m venv" in problem
-
-
-def test_the_preflight_runs_in_the_specs_interpreter(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Relay's worker side as the stdlib part of it (torch and MLflow take seconds to import).
-    monkeypatch.setattr(entry_check, "WORKER_IMPORTS",
-                        [("relay_train.protocol.interpreter", "Relay's worker side")])
-    wrapper = wrapper_interpreter(tmp_path)
-    path = spec_with_python(tmp_path, str(wrapper))
-    assert import_problem(load_job_spec(path), path) is None
-    (tmp_path / "train.py").write_text("import os\nassert os.environ['RELAY_TEST_INTERPRETER']\n"
-                                       "import json\n")
-    # A bare venv (no torch): the preflight names Relay's worker side and what it lacks.
-    bare = tmp_path / "bare"
-    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(bare)],  # type: ignore[attr-defined]
-                   check=True)
-    path = spec_with_python(tmp_path, "bare")
-    entry = load_job_spec(path).launch_entrypoint(path)
-    assert entry.python == str(bare / "bin" / "python")  # a venv folder: its bin/python
-    monkeypatch.undo()  # the real list: relay_train.api needs torch, which is not there
-    problem = str(import_problem(load_job_spec(path), path))
-    assert "cannot import 'relay_train.api' (Relay's worker side" in problem, problem
-    assert "No module named" in problem and f"{bare / 'bin' / 'python'} -m pip install" in problem

@@ -1,5 +1,6 @@
 """What the Slurm test-bed tests share: the launch configuration, a launch watched to its
-first event, the default policy's decision and its quarantine, waiting, freezing a host."""
+first event, the default policy's decision and its quarantine (and its release), waiting,
+freezing a host."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from relay.core.attempt import Attempt
 from relay.core.checkpoint_keys import checkpoint_keys
 from relay.core.faults import Fault
 from relay.launchers.slurm.launcher import SlurmLauncher
+from relay.nodes.pool import NodePool
 from relay.policy.decide import Decision, decide
 from relay.policy.model import Detection, load_policy
 from relay.recover.pipeline import quarantine
@@ -88,6 +90,20 @@ def decided(event: dict[str, Any], launcher: SlurmLauncher,
     decision = decide(fault, [], policy.policy, policy.sha256)
     quarantine(decision, fault, where, launcher)
     return fault, decision
+
+
+def drained(launcher: SlurmLauncher, culprit: str, kind: str) -> None:
+    """Assert ``culprit`` is drained in Slurm with Relay's reason (its quarantine for a
+    fault of ``kind``)."""
+    node = launcher.cluster(fresh=True)[culprit]
+    assert "DRAIN" in node.states and node.reason.startswith(f"relay: {kind}"), node
+
+
+def released(launcher: SlurmLauncher, node: str) -> None:
+    """Lift the quarantine; Slurm takes the node back (ReturnToService=2 undoes a DOWN)."""
+    NodePool().release(node)
+    launcher.enforce_quarantines(NodePool().quarantines())
+    until(lambda: not launcher.cluster(fresh=True)[node].unfit, 90, f"{node} back in Slurm")
 
 
 def host_processes(testbed: TestBed, node: str) -> list[int]:

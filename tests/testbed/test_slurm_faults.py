@@ -1,7 +1,8 @@
 """Faults of the hosts themselves, on the test bed's real Slurm (node1..node3, each its own
-network, disk and process tree): each test asserts the fault kind and culprit the segment
-watcher reports, the decision the default policy names (quarantine: a Slurm drain with
-Relay's reason), and the retry. The figures (detected after, time to resume) are logged
+network, disk and process tree): a cut link, a killed slurmd, a Slurm preemption notice, a
+slow link. Each test asserts the fault kind and culprit the segment watcher reports, the
+decision the default policy names (quarantine: a Slurm drain with Relay's reason), and the
+retry. The figures (detected after, time to resume) are logged
 as ``FIGURE ...`` lines (`-s` shows them); docs/slurm.md has those measured."""
 
 from __future__ import annotations
@@ -10,19 +11,24 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from slurm_bed import (
     DETECTION,
     NODES,
+    POLICIES,
     config,
     decided,
+    drained,
     host_processes,
+    released,
     trained,
     training,
-    until,
 )
 
 from relay.core.attempt import Attempt
@@ -30,9 +36,11 @@ from relay.launchers.slurm.commands import run as slurm_run
 from relay.launchers.slurm.launcher import SlurmLauncher
 from relay.lineage.store import Lineage
 from relay.nodes.pool import NodePool
+from relay.policy.model import load_policy
 from relay.recover.drain import drain
 from relay.tools.bench.common import watch
 from relay.tools.testbed import TestBed, hosts, slurm
+from relay.watch.slowness import ThroughputRule
 from relay_train.agent.notice import STOP_MARGIN_SECONDS
 from relay_train.protocol.launch import FIRST_STEP_FILE, LaunchConfig
 from relay_train.protocol.routes import DEFAULT_PREEMPT_GRACE_SECONDS
@@ -41,6 +49,10 @@ pytestmark = pytest.mark.cluster_ns
 log = logging.getLogger(__name__)
 MID = 5  # the fault strikes once every rank is past this step: mid-training
 PACED = [{"kind": "pace", "step": 0, "seconds": 1.0, "attempt": None}]  # 1 s more a step
+# A slow link (this kernel has no `netem`): measured here, 16.6 -> 1.2 steps/s, and node3's
+# status round trip 0.21 s (median) against the others' 5 ms.
+TBF = ["tbf", "rate", "1mbit", "burst", "32kbit", "latency", "400ms"]
+BASELINE_WAIT_SECONDS = 90.0
 
 
 def _figure(what: str, **values: float | int | str) -> None:
@@ -50,18 +62,12 @@ def _figure(what: str, **values: float | int | str) -> None:
     log.warning(line)
 
 
-def _drained(launcher: SlurmLauncher, culprit: str) -> None:
-    """Assert ``culprit`` is drained in Slurm with Relay's reason (its quarantine)."""
-    node = launcher.cluster(fresh=True)[culprit]
-    assert "DRAIN" in node.states and node.reason.startswith("relay: node_unresponsive"), node
-
-
 def _quarantined_and_retried(launcher: SlurmLauncher, tracking: str, segment: Path,
                              culprit: str, onset: float) -> None:
     """Assert ``culprit`` is drained in Slurm with Relay's reason, then retry the segment on
     the nodes left and see it train to its end without the culprit (``onset``: when the
     fault was made, epoch seconds: the time to resume ends at the retry's first step)."""
-    _drained(launcher, culprit)
+    drained(launcher, culprit, "node_unresponsive")
     retry = config(tracking, segment / "try-1", NodePool().healthy(), steps=4)
     assert retry.nodes == [n for n in NODES if n != culprit]
     done = trained(launcher, retry)
@@ -74,13 +80,6 @@ def _quarantined_and_retried(launcher: SlurmLauncher, tracking: str, segment: Pa
 def _first_step_at(cfg: LaunchConfig) -> float:
     """Return when rank 0 of ``cfg`` finished its first step (it came over the channel)."""
     return float(json.loads((cfg.root / FIRST_STEP_FILE).read_text())["at"])
-
-
-def _released(launcher: SlurmLauncher, node: str) -> None:
-    """Lift the quarantine; Slurm takes the node back (ReturnToService=2 undoes a DOWN)."""
-    NodePool().release(node)
-    launcher.enforce_quarantines(NodePool().quarantines())
-    until(lambda: not launcher.cluster(fresh=True)[node].unfit, 90, f"{node} back in Slurm")
 
 
 def _fault_on(launcher: SlurmLauncher, cfg: LaunchConfig, culprit: str, where: str,
@@ -115,7 +114,7 @@ def test_a_cut_link_is_node_unresponsive_on_that_host_quarantined_and_retried_el
     finally:
         hosts.set_link(testbed, "node3", up=True)
         launcher.stop(attempt, grace_seconds=1.0)
-    _released(launcher, "node3")
+    released(launcher, "node3")
 
 
 def test_a_killed_slurmd_is_read_from_slurm_and_its_node_quarantined(
@@ -136,13 +135,13 @@ def test_a_killed_slurmd_is_read_from_slurm_and_its_node_quarantined(
         node = launcher.cluster(fresh=True)["node2"]
         assert node.unresponsive, node  # Slurm's word, not only the agent's silence
         assert launcher.stop(attempt, grace_seconds=2.0) == []
-        _drained(launcher, "node2")  # (the retry elsewhere: the link cut's test)
+        drained(launcher, "node2", "node_unresponsive")  # (its retry: the link cut's test)
     finally:
         launcher.stop(attempt, grace_seconds=1.0)
         if not any(Path(f"/proc/{p}/comm").read_text().strip() == "slurmd"
                    for p in host_processes(testbed, "node2")):
             slurm.start_slurmd(testbed, "node2")
-    _released(launcher, "node2")
+    released(launcher, "node2")
 
 
 def test_a_slurm_signal_is_a_preemption_notice_drained_without_loss_and_not_quarantined(
@@ -196,3 +195,56 @@ def test_a_slurm_signal_is_a_preemption_notice_drained_without_loss_and_not_quar
     assert first["step"] == stop_at + 1, first  # from the drained checkpoint: 0 steps lost
     _figure("resumed", culprit=fault.culprit_node, after=_first_step_at(retry) - onset,
             lost_steps=0)
+
+
+def test_a_rate_limited_link_is_a_straggler_of_its_host_quarantined(
+        testbed: TestBed, tracking: str, launcher: SlurmLauncher, relay_home: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tc tbf` rate-limits node3's link once the watcher has the job's throughput baseline:
+    every rank slows alike (the collective crosses it), no rank's compute changes, the job's
+    throughput falls under the default policy's floor, and the watcher's status round trip
+    to node3's agent stands out: a straggler of node3 (relay.watch.slow_link), moved off and
+    quarantined (~65 s at load ~12)."""
+    # The default policy's throughput rule (the bed's DETECTION turns it off: load trips it),
+    # armed only from the baseline on: the link is slowed once the watcher has one.
+    detection = DETECTION.model_copy(
+        update={"throughput": load_policy(POLICIES / "default.yaml").policy.detection.throughput})
+    measured = threading.Event()
+    check = ThroughputRule.check
+
+    def check_and_tell(rule: ThroughputRule, *args: Any) -> Any:  # noqa: ANN401
+        fault = check(rule, *args)
+        if rule.baseline is not None:
+            measured.set()
+        return fault
+
+    monkeypatch.setattr(ThroughputRule, "check", check_and_tell)
+    segment = relay_home / "slurm" / "dag" / "slowlink" / "segment-000"
+    cfg = config(tracking, segment / "try-0", NODES, steps=100_000)
+    attempt = launcher.launch(cfg)
+    shaped = False
+    try:
+        training(launcher, attempt, 3, step=5)
+        with ThreadPoolExecutor(1) as pool:
+            watching = pool.submit(watch, cfg, detection, 150, None, launcher.config())
+            assert measured.wait(BASELINE_WAIT_SECONDS) or watching.done(), "no baseline"
+            assert not watching.done(), watching.result()  # no fault before the link slows
+            hosts.set_qdisc(testbed, "node3", TBF)
+            shaped = True
+            slowed = time.monotonic()
+            event = watching.result()
+        detected = time.monotonic() - slowed
+        fault, decision = decided(event, launcher, "slow link")
+        assert (fault.kind.value, fault.culprit_node) == ("straggler", "node3"), event
+        trips = fault.evidence["link_round_trip_seconds"]
+        assert (decision.action, decision.quarantine_node) == ("checkpoint_and_migrate", "node3")
+        drained(launcher, "node3", "straggler")
+        _figure("slow link", culprit="node3", detected_after=detected,
+                round_trip=f"{trips['node3']:.3f}s", others=f"{trips['node1']:.3f}s",
+                throughput=fault.evidence["throughput"]["samples_per_second"],
+                baseline=fault.evidence["throughput"]["baseline"])
+    finally:
+        if shaped:
+            hosts.set_qdisc(testbed, "node3", None)
+        launcher.stop(attempt, grace_seconds=1.0)
+    released(launcher, "node3")

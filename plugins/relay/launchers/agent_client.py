@@ -89,6 +89,7 @@ class NodeReport:
     record: dict[str, Any]
     heartbeats: dict[int, Heartbeat] = field(default_factory=dict)
     crossed: set[int] = field(default_factory=set)  # boundaries rank 0 recorded crossing
+    round_trip: float | None = None  # seconds from asking to the answer (relay.watch.slow_link)
 
 
 def place_on_our_clock(record: dict[str, Any], received_at: float) -> Heartbeat:
@@ -276,6 +277,7 @@ class AgentChannel(AgentRequests):
         self._inflight.clear()
 
     def _status(self, node: str) -> NodeReport | None:
+        asked = time.monotonic()
         try:
             record = self.call(node, Route.STATUS, timeout=STATUS_TIMEOUT_SECONDS)
         except StaleAgentError:
@@ -292,7 +294,7 @@ class AgentChannel(AgentRequests):
                 continue
             beats[beat.rank] = beat
         return NodeReport(node, received_at, record, beats,
-                          crossed_steps(node, record.get(CROSSED)))
+                          crossed_steps(node, record.get(CROSSED)), time.monotonic() - asked)
 
     def last_seen(self, node: str) -> float | None:
         """Return when ``node``'s agent last answered, on Relay's clock."""

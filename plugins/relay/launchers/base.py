@@ -106,6 +106,9 @@ class NodeStatus:
     host: str | None = None
     errors: dict[int, str] = field(default_factory=dict)  # failed rank -> the end of its log
     notice: Notice | None = None  # the platform's preemption notice, if one came
+    # How long its agent's last status answer took, asked to answered (None: not measured):
+    # a slow or lossy link to the node shows here first (relay.watch.slow_link).
+    round_trip: float | None = None
 
 
 @dataclass

@@ -6,7 +6,8 @@ heartbeats, the launcher's status, the clock) and it answers with a
 "sustained" and "baseline" need; losing it (a triggerer restart) only delays
 those two rules. Rules are checked in a fixed order, most specific first, so
 one fault is reported once, under its most useful name. The straggler and
-throughput rules live in :mod:`relay.watch.slowness`.
+throughput rules live in :mod:`relay.watch.slowness`; a throughput fault whose cause is one
+node's slow link is named a straggler of that node by :mod:`relay.watch.slow_link`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from relay.watch.observation import (
     Observation,
     past_startup,
 )
+from relay.watch.slow_link import LinkWatch
 from relay.watch.slowness import StragglerRule, ThroughputRule
 from relay.watch.steptime import HangLimit, StepTimes
 from relay_train.protocol.heartbeat import Heartbeat
@@ -52,6 +54,7 @@ class Detector:
         self._straggler = (StragglerRule(detection.straggler, settled)
                            if detection.straggler else None)
         self._throughput = ThroughputRule(detection.throughput) if detection.throughput else None
+        self._links = LinkWatch()  # names the node whose slow link slowed the job
         self._stepped: dict[int, tuple[int, float]] = {}  # rank -> (step, when it was reached)
         self._lockstep = Lockstep()  # a node unheard while the others step on is alive
         self._secondary_since: float | None = None
@@ -75,6 +78,7 @@ class Detector:
             if seen is None or beat.step != seen[0]:
                 stepped[rank] = (beat.step, now)
         self._lockstep.observe(obs.heartbeats)
+        self._links.observe(obs)
         if self.cfg.derive_hang_timeout is not None:
             self._steps.observe(obs.heartbeats, self.cfg.derive_hang_timeout.warmup_steps)
         rules = (
@@ -360,4 +364,7 @@ class Detector:
     def _throughput_degraded(self, obs: Observation) -> Fault | None:
         if self._throughput is None:
             return None
-        return self._throughput.check(self._active(obs), len(obs.heartbeats), obs.now)
+        fault = self._throughput.check(self._active(obs), len(obs.heartbeats), obs.now)
+        if fault is None or FaultKind.STRAGGLER not in self.enabled:
+            return fault
+        return self._links.attribute(fault)  # a straggler of the node whose link is slow

@@ -288,6 +288,9 @@ def test_a_slow_answer_counts_at_the_next_poll_with_the_time_it_arrived(
     second = channel.poll()  # ...and counts at the next poll, from when it arrived
     assert second["node-b"] is not None
     assert second["node-b"].received_at < asked - 0.2
+    # Its round trip, asked to answered, is measured (relay.watch.slow_link judges it)
+    assert second["node-b"].round_trip is not None and second["node-b"].round_trip >= 4.0
+    assert first["node-a"] is not None and first["node-a"].round_trip is not None
     assert sorted(channel.beats) == [0, 1, 2, 3]
     channel.close()
 

@@ -81,7 +81,8 @@ def slot_status(slot: str, pod: Any, problems: dict[str, str | None],  # noqa: A
 
 
 def merge_agent_report(node: NodeStatus, report: NodeReport | None) -> None:
-    """Add what the slot's agent last said over the channel: when, exit codes, rank errors.
+    """Add what the slot's agent last said over the channel: when (and its round trip),
+    exit codes, rank errors.
 
     The pod's phase stays the word on a node that stopped answering; an agent that says
     its ranks ended (it answers a little longer) settles a pod still ``Running``.
@@ -89,7 +90,7 @@ def merge_agent_report(node: NodeStatus, report: NodeReport | None) -> None:
     if report is None:
         return
     record = report.record
-    node.last_seen = report.received_at
+    node.last_seen, node.round_trip = report.received_at, report.round_trip
     node.exit_codes = {int(r): c for r, c in (record.get(EXIT_CODES) or {}).items()}
     node.errors = {int(r): str(t) for r, t in (record.get(ERRORS) or {}).items()}
     node.notice = notice_of(record, report.received_at)

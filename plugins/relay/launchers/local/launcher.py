@@ -229,7 +229,8 @@ class LocalLauncher(HandleFile, LocalSignals, LocalWarmStart):
                 state, detail = NodeState.FAILED, "agent died without a final status (killed?)"
             errors = {int(r): str(t) for r, t in (record.get(ERRORS) or {}).items()}
             nodes[node] = NodeStatus(node, state, codes, detail, report.received_at,
-                                     errors=errors, notice=notice_of(record, report.received_at))
+                                     errors=errors, notice=notice_of(record, report.received_at),
+                                     round_trip=report.round_trip)
         return LaunchStatus(overall_state(nodes), nodes, dict(channel.beats),
                             list(channel.refused), set(channel.crossed))
 

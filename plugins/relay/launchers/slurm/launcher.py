@@ -248,6 +248,7 @@ class SlurmLauncher(HandleFile):
             nodes[node] = node_status(node, job, cluster.get(node),
                                       report.record if report else None,
                                       report.received_at if report else None)
+            nodes[node].round_trip = report.round_trip if report else None
         return LaunchStatus(overall_state(nodes), nodes, dict(channel.beats),
                             list(channel.refused), set(channel.crossed))
 

@@ -278,13 +278,14 @@ def set_link(bed: TestBed, name: str, up: bool) -> None:
               f"set host {name}'s link {state}")
 
 
-def set_netem(bed: TestBed, name: str, netem: list[str] | None) -> None:
-    """Put ``tc netem`` (e.g. ``["delay", "200ms"]``, ``["loss", "20%"]``) on host ``name``'s
-    link, whose outgoing packets it then delays or drops; None removes it."""
+def set_qdisc(bed: TestBed, name: str, qdisc: list[str] | None) -> None:
+    """Put a root qdisc on host ``name``'s link (its eth0), which then shapes the packets the
+    host sends: e.g. ``["tbf", "rate", "1mbit", "burst", "32kbit", "latency", "400ms"]``, a
+    slow link whose queue fills (this machine's kernel has no ``netem``); None removes it."""
     netns = bed.host(name).netns
-    if netem is None:
+    if qdisc is None:
         procs.run(["tc", "-n", netns, "qdisc", "del", "dev", "eth0", "root"],
-                  f"remove netem from host {name}")
+                  f"remove the qdisc from host {name}'s link")
         return
-    procs.run(["tc", "-n", netns, "qdisc", "add", "dev", "eth0", "root", "netem", *netem],
-              f"add netem {' '.join(netem)} to host {name}")
+    procs.run(["tc", "-n", netns, "qdisc", "add", "dev", "eth0", "root", *qdisc],
+              f"add {' '.join(qdisc)} to host {name}'s link")

@@ -56,12 +56,12 @@ down: $(STAMP)
 
 # Long end-to-end recoveries through Airflow (user script, three faults, DCP, evidence, observe).
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q --tb=short -m 'slow and not cluster_ns'
+	$(BIN)/python -m pytest -q --tb=short --durations=10 -m 'slow and not cluster_ns'
 
 # Slow tests against the services of `make up` (each test starts and stops its own).
 test-services: $(STAMP)
 	bash scripts/system-deps.sh
-	$(BIN)/python -m pytest -q --tb=short -m services tests/services
+	$(BIN)/python -m pytest -q --tb=short --durations=10 -m services tests/services
 
 # `make up` with Airflow's metadata in a private PostgreSQL (apt-get install postgresql), and
 # two workers sharing the node pool through one (RELAY_NODE_POOL_URL).
@@ -84,7 +84,7 @@ cluster-down: $(STAMP)
 # and the Kubernetes launcher's pods run as rendered on such hosts.
 test-cluster: $(STAMP)
 	bash scripts/system-deps.sh slurm
-	$(BIN)/python -m pytest -q --tb=short -m 'cluster_ns and not slow' tests/testbed
+	$(BIN)/python -m pytest -q --tb=short --durations=10 -m 'cluster_ns and not slow' tests/testbed
 
 # `relay demo --launcher slurm` on the test bed, against a fault-free run (root; ~13 min at least).
 test-cluster-demo: $(STAMP)

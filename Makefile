@@ -81,15 +81,15 @@ cluster-down: $(STAMP)
 	$(BIN)/relay testbed down
 
 # The test bed's own tests (marked cluster_ns; each brings hosts (+ Slurm) up and down),
-# and the Kubernetes launcher's pods run as rendered on such hosts.
+# the Kubernetes launcher's pods run as rendered on such hosts, and the Slurm demo.
 test-cluster: $(STAMP)
 	bash scripts/system-deps.sh slurm
 	$(BIN)/python -m pytest -q --tb=short --durations=10 -m 'cluster_ns and not slow' tests/testbed
 
-# `relay demo --launcher slurm` on the test bed, against a fault-free run (root; ~13 min at least).
+# Only `relay demo --launcher slurm`'s test (also in test-cluster; docs/testing.md has its time).
 test-cluster-demo: $(STAMP)
 	bash scripts/system-deps.sh slurm
-	$(BIN)/python -m pytest -q --tb=short -m 'cluster_ns and slow' tests/testbed
+	$(BIN)/python -m pytest -q --tb=short -m cluster_ns tests/testbed/test_slurm_demo.py
 
 bench: $(STAMP)
 	$(BIN)/relay bench checkpoint

@@ -125,6 +125,7 @@ class Session(SessionState, CollectivePhases, PlacedRank):
         self._step_time = Ewma()  # logged as step_seconds: checkpoint_every auto's pace
         self._injected = 0.0
         self._last_step = cfg.start_step
+        self._saved_at = None
         self.step = cfg.start_step  # the step the loop is on (report and update's default)
         self._loop_started: float | None = None
         self._loop_ended = False  # steps() ran to its end (the segment's, or a drain's)
@@ -216,6 +217,8 @@ class Session(SessionState, CollectivePhases, PlacedRank):
                 self._bounds.record(step, self._stall, agreed, self._await_published(step))
             stop_at = self._drain.stop_at()
             if stop_at is not None and step >= stop_at:
+                if step == stop_at:
+                    self._checkpoint_drained(step)
                 log.warning("rank %d drained at step %d", self.rank, step)
                 self._loop_ended = True
                 return
@@ -313,6 +316,19 @@ class Session(SessionState, CollectivePhases, PlacedRank):
             dist.destroy_process_group()
 
     # -- internals ----------------------------------------------------------------------
+
+    def _checkpoint_drained(self, step: int) -> None:
+        """Checkpoint the drain's step if :meth:`report` of the step before did not: the
+        drain came after it looked (the request arrives at any time). Relay takes the ranks'
+        end as the drained checkpoint published; without this the retry resumed from an
+        older one while the decision counted 0 lost steps (seen on Slurm)."""
+        tracks = self._state_fn is not None or bool(self._objects)
+        if step == self.start_step or self._saved_at == step or not tracks:
+            return
+        if self.rank == 0:
+            self._checkpoint(step, None)
+        else:
+            self.save(step)  # offers this rank's RNG states to rank 0's checkpoint
 
     def _first_step(self, step: int) -> None:
         # Say at once that this rank is past start-up: a rank dying before the next

@@ -69,6 +69,7 @@ class SessionState:
     _stall: float
     _closed: bool
     _last_step: int
+    _saved_at: int | None  # the step of this rank's newest save
     _loop_ended: bool
     _where: tuple[int, int]
     _chaos: ChaosMonkey
@@ -167,6 +168,7 @@ class SessionState:
         no-op. Asynchronous: the loop waits only for an in-memory copy.
         """
         self._last_step = max(self._last_step, step)  # a script may save without report
+        self._saved_at = step
         if self.rank != 0:
             self._rng_states.post(step, rng.capture(self._data_generator))
             return 0.0

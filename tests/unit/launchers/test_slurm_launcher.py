@@ -308,3 +308,51 @@ def test_a_node_slurm_has_drained_or_lost_is_refused_at_launch_not_waited_for(
                                          r"DRAIN\+IDLE \(bad fan\)"):
         SlurmLauncher(slurm=fake).launch(cfg_at(tmp_path / "try-0", ["node2"]))
     assert not [c for c in fake.calls if c[0] == "sbatch"]
+
+
+class StopAnswered:
+    """The channel of an attempt whose agents all answer a stop (``answer``: who says yes)."""
+
+    def __init__(self, addresses: list[str], answer: list[str]) -> None:
+        self.addresses = {n: f"http://{n}:1" for n in addresses}
+        self.answer = set(answer)
+
+    def ask_to_stop(self) -> set[str]:
+        return self.answer
+
+
+class EndsWhenAsked(FakeSlurm):
+    """A job that ends by itself once every agent was asked (they stop, send logs, exit)."""
+
+    def __init__(self, jobs: dict[str, SlurmJob], nodes: str, channel: StopAnswered) -> None:
+        super().__init__(jobs, nodes)
+        self.channel = channel
+
+    def _run(self, argv: list[str], stdin: str | None = None) -> str:
+        if argv[:3] == ["scontrol", "show", "job"] and self.channel.answer == set(
+                self.channel.addresses):
+            job = self.jobs[argv[-1]]
+            self.jobs[argv[-1]] = SlurmJob(job.job_id, job.name, "COMPLETED", "", job.comment,
+                                           job.nodes, "0:0")
+        return super()._run(argv, stdin)
+
+
+@pytest.mark.parametrize(("answer", "signalled"), [(["node1", "node2"], False),
+                                                   (["node1"], True)])
+def test_agents_that_all_said_yes_to_a_stop_end_their_job_before_any_signal(
+        tmp_path: Path, answer: list[str], signalled: bool) -> None:
+    """An agent stops its ranks and sends their logs to MLflow before it exits: Slurm's
+    signals would end it first. A node that did not answer (frozen) gets them at once."""
+    root = tmp_path / "dag" / "run" / "segment-000" / "try-0"
+    root.mkdir(parents=True)
+    (root / HANDLE_FILE).write_text('{"job_id": "7", "attempt_id": "dag/run/segment-000/try-0",'
+                                    ' "addresses": {}, "port": 1, "started_at": 1.0}')
+    channel = StopAnswered(["node1", "node2"], answer)
+    fake = EndsWhenAsked({"7": SlurmJob("7", "x", "RUNNING", "", "dag/run/segment-000/try-0",
+                                        ["node1", "node2"], "")}, NODE_DRAINED, channel)
+    launcher = SlurmLauncher(slurm=fake)
+    launcher._channels[root] = channel  # type: ignore[assignment]
+
+    assert launcher.stop(Attempt(root), grace_seconds=0.0) == []
+    scancels = [c for c in fake.calls if c[0] == "scancel"]
+    assert bool(scancels) is signalled, scancels

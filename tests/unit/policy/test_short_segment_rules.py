@@ -4,7 +4,8 @@ A rank whose script returns cleanly before its segment's end is a ``short_segmen
 fault, never a success: the policy refuses any rule that would retry it (at the rule's
 file:line), the shipped policies stop the segment, the watcher tells it from a crash only
 by the worker's exit code *and* its message, and a rank's session knows when it ended
-early (a drain or the segment's end is not early). The real multi-process run is in
+early (a drain or the segment's end is not early), and a drained rank checkpoints the
+drain's step however late the drain came. The real multi-process run is in
 ``test_short_segment_run.py``.
 """
 
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from policy_files import line_of, load_error
 
 import relay.core.settings
@@ -196,6 +198,34 @@ def test_a_drained_rank_is_not_short(session: Session) -> None:
     _train(session)
     assert session._last_step == 6
     assert session.shortfall() is None
+
+
+def _train_drained(session: Session, asked_after: int, stop_at: int) -> list[int]:
+    """Train until drained at ``stop_at``, the drain asked once step ``asked_after`` is
+    reported; return the steps saved."""
+    session.track(lambda: {"w": torch.zeros(1)})
+    saved: list[int] = []
+
+    def save(step: int, state: object = None) -> float:
+        saved.append(step)
+        session._saved_at = step
+        return 0.0
+
+    session.save = save  # type: ignore[method-assign]
+    for step in session.steps():
+        session.report(step)
+        if step == asked_after:
+            (session.cfg.root / DRAIN_FILE).write_text(json.dumps({"stop_at": stop_at}))
+    assert session._last_step == stop_at
+    return saved
+
+
+@pytest.mark.parametrize("asked_after", [5, 4])
+def test_the_drains_step_is_checkpointed_once_whenever_the_drain_came(
+        session: Session, asked_after: int) -> None:
+    """Asked after the report of the step before the drain's (5), the loop's next turn
+    saves it; asked a step earlier (4), that report saves it, and it is not saved twice."""
+    assert _train_drained(session, asked_after, 6) == [6]
 
 
 def test_a_script_with_its_own_loop_is_judged_by_the_steps_it_reported(

@@ -10,11 +10,13 @@ the address Slurm knows the node by (``NodeAddr``).
 
 The attempt's handle is the Slurm job id, with the attempt's id (the job's
 ``--comment``, the fence: a job id that now names another job is never cancelled),
-the nodes' addresses and the ports. A stop asks the agents over the channel, then
-``scancel --full -s TERM``, waits the grace, then ``scancel --full -s KILL`` and
-``scancel``. A node Slurm reports DOWN, NOT_RESPONDING or FAIL is ``unresponsive``
-(a ``node_unresponsive`` fault); a quarantine drains the node in Slurm with the
-reason and expiry, and a release resumes it. Every Slurm call: ``commands``.
+the nodes' addresses and the ports. A stop asks the agents over the channel and, when
+they all said yes, waits for their job to end by itself (each stops its ranks and sends
+their logs to MLflow first); else, or if it does not end, ``scancel --full -s TERM``,
+waits the grace, then ``scancel --full -s KILL`` and ``scancel``. A node Slurm reports
+DOWN, NOT_RESPONDING or FAIL is ``unresponsive`` (a ``node_unresponsive`` fault); a
+quarantine drains the node in Slurm with the reason and expiry, and a release resumes it.
+Every Slurm call: ``commands``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ log = logging.getLogger(__name__)
 
 NODE_CHECK_SECONDS = 2.0  # Slurm's node states are read at most this often
 STOP_POLL_SECONDS = 0.2
+# An agent asked to stop: its ranks' grace (5 s, SIGTERM to SIGKILL), then their logs to MLflow.
+AGENT_STOP_SECONDS = 10.0
 QUARANTINE_REASON = "relay:"  # how a drain by Relay starts its reason (only those are resumed)
 
 
@@ -255,8 +259,9 @@ class SlurmLauncher(HandleFile):
     # -- stop --------------------------------------------------------------------------
 
     def stop(self, attempt: Attempt, grace_seconds: float = 5.0) -> list[str]:
-        """Ask the agents to stop, then ``scancel`` TERM, the grace, KILL; return what is
-        left (the job, if Slurm still runs it)."""
+        """Ask the agents to stop; unless they all said yes and their job then ended by itself
+        (:data:`AGENT_STOP_SECONDS`), ``scancel`` TERM, the grace, KILL; return what is left
+        (the job, if Slurm still runs it)."""
         handle = self.handle(attempt)
         if not handle:
             return []
@@ -264,8 +269,24 @@ class SlurmLauncher(HandleFile):
         if job is None or job.ended:
             return []
         if job.state == "RUNNING":
-            self.channel(attempt).ask_to_stop()
+            channel = self.channel(attempt)
+            asked = channel.ask_to_stop()
+            # Every agent stops its ranks, sends their logs to MLflow and exits: a signal
+            # before then would end the job (and the logs) with it. A silent one cannot.
+            if asked and asked == set(channel.addresses) and self._ends(handle, AGENT_STOP_SECONDS):
+                return []
         return self._cancel(job.job_id, handle, grace_seconds)
+
+    def _ends(self, handle: dict[str, Any], seconds: float) -> bool:
+        """Return whether the handle's job ends by itself within ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while True:
+            job = self._job(handle)
+            if job is None or job.ended or job.state == "COMPLETING":
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(STOP_POLL_SECONDS)
 
     def _cancel(self, job_id: str, handle: dict[str, Any], grace_seconds: float) -> list[str]:
         for sig, wait in (("TERM", grace_seconds), ("KILL", grace_seconds)):

@@ -48,7 +48,6 @@ from relay_train.protocol.routes import DEFAULT_PREEMPT_GRACE_SECONDS
 pytestmark = pytest.mark.cluster_ns
 log = logging.getLogger(__name__)
 MID = 5  # the fault strikes once every rank is past this step: mid-training
-PACED = [{"kind": "pace", "step": 0, "seconds": 1.0, "attempt": None}]  # 1 s more a step
 # A slow link (this kernel has no `netem`): measured here, 16.6 -> 1.2 steps/s, and node3's
 # status round trip 0.21 s (median) against the others' 5 ms.
 TBF = ["tbf", "rate", "1mbit", "burst", "32kbit", "latency", "400ms"]
@@ -155,11 +154,11 @@ def test_a_slurm_signal_is_a_preemption_notice_drained_without_loss_and_not_quar
     lineage = Lineage(tracking, tmp_path / "artifacts")
     parent = lineage.parent_run("slurmpreempt", "dag", "preempt")
     segment = relay_home / "slurm" / "dag" / "preempt" / "segment-000"
-    # Paced: relay.recover.drain asks for a stop two steps past the newest heartbeat it
-    # read, and on Slurm that beat can be a second old; unpaced ranks (3+ steps/s here)
-    # were past that step when the request came in one of two runs, and never drained.
+    # Unpaced: relay.recover.drain's lead counts the job's step rate (a heartbeat read on
+    # Slurm can be a second old; with a fixed two-step lead, unpaced ranks were past the
+    # step when the request came in one of two runs, and never drained).
     cfg = config(tracking, segment / "try-0", NODES, steps=100_000,
-                 run_id=lineage.attempt_run(parent, 0, 0, {}), chaos=PACED)
+                 run_id=lineage.attempt_run(parent, 0, 0, {}))
     attempt = launcher.launch(cfg)
     try:
         training(launcher, attempt, 3, step=MID)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from airflow_jobs import free_the_pool
 from slurm_bed import NODES
 
 from relay.launchers import launcher_from
@@ -28,6 +29,9 @@ def testbed(relay_home: Path) -> Iterator[TestBed]:
     why = slurm.can_run_slurm()
     if why:
         pytest.skip(f"Slurm test bed: {why}")
+    # An earlier module's quarantines (the demo's) are in the session's node pool: this
+    # fresh cluster would drain those nodes at its first launch.
+    free_the_pool()
     with lease():
         bed = slurm.up(3, hide=[str(relay_home)])
         try:

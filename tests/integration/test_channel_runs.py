@@ -25,7 +25,7 @@ import pytest
 from relay.core.attempt import Attempt
 from relay.core.checkpoint_keys import checkpoint_keys
 from relay.core.faults import Fault
-from relay.launchers.local.launcher import ENV_PARTITIONED, LocalLauncher, free_port
+from relay.launchers.local.launcher import ENV_PARTITIONED, LocalLauncher
 from relay.lineage.store import TAG_REJECTED, Lineage
 from relay.policy.model import Detection
 from relay.recover.ask_rescue import RECEIVED_DIR as RESCUED
@@ -160,7 +160,7 @@ def _attempt(lineage: Lineage, parent: str, base: Path, attempt: int, node: str,
         job="fence", seed=1, model=TINY_MODEL, data={"corpus": "builtin:python_docs",
         "batch_size": 8}, optimizer={"lr": 0.003}, start_step=0, end_step=end_step,
         checkpoint_every=25, nodes=[node], ranks_per_node=2, master_addr="127.0.0.1",
-        master_port=free_port(), tracking_uri=lineage.tracking_uri, run_id=run_id,
+        tracking_uri=lineage.tracking_uri, run_id=run_id,
         attempt_dir=str(root), attempt=attempt, segment=0,
         checkpoint_keys=checkpoint_keys().to_dict())  # as the segment task launches it
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from relay.launchers.local.launcher import free_port
+from relay.launchers.local.ports import listen_port
 from relay.lineage.store import Lineage
 from relay_train.protocol.manifest import DCP_DIR, FORMAT_DCP, files_digest
 
@@ -39,7 +39,7 @@ class SavedRun:
 
 def spawn(fn: Any, *args: Any) -> None:  # noqa: ANN401
     """Run ``fn(rank, port, *args)`` on 2 ranks; re-raise a rank's failure."""
-    mp.start_processes(fn, args=(free_port(), *args), nprocs=dcp_ranks.WORLD_SIZE,
+    mp.start_processes(fn, args=(listen_port(), *args), nprocs=dcp_ranks.WORLD_SIZE,
                        start_method="spawn", join=True)
 
 

@@ -23,7 +23,7 @@ from enum import StrEnum
 from typing import Any
 
 from relay.core import settings
-from relay.launchers.local.launcher import free_port
+from relay.launchers.local.ports import listen_port
 from relay.tools.clock import ClockReading, db_clock, http_clock
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def check_allreduce(backend: str, world: int = 2,
     name = f"{backend} all-reduce"
     context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
     results = context.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    init_method = f"tcp://127.0.0.1:{listen_port()}"
     started = time.monotonic()
     procs = [context.Process(target=allreduce_rank, name=f"doctor-rank-{r}",
                              args=(r, world, backend, init_method, timeout_seconds / 2, results))

@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from relay.launchers.agent_client import AgentChannel
 from relay.launchers.agent_groups import Group
 from relay.launchers.base import LaunchStatus, NodeStatus, notice_of, overall_state
 from relay.launchers.handle_file import HANDLE_FILE, HandleFile
+from relay.launchers.local.ports import free_port, listen_ports
 from relay.launchers.local.signals import LocalSignals
 from relay.launchers.local.warm_agents import (
     LINGER_SECONDS,
@@ -70,13 +70,6 @@ STOP_GRACE_SECONDS = 5.0
 ENV_PARTITIONED = "RELAY_TEST_PARTITIONED_NODES"  # test hook: nodes stop() cannot reach
 STOP_ASK_TIMEOUT_SECONDS = 0.5
 STOP_POLL_SECONDS = 0.02  # a stop looks this often whether the attempt's processes are gone
-
-
-def free_port() -> int:
-    """Return a free TCP port on loopback for a fresh rendezvous."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def channel_secret(root: Path) -> str:
@@ -132,11 +125,14 @@ class LocalLauncher(HandleFile, LocalSignals, LocalWarmStart):
         standbys nobody took are stopped afterwards.
         """
         root = cfg.root
+        # Fresh for every attempt (a retry after a taken port gets another): below the
+        # kernel's ephemeral range, where no outgoing connection takes them meanwhile.
+        *agent_ports, master_port = listen_ports(len(cfg.nodes) + 1)
         cfg = replace(cfg, attempt_id=cfg.attempt_id or attempt_id_of(root),
                       channel_secret=new_secret(),  # fresh for every attempt
-                      agent_ports={n: free_port() for n in cfg.nodes},
+                      agent_ports=dict(zip(cfg.nodes, agent_ports, strict=True)),
                       master_addr=cfg.master_addr or "127.0.0.1",
-                      master_port=cfg.master_port or free_port())
+                      master_port=cfg.master_port or master_port)
         standby_dir = root.parent / STANDBY_DIR
         for sub in (root, cfg.log_dir, cfg.heartbeat_dir):
             sub.mkdir(parents=True, exist_ok=True)

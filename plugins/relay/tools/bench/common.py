@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from relay.core.attempt import Attempt
 from relay.core.checkpoint_keys import checkpoint_keys
-from relay.launchers.local.launcher import LocalLauncher, free_port
+from relay.launchers.local.launcher import LocalLauncher
 from relay.policy.model import Detection
 from relay.watch.triggers import SegmentWatchTrigger
 from relay_train.protocol.launch import LaunchConfig
@@ -53,7 +53,7 @@ def launch_config(
         data={"corpus": "builtin:python_docs", "batch_size": batch_size},
         optimizer={"lr": 0.003}, start_step=0, end_step=steps, checkpoint_every=checkpoint_every,
         nodes=["node-a", "node-b"], ranks_per_node=2, master_addr="127.0.0.1",
-        master_port=free_port(), tracking_uri=store.uri, run_id=store.new_run(),
+        tracking_uri=store.uri, run_id=store.new_run(),
         attempt_dir=str(attempt_dir), attempt=1, segment=0,
         heartbeat_interval_seconds=heartbeat_interval, chaos=chaos or [],
         checkpoint_keys=checkpoint_keys().to_dict(),

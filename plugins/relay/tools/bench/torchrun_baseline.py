@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from relay.core.checkpoint_keys import checkpoint_keys
-from relay.launchers.local.launcher import free_port
+from relay.launchers.local.ports import listen_port
 from relay.lineage.report import chaos_strikes, first_step_at
 from relay_train.inject import child_pids
 from relay_train.protocol import pids
@@ -206,7 +206,7 @@ def run_baseline(
             job="goodput-baseline", seed=job["seed"], model=job["model"], data=job["data"],
             optimizer=job["optimizer"], start_step=resume_step, end_step=job["steps"],
             checkpoint_every=job["every"], nodes=nodes, ranks_per_node=job["ranks_per_node"],
-            master_addr="127.0.0.1", master_port=free_port(), tracking_uri=lineage.tracking_uri,
+            master_addr="127.0.0.1", master_port=listen_port(), tracking_uri=lineage.tracking_uri,
             run_id=run_id, attempt_dir=str(attempt_dir), attempt=attempt, segment=0,
             collective_timeout_seconds=collective_timeout, chaos=schedule,
             resume=replace(latest.resume_from(), artifact="") if latest else None,

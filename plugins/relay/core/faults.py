@@ -40,6 +40,10 @@ class FaultKind(StrEnum):
 RESCUABLE = frozenset({FaultKind.HANG, FaultKind.RANK_UNRESPONSIVE, FaultKind.NODE_UNRESPONSIVE})
 # Faults of the job's own configuration or script: a retry would meet them again.
 NOT_RETRYABLE = frozenset({FaultKind.SHORT_SEGMENT})
+# The key in a fault's evidence saying how its culprit was checked, with a "note" the
+# decision's reason quotes: a hang's against the ranks' stacks (relay.recover.culprit), a
+# launch failure's rendezvous port found taken (relay.watch.exits).
+CULPRIT_CHECK = "culprit_check"
 
 
 @dataclass(frozen=True)

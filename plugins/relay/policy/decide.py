@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from relay.core.faults import Fault, FaultKind
+from relay.core.faults import CULPRIT_CHECK, Fault, FaultKind
 from relay.policy.rules import HEALTHY_NODE, Action, Mode
 
 
@@ -67,7 +67,7 @@ def decide(
     escalation target, so the applying side records and notifies it instead of acting.
     """
     decision = _enforced(fault, history, policy, policy_sha256)
-    check = fault.evidence.get("culprit_check")  # relay.recover.culprit: stacks vs phases
+    check = fault.evidence.get(CULPRIT_CHECK)  # stacks vs phases, a taken port
     if isinstance(check, dict) and check.get("note"):
         decision = replace(decision, reason=f"{decision.reason}; culprit: {check['note']}")
     if rule_mode(policy, fault.kind) != Mode.OBSERVE:

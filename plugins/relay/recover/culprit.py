@@ -30,11 +30,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from relay.core.faults import Fault, FaultKind
+from relay.core.faults import CULPRIT_CHECK, Fault, FaultKind
 from relay.recover.evidence import Evidence
 from relay_train.protocol.heartbeat import Phase
 
-CULPRIT_CHECK = "culprit_check"  # the key in a fault's evidence
 COLLECTIVE, ELSEWHERE = "collective", "elsewhere"
 # Frames of a Python stack that are a wait in a collective: torch.distributed itself, and
 # DDP's buffer broadcast (a C call from torch/nn/parallel/distributed.py).

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from relay.core import testhooks
 from relay.core.attempt import AttemptState
-from relay.core.faults import Fault
+from relay.core.faults import CULPRIT_CHECK, Fault
 from relay.launchers import Launcher, launch_record
 from relay.lineage import resume_time
 from relay.nodes.pool import NodePool
@@ -46,7 +46,7 @@ from relay.policy.model import STOP_GRACE_SECONDS
 from relay.policy.notify import escalate
 from relay.recover import claim, journal, observing, record
 from relay.recover.ask_rescue import silent
-from relay.recover.culprit import CULPRIT_CHECK, confirm_culprit
+from relay.recover.culprit import confirm_culprit
 from relay.recover.recovery import Outcome, Recovery, TaskSide
 from relay.recover.resume import next_resume
 from relay.recover.save_state import (

@@ -19,7 +19,7 @@ from relay.core.attempt import AttemptState
 from relay.core.faults import Fault, FaultKind
 from relay.launchers.agent_client import FRESH_WAIT_SECONDS
 from relay.policy.model import Detection
-from relay.watch.exits import classify_exit, only_secondary_exits, preemption
+from relay.watch.exits import before_first_step, classify_exit, only_secondary_exits, preemption
 from relay.watch.hangs import find_hang
 from relay.watch.lockstep import Lockstep
 from relay.watch.observation import (
@@ -124,9 +124,7 @@ class Detector:
         beat = obs.heartbeats.get(fault.culprit_rank)
         if beat is None or beat.phase == STARTING:
             # It died before its first step: the launch failed, not the training.
-            return Fault(FaultKind.LAUNCH_FAILURE, fault.culprit_rank, fault.culprit_node,
-                         {**fault.evidence, "summary": "rank exited before its first step: "
-                          + fault.evidence["summary"]}, obs.now)
+            return before_first_step(fault, obs.launch, obs.now)
         return fault
 
     def _startup(self, obs: Observation) -> Fault | None:

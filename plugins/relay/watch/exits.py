@@ -6,15 +6,21 @@ that ended cleanly before its segment's end (its worker's exit code
 ``SHORT_SEGMENT_EXIT`` with the line ``short_segment_message`` last in its log, see
 :mod:`relay_train.worker`) is a ``short_segment`` fault instead: the step it reached,
 the step the job expected.
+
+A rank that died before its first step is a ``launch_failure``
+(:func:`before_first_step`), and its node is to blame, unless torch.distributed's
+store could not listen because another process held the rendezvous port
+(EADDRINUSE): then nobody is, and the retry's launch picks a fresh port.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
 from relay.core.attempt import AttemptState
-from relay.core.faults import Fault, FaultKind
+from relay.core.faults import CULPRIT_CHECK, Fault, FaultKind
 from relay.launchers.base import PREEMPTED, LaunchStatus
 from relay_train.protocol.launch import SHORT_SEGMENT_EXIT, parse_short_segment
 from relay_train.protocol.routes import NodeState
@@ -22,6 +28,15 @@ from relay_train.protocol.routes import NodeState
 # How the peers of a dead rank end: gloo's "connection reset" (exit 1) or their agent's
 # SIGTERM (-15). The culprit is the rank that died of something else.
 SECONDARY_EXIT_CODES = frozenset({1, -15})
+
+PORT_TAKEN = "port_taken"  # the key in a launch failure's evidence: the port found taken
+# torch.distributed's store failing to listen because another process holds its port:
+# "DistNetworkError: The server socket has failed to listen on any local network address.
+# port: N, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use"
+# (torch 2.4 on; before: "... failed to bind to [::]:N (errno: 98 - Address already in use)").
+_STORE_LISTEN = re.compile(r"DistNetworkError|server socket has failed to (?:listen|bind)")
+_IN_USE = re.compile(r"EADDRINUSE|errno:? 98\b|address already in use", re.IGNORECASE)
+_PORT = re.compile(r"\bport: (\d+)|:(\d+) \(errno")
 
 
 def only_secondary_exits(status: LaunchStatus) -> bool:
@@ -105,3 +120,37 @@ def preemption(status: LaunchStatus, now: float) -> Fault | None:
         f"of {notice.grace_seconds:g}s: drain it by {when} ({max(left, 0.0):.1f}s left)",
         "grace_seconds": notice.grace_seconds, "drain_by": notice.drain_by,
         "host": host, "nodes": sorted(found[1] for found in noticed)}, now)
+
+
+def port_taken(status: LaunchStatus) -> tuple[int, int] | None:
+    """Return (rank, port) of the first failed rank whose log shows torch.distributed's
+    store unable to listen because another process held its port; None if none does."""
+    for rank, log in sorted(status.errors().items()):
+        for line in reversed(log.splitlines()):
+            found = _PORT.search(line)
+            if found and _STORE_LISTEN.search(line) and _IN_USE.search(line):
+                return rank, int(found[1] or found[2])
+    return None
+
+
+def before_first_step(fault: Fault, status: LaunchStatus, now: float) -> Fault:
+    """Return the launch failure of ``fault``'s rank, which died before its first step.
+
+    Its node is the culprit, as for any launch failure, unless a rank's store found the
+    rendezvous port taken: another process took it between the launcher's pick and the
+    store's bind, so no node is to blame (nobody quarantined; the retry's launch picks a
+    fresh port).
+    """
+    summary = f"rank exited before its first step: {fault.evidence['summary']}"
+    taken = port_taken(status)
+    if taken is None:
+        return Fault(FaultKind.LAUNCH_FAILURE, fault.culprit_rank, fault.culprit_node,
+                     {**fault.evidence, "summary": summary}, now)
+    rank, port = taken
+    note = (f"none: expected the rendezvous port {port} free for rank {rank}'s store, found "
+            "it taken by another process (EADDRINUSE); not the node's fault, so nobody is "
+            "quarantined, and a retry launches on a fresh port")
+    check = {"heartbeat_culprit": fault.culprit_rank, "culprit": None, "note": note}
+    return Fault(FaultKind.LAUNCH_FAILURE, None, None, {
+        **fault.evidence, "summary": f"rendezvous port {port} taken by another process: "
+        f"{summary}", PORT_TAKEN: port, CULPRIT_CHECK: check}, now)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 import subprocess
 import sys
 import threading
@@ -73,6 +74,24 @@ def test_step_time_jitter_raises_no_false_alarm(store: Store, tmp_path: Path) ->
         events = {name: future.result() for name, future in watching.items()}
     for name, event in events.items():
         assert event["status"] == "completed", (name, event)
+
+
+def test_a_taken_rendezvous_port_blames_nobody(store: Store, tmp_path: Path) -> None:
+    # Another process holds the rendezvous port before the launch: rank 0's store cannot
+    # listen on it (EADDRINUSE) and the rank dies before its first step.
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        cfg = dataclasses.replace(launch_config(store, tmp_path / "attempt", steps=20),
+                                  master_port=port)
+        with launched(cfg):
+            event = watch(cfg, Detection(startup_timeout=120.0), timeout=210.0)
+    assert event["status"] == "faulted", event
+    fault = event["fault"]
+    assert fault["kind"] == "launch_failure", fault
+    assert (fault["culprit_rank"], fault["culprit_node"]) == (None, None), fault
+    assert fault["evidence"]["port_taken"] == port, fault
 
 
 def _simulate_job(folder: Path, ranks: int, silent_rank: int | None, seconds: float) -> None:

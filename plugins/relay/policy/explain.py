@@ -49,7 +49,8 @@ def fault_sentence(kind: FaultKind, d: Detection) -> str:
         ),
         FaultKind.CRASH: "a rank exits with an error (crash)",
         FaultKind.LAUNCH_FAILURE: "a rank fails to start (launch_failure): no heartbeat within "
-        f"{humanize(d.startup_timeout)} of the launch, or it dies before its first step",
+        f"{humanize(d.startup_timeout)} of the launch, or it dies before its first step (one "
+        "that died because another process held its rendezvous port blames no node)",
         FaultKind.NAN_LOSS: "the loss becomes NaN or infinite (nan_loss)"
         + ("" if d.nan_loss else ": not watched by this policy"),
         FaultKind.CORRUPT_CHECKPOINT: "a checkpoint does not match the sha256 recorded when it "

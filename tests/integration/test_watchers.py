@@ -76,6 +76,7 @@ def test_step_time_jitter_raises_no_false_alarm(store: Store, tmp_path: Path) ->
         assert event["status"] == "completed", (name, event)
 
 
+@pytest.mark.slow  # a whole 2-node launch: 60-130 s; unit-tested in test_port_taken
 def test_a_taken_rendezvous_port_blames_nobody(store: Store, tmp_path: Path) -> None:
     # Another process holds the rendezvous port before the launch: rank 0's store cannot
     # listen on it (EADDRINUSE) and the rank dies before its first step.

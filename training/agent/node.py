@@ -31,15 +31,13 @@ import os
 import queue
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from relay_train.agent.node_status import NodeStatus
 from relay_train.agent.notice import Notice, grace_from_env, notice_of_sigterm
-from relay_train.agent.preload import preload_publisher, preload_worker
-from relay_train.agent.priority import yielding_thread
+from relay_train.agent.preload import preload_worker
 from relay_train.agent.ranks import (
     RankProcess,
     exec_rank,
@@ -112,7 +110,6 @@ class NodeAgent(NodeStatus):
         self._address = (bind, cfg.agent_ports.get(node, 0) if port is None else port)
         self.server: AgentServer | None = None
         self._standby_asks: queue.SimpleQueue[StandbyAsk] = queue.SimpleQueue()
-        self._behind: threading.Thread | None = None  # MLflow's import, once the ranks run
         self.grace_seconds = grace_from_env()  # a preemption notice's (see _on_term)
         self.notice: Notice | None = None
 
@@ -122,11 +119,12 @@ class NodeAgent(NodeStatus):
         started = time.perf_counter()
         if self.cfg.entrypoint.python is not None:
             return 0.0
-        hosts_rank0 = self.cfg.global_rank(self.node, 0) == 0
-        # MLflow: rank 0's node publishes checkpoints; every node of a resumed attempt
-        # fetches its resume checkpoint (relay_train.checkpoints.fetch).
-        preload_worker(self.cfg.entrypoint, publisher=hosts_rank0 or self.cfg.resume is not None,
-                       tracking_uri=self.cfg.tracking_uri)
+        # MLflow on every node, before the ranks: rank 0's node publishes checkpoints, every
+        # node of a resumed attempt fetches its resume checkpoint, and a copy of any agent
+        # (its standby for a retry) must be ready to. Imported later, beside running ranks,
+        # it held the GIL for seconds at a time while the channel's thread waited: the node
+        # looked silent (see docs/benchmarks.md, "detect --load").
+        preload_worker(self.cfg.entrypoint, publisher=True, tracking_uri=self.cfg.tracking_uri)
         return time.perf_counter() - started
 
     def start_ranks(self) -> None:
@@ -193,18 +191,8 @@ class NodeAgent(NodeStatus):
                 ask.pid = self._fork_standby(ask)
             ask.done.set()
 
-    def _preload_behind(self) -> None:
-        """Import MLflow in a thread of lowered priority once the ranks run, if this agent
-        left it out: a copy of this agent for a retry (a resumed attempt, which needs it)
-        is then ready at once instead of importing it while the retry waits."""
-        if "relay_train.checkpoints.publish" not in sys.modules:
-            self._behind = yielding_thread(
-                lambda: preload_publisher(self.cfg.tracking_uri), "preload-behind")
-
     def _fork_standby(self, ask: StandbyAsk) -> int:
         """Fork a standby for this node's next attempt; return its PID."""
-        if self._behind is not None:
-            self._behind.join()  # never fork while a thread holds the import lock
         pid = fork_standby(self.node, ask.directory, ask.ttl, ask.linger)
         log.info("forked a standby for %s's next attempt as pid %d in %s", self.node, pid,
                  ask.directory)
@@ -247,7 +235,6 @@ class NodeAgent(NodeStatus):
             self._serve()  # to say so
             return 1
         self.start_ranks()
-        self._preload_behind()
         self.set_state(NodeState.RUNNING)
         try:
             self._serve()

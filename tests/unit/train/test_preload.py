@@ -1,4 +1,4 @@
-"""What a node agent preloads for rank 0: MLflow and the tracking store its URI opens.
+"""What a node agent preloads: MLflow and the tracking store its URI opens, on every node.
 
 Each case runs in a fresh interpreter: this test process may have imported the store.
 """
@@ -8,6 +8,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from relay_train.protocol.channel_auth import new_secret
+from relay_train.protocol.launch import LAUNCH_FILE, LaunchConfig
 
 STORE = "mlflow.store.tracking.sqlalchemy_store"
 
@@ -46,3 +53,25 @@ def test_rank_0s_node_preloads_only_what_its_tracking_uri_opens() -> None:
               "tracking_uri={!r})")
     assert not _imported_after(worker.format("http://127.0.0.1:5000"))
     assert _imported_after(worker.format("sqlite:////tmp/relay/mlflow.db"))
+
+
+def test_every_nodes_agent_imports_mlflow_before_it_forks_its_ranks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    # Not only rank 0's: an agent that imported MLflow beside its running ranks held the
+    # GIL for seconds while its channel thread waited, and its node looked silent under load.
+    from relay_train.agent import node as agent_node
+
+    asked: dict[str, bool] = {}
+    cfg = LaunchConfig(job="preload", seed=0, model={}, data={}, optimizer={}, start_step=0,
+                       end_step=1, checkpoint_every=1, nodes=["node-a", "node-b"],
+                       ranks_per_node=2, tracking_uri="sqlite:////tmp/relay/mlflow.db",
+                       run_id="", attempt_dir=str(tmp_path), attempt=0, segment=0,
+                       channel_secret=new_secret(), backend="gloo")
+    for node in cfg.nodes:
+        monkeypatch.setattr(agent_node, "preload_worker",
+                            lambda _entry, *, publisher, tracking_uri=None, node=node:
+                            asked.__setitem__(node, publisher and tracking_uri == cfg.tracking_uri))
+        agent_node.NodeAgent(cfg, tmp_path / LAUNCH_FILE, node).preload()
+    assert asked == {"node-a": True, "node-b": True}
+    assert not any(t.name == "preload-behind" for t in threading.enumerate())

@@ -32,12 +32,16 @@ class Lockstep:
 
     def observe(self, beats: dict[int, Heartbeat]) -> None:
         """Fold in one poll's records."""
+        last_of, moved_after = self._last, self._moved_after  # (8,192 ranks a poll: hoisted)
         for rank, beat in beats.items():
-            last = self._last.get(rank)
-            if last is not None and beat.step > last[0]:
-                self._moved_after[rank] = last[1]
-            if last is None or beat.step != last[0] or beat.wall_clock > last[1]:
-                self._last[rank] = (beat.step, beat.wall_clock)
+            step, wall_clock = beat.step, beat.wall_clock
+            last = last_of.get(rank)
+            if last is None:
+                last_of[rank] = (step, wall_clock)
+            elif step != last[0] or wall_clock > last[1]:
+                if step > last[0]:
+                    moved_after[rank] = last[1]
+                last_of[rank] = (step, wall_clock)
 
     def alive_since(self, nodes: list[str], node_of: Callable[[int], str | None],
                     ) -> dict[str, float]:

@@ -165,13 +165,13 @@ class StragglerRule:
                 continue
             rank, step = beat.rank, beat.step
             seen = totals.get(rank)
-            if seen is None:
-                totals[rank] = (step, total, now)
-            elif step != seen[0]:
+            if seen is not None:
+                if step == seen[0]:
+                    continue
                 if step > seen[0] and total >= seen[1]:
-                    per_step[rank] = ((total - seen[1]) / (step - seen[0]), step - seen[0],
-                                      seen[2])
-                totals[rank] = (step, total, now)
+                    steps = step - seen[0]
+                    per_step[rank] = ((total - seen[1]) / steps, steps, seen[2])
+            totals[rank] = (step, total, now)
         if len(per_step) < 2:
             return lambda _rank: None
         others = leave_one_out(sorted(p for p, _, _ in per_step.values()))
@@ -254,8 +254,11 @@ class StragglerRule:
                        active: list[Heartbeat]) -> float | None:
         """Return the highest ratio not over the ratio in force among the ranks neither
         in a slow run nor suspected (the spread's sample), found from the top."""
-        left_out = Counter(b.compute_seconds or 0.0 for b in active
-                           if b.rank in self._runs or b.rank in self._spread.suspects)
+        runs, suspects = self._runs, self._spread.suspects
+        left_out: Counter[float] = Counter()
+        if runs or suspects:  # (no pass over the 8,192 ranks when none is left out)
+            left_out.update(b.compute_seconds or 0.0 for b in active
+                            if b.rank in runs or b.rank in suspects)
         for value in reversed(ordered):
             if left_out[value] > 0:
                 left_out[value] -= 1
@@ -269,12 +272,14 @@ class StragglerRule:
     def check(self, active: list[Heartbeat], now: float) -> Fault | None:
         """Return a straggler fault once one is due (``active``: the stepping ranks)."""
         active = [b for b in active if b.compute_seconds]
-        judged = {b.rank for b in active} if len(active) >= 2 else set()
-        for rank in [r for r in self._held.since if r not in judged]:
-            # Not stepping now (a boundary's publish, a node whose answer is late): how
-            # long a rank has been over the ratio counts only while it is seen stepping,
-            # or the first poll after a pause would find it "slow" for the whole pause.
-            self._held.pause(rank)
+        judged = len(active) >= 2
+        if self._held.since:  # (the set of 8,192 ranks only when a clock may need it)
+            stepping = {b.rank for b in active} if judged else set()
+            for rank in [r for r in self._held.since if r not in stepping]:
+                # Not stepping now (a boundary's publish, a node whose answer is late): how
+                # long a rank has been over the ratio counts only while it is seen stepping,
+                # or the first poll after a pause would find it "slow" for the whole pause.
+                self._held.pause(rank)
         if not judged:
             return None
         exact = self._interval_excess(active, now)
@@ -282,7 +287,7 @@ class StragglerRule:
             self._stepping_since = now
         if now - self._stepping_since < self.rule.sustained:
             return None  # start-up: nothing held, nothing lost yet
-        ordered = sorted(b.compute_seconds or 0.0 for b in active)
+        ordered = sorted([b.compute_seconds or 0.0 for b in active])
         median_of_others = leave_one_out(ordered)
         spread, limit = self._spread, self._spread.ratio
         # A rank's ratio to the others' median rises with its compute (the others' median

@@ -75,22 +75,25 @@ class StepTimes:
         """Fold in one poll's heartbeats: one sample, the ranks' median mean step time."""
         if not beats:
             return
-        low = min(b.step for b in beats.values())
         if self._first_step is None:
-            self._first_step = low
+            self._first_step = min(b.step for b in beats.values())
         checkpointing = any(b.phase == _CHECKPOINT for b in beats.values())
+        checkpointed, last_of = self._checkpointed, self._last  # (8,192 ranks a poll: hoisted)
         if checkpointing:
-            self._checkpointed.update(beats)
+            checkpointed.update(beats)
+        warm = self._first_step + warmup_steps
         times: list[float] = []
         for rank, beat in beats.items():
-            last = self._last.get(rank)
-            if last is not None and beat.step > last[0] and beat.wall_clock > last[1]:
-                if rank not in self._checkpointed and last[0] >= self._first_step + warmup_steps:
-                    times.append((beat.wall_clock - last[1]) / (beat.step - last[0]))
-                if not checkpointing:  # a checkpoint still going on taints the next interval
-                    self._checkpointed.discard(rank)
-            if last is None or beat.step != last[0]:
-                self._last[rank] = (beat.step, beat.wall_clock)
+            step, last = beat.step, last_of.get(rank)
+            if last is not None:
+                if step == last[0]:
+                    continue
+                if step > last[0] and beat.wall_clock > last[1]:
+                    if last[0] >= warm and rank not in checkpointed:
+                        times.append((beat.wall_clock - last[1]) / (step - last[0]))
+                    if not checkpointing:  # a checkpoint going on taints the next interval
+                        checkpointed.discard(rank)
+            last_of[rank] = (step, beat.wall_clock)
         if times:
             self._samples.append(statistics.median(times))
 

@@ -29,6 +29,7 @@ from relay.watch.observation import (
     WAITING,
     WORKING,
     Observation,
+    StepSeen,
     past_startup,
 )
 from relay.watch.slow_link import LinkWatch
@@ -55,7 +56,7 @@ class Detector:
                            if detection.straggler else None)
         self._throughput = ThroughputRule(detection.throughput) if detection.throughput else None
         self._links = LinkWatch()  # names the node whose slow link slowed the job
-        self._stepped: dict[int, tuple[int, float]] = {}  # rank -> (step, when it was reached)
+        self._stepped: dict[int, StepSeen] = {}  # rank -> its step, when it was reached
         self._lockstep = Lockstep()  # a node unheard while the others step on is alive
         self._secondary_since: float | None = None
         self._watching_since: float | None = None  # this detector's first observation
@@ -357,9 +358,11 @@ class Detector:
         active = []
         for rank, beat in obs.heartbeats.items():
             seen = stepped.get(rank)
-            if seen is None or beat.step != seen[0]:
-                stepped[rank] = seen = (beat.step, now)
-            if beat.phase in working and now - seen[1] <= recent:
+            if seen is None:
+                seen = stepped[rank] = StepSeen(beat.step, now)
+            elif beat.step != seen.step:
+                seen.step, seen.at = beat.step, now
+            if beat.phase in working and now - seen.at <= recent:
                 active.append(beat)
         return active
 

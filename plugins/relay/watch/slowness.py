@@ -157,7 +157,10 @@ class StragglerRule:
         finished since the last poll (at most the time that passed; None where a figure is
         unknown); remember this poll's totals for the next. Only the ranks over the ratio
         are asked: the figure is worked out for those alone."""
-        per_step: dict[int, tuple[float, int, float]] = {}  # rank -> (per step, steps, since)
+        # rank -> its compute per step over the interval, and its totals at the interval's
+        # start (the tuple kept from then: no new one a rank a poll for the collector to walk)
+        per_step: dict[int, float] = {}
+        before: dict[int, tuple[int, float, float]] = {}
         totals = self._totals
         for beat in active:
             total = beat.compute_total
@@ -169,18 +172,18 @@ class StragglerRule:
                 if step == seen[0]:
                     continue
                 if step > seen[0] and total >= seen[1]:
-                    steps = step - seen[0]
-                    per_step[rank] = ((total - seen[1]) / steps, steps, seen[2])
+                    per_step[rank] = (total - seen[1]) / (step - seen[0])
+                    before[rank] = seen
             totals[rank] = (step, total, now)
         if len(per_step) < 2:
             return lambda _rank: None
-        others = leave_one_out(sorted(p for p, _, _ in per_step.values()))
+        others = leave_one_out(sorted(per_step.values()))
 
         def excess(rank: int) -> float | None:
             if rank not in per_step:
                 return None
-            p, steps, since = per_step[rank]
-            return min(max(p - others(p), 0.0) * steps, now - since)
+            p, (start, _, since) = per_step[rank], before[rank]
+            return min(max(p - others(p), 0.0) * (totals[rank][0] - start), now - since)
 
         return excess
 

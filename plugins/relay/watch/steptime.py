@@ -37,6 +37,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from relay.watch.observation import StepSeen
 from relay_train.protocol.heartbeat import Heartbeat, Phase
 
 WINDOW = 120  # polls (60 s at the default poll_interval) the step-time quantile is taken over
@@ -66,7 +67,7 @@ class StepTimes:
     """Watch heartbeats for the job's step time; answer the hang threshold in force."""
 
     def __init__(self) -> None:
-        self._last: dict[int, tuple[int, float]] = {}  # rank -> (step, wall clock)
+        self._last: dict[int, StepSeen] = {}  # rank -> its step, the wall clock it was seen at
         self._first_step: int | None = None
         self._samples: deque[float] = deque(maxlen=WINDOW)
         self._checkpointed: set[int] = set()  # ranks whose open interval saw a checkpoint
@@ -85,15 +86,17 @@ class StepTimes:
         times: list[float] = []
         for rank, beat in beats.items():
             step, last = beat.step, last_of.get(rank)
-            if last is not None:
-                if step == last[0]:
-                    continue
-                if step > last[0] and beat.wall_clock > last[1]:
-                    if last[0] >= warm and rank not in checkpointed:
-                        times.append((beat.wall_clock - last[1]) / (step - last[0]))
-                    if not checkpointing:  # a checkpoint going on taints the next interval
-                        checkpointed.discard(rank)
-            last_of[rank] = (step, beat.wall_clock)
+            if last is None:
+                last_of[rank] = StepSeen(step, beat.wall_clock)
+                continue
+            if step == last.step:
+                continue
+            if step > last.step and beat.wall_clock > last.at:
+                if last.step >= warm and rank not in checkpointed:
+                    times.append((beat.wall_clock - last.at) / (step - last.step))
+                if not checkpointing:  # a checkpoint going on taints the next interval
+                    checkpointed.discard(rank)
+            last.step, last.at = step, beat.wall_clock
         if times:
             self._samples.append(statistics.median(times))
 

@@ -29,6 +29,7 @@ from relay.watch.observation import (
     WAITING,
     WORKING,
     Observation,
+    StepSeen,
     past_startup,
 )
 from relay.watch.slow_link import LinkWatch
@@ -55,7 +56,7 @@ class Detector:
                            if detection.straggler else None)
         self._throughput = ThroughputRule(detection.throughput) if detection.throughput else None
         self._links = LinkWatch()  # names the node whose slow link slowed the job
-        self._stepped: dict[int, tuple[int, float]] = {}  # rank -> (step, when it was reached)
+        self._stepped: dict[int, StepSeen] = {}  # rank -> its step, when it was reached
         self._lockstep = Lockstep()  # a node unheard while the others step on is alive
         self._secondary_since: float | None = None
         self._watching_since: float | None = None  # this detector's first observation
@@ -71,12 +72,7 @@ class Detector:
         """Return the fault these observations show, if any."""
         if self._watching_since is None:
             self._watching_since = obs.now
-        self._active_of = None  # worked out afresh for each check (see _active)
-        stepped, now = self._stepped, obs.now
-        for rank, beat in obs.heartbeats.items():
-            seen = stepped.get(rank)
-            if seen is None or beat.step != seen[0]:
-                stepped[rank] = (beat.step, now)
+        self._active_of = (obs, self._step_on(obs))
         self._lockstep.observe(obs.heartbeats)
         self._links.observe(obs)
         if self.cfg.derive_hang_timeout is not None:
@@ -294,18 +290,28 @@ class Detector:
         after. It costs nothing while the job is healthy: fresh heartbeats put every such
         time seconds away, past the next poll.
         """
+        now, timeout = obs.now, self.cfg.heartbeat_timeout
         beats = [b for b in obs.heartbeats.values() if b.phase != DONE]
-        times: list[float] = []
-        if FaultKind.HANG in self.enabled and any(b.phase in WAITING for b in beats):
-            limit = self.hang_limit(obs).seconds
-            times += [b.phase_started_at + limit for b in beats if b.phase == COMPUTE]
-        if self.enabled & {FaultKind.NODE_UNRESPONSIVE, FaultKind.RANK_UNRESPONSIVE}:
-            times += [b.wall_clock + self.cfg.heartbeat_timeout for b in beats]
-            if obs.launch is not None:
-                times += [n.last_seen + self.cfg.heartbeat_timeout
-                          for n in obs.launch.nodes.values() if n.last_seen is not None]
-        later = [t for t in times if t > obs.now]
-        return min(later) if later else None
+        # The soonest of these times after now, each looked at once (no list of 8,192).
+        hang = FaultKind.HANG in self.enabled and any(b.phase in WAITING for b in beats)
+        limit = self.hang_limit(obs).seconds if hang else 0.0
+        silence = bool(self.enabled & {FaultKind.NODE_UNRESPONSIVE, FaultKind.RANK_UNRESPONSIVE})
+        soonest: float | None = None
+        for b in beats if hang or silence else ():
+            if hang and b.phase == COMPUTE:
+                t = b.phase_started_at + limit
+                if t > now and (soonest is None or t < soonest):
+                    soonest = t
+            if silence:
+                t = b.wall_clock + timeout
+                if t > now and (soonest is None or t < soonest):
+                    soonest = t
+        if silence and obs.launch is not None:
+            for n in obs.launch.nodes.values():
+                if n.last_seen is not None and (t := n.last_seen + timeout) > now and (
+                        soonest is None or t < soonest):
+                    soonest = t
+        return soonest
 
     def suspects(self, obs: Observation) -> str | None:
         """Return why a fault seems on its way though none is called yet (see local.spare):
@@ -338,21 +344,31 @@ class Detector:
 
     # -- performance ------------------------------------------------------------
 
-    def _active(self, obs: Observation) -> list[Heartbeat]:
-        """Return ranks that are stepping: working, and their step moved recently.
+    def _step_on(self, obs: Observation) -> list[Heartbeat]:
+        """Note when each rank's step last moved; return the ranks that are stepping: working,
+        and their step moved recently (one pass over the ranks, 8,192 a poll at 1,024 nodes).
 
-        A stalled job freezes every rank's last compute time and rate; judging
-        speed on those frozen numbers would call a hang a straggler. Worked out once per
-        check (both performance rules ask: 8,192 ranks a poll at 1,024 nodes).
+        A stalled job freezes every rank's last compute time and rate; judging speed on
+        those frozen numbers would call a hang a straggler.
         """
-        if self._active_of is not None and self._active_of[0] is obs:
-            return self._active_of[1]
-        recent = self.cfg.hang_timeout / 2
+        recent, working = self.cfg.hang_timeout / 2, WORKING
         stepped, now = self._stepped, obs.now
-        active = [b for b in obs.heartbeats.values()
-                  if b.phase in WORKING and now - stepped.get(b.rank, (0, 0.0))[1] <= recent]
-        self._active_of = (obs, active)
+        active = []
+        for rank, beat in obs.heartbeats.items():
+            seen = stepped.get(rank)
+            if seen is None:
+                seen = stepped[rank] = StepSeen(beat.step, now)
+            elif beat.step != seen.step:
+                seen.step, seen.at = beat.step, now
+            if beat.phase in working and now - seen.at <= recent:
+                active.append(beat)
         return active
+
+    def _active(self, obs: Observation) -> list[Heartbeat]:
+        """Return the ranks stepping in ``obs``, as :meth:`check` found them (see _step_on)."""
+        if self._active_of is None or self._active_of[0] is not obs:
+            self._active_of = (obs, self._step_on(obs))
+        return self._active_of[1]
 
     def _stragglers(self, obs: Observation) -> Fault | None:
         if self._straggler is None:

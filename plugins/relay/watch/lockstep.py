@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from relay.watch.observation import StepSeen
 from relay_train.protocol.heartbeat import Heartbeat
 
 
@@ -28,16 +29,20 @@ class Lockstep:
     def __init__(self) -> None:
         # rank -> the wall clock of its last record before its step last moved on
         self._moved_after: dict[int, float] = {}
-        self._last: dict[int, tuple[int, float]] = {}  # rank -> (step, wall clock) last seen
+        self._last: dict[int, StepSeen] = {}  # rank -> the step and wall clock last seen
 
     def observe(self, beats: dict[int, Heartbeat]) -> None:
         """Fold in one poll's records."""
+        last_of, moved_after = self._last, self._moved_after  # (8,192 ranks a poll: hoisted)
         for rank, beat in beats.items():
-            last = self._last.get(rank)
-            if last is not None and beat.step > last[0]:
-                self._moved_after[rank] = last[1]
-            if last is None or beat.step != last[0] or beat.wall_clock > last[1]:
-                self._last[rank] = (beat.step, beat.wall_clock)
+            step, wall_clock = beat.step, beat.wall_clock
+            last = last_of.get(rank)
+            if last is None:
+                last_of[rank] = StepSeen(step, wall_clock)
+            elif step != last.step or wall_clock > last.at:
+                if step > last.step:
+                    moved_after[rank] = last.at
+                last.step, last.at = step, wall_clock
 
     def alive_since(self, nodes: list[str], node_of: Callable[[int], str | None],
                     ) -> dict[str, float]:

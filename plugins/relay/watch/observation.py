@@ -51,6 +51,17 @@ class Observation:
         return self._rank_nodes.get(rank)
 
 
+@dataclass(slots=True)
+class StepSeen:
+    """A rank's step as a rule last noted it, and the time that goes with it (when it was
+    reached, or the record's wall clock): one a rank, updated in place. A new tuple a rank
+    a poll, kept until the next (8,192 a poll at 1,024 nodes, in each of three rules), had
+    the garbage collector walk the whole heap every poll or two."""
+
+    step: int
+    at: float
+
+
 def past_startup(obs: Observation) -> bool:
     """Return whether any rank got past start-up (then every rank rendezvoused)."""
     return any(b.phase != STARTING for b in obs.heartbeats.values())

@@ -157,7 +157,10 @@ class StragglerRule:
         finished since the last poll (at most the time that passed; None where a figure is
         unknown); remember this poll's totals for the next. Only the ranks over the ratio
         are asked: the figure is worked out for those alone."""
-        per_step: dict[int, tuple[float, int, float]] = {}  # rank -> (per step, steps, since)
+        # rank -> its compute per step over the interval, and its totals at the interval's
+        # start (the tuple kept from then: no new one a rank a poll for the collector to walk)
+        per_step: dict[int, float] = {}
+        before: dict[int, tuple[int, float, float]] = {}
         totals = self._totals
         for beat in active:
             total = beat.compute_total
@@ -165,22 +168,22 @@ class StragglerRule:
                 continue
             rank, step = beat.rank, beat.step
             seen = totals.get(rank)
-            if seen is None:
-                totals[rank] = (step, total, now)
-            elif step != seen[0]:
+            if seen is not None:
+                if step == seen[0]:
+                    continue
                 if step > seen[0] and total >= seen[1]:
-                    per_step[rank] = ((total - seen[1]) / (step - seen[0]), step - seen[0],
-                                      seen[2])
-                totals[rank] = (step, total, now)
+                    per_step[rank] = (total - seen[1]) / (step - seen[0])
+                    before[rank] = seen
+            totals[rank] = (step, total, now)
         if len(per_step) < 2:
             return lambda _rank: None
-        others = leave_one_out(sorted(p for p, _, _ in per_step.values()))
+        others = leave_one_out(sorted(per_step.values()))
 
         def excess(rank: int) -> float | None:
             if rank not in per_step:
                 return None
-            p, steps, since = per_step[rank]
-            return min(max(p - others(p), 0.0) * steps, now - since)
+            p, (start, _, since) = per_step[rank], before[rank]
+            return min(max(p - others(p), 0.0) * (totals[rank][0] - start), now - since)
 
         return excess
 
@@ -254,8 +257,11 @@ class StragglerRule:
                        active: list[Heartbeat]) -> float | None:
         """Return the highest ratio not over the ratio in force among the ranks neither
         in a slow run nor suspected (the spread's sample), found from the top."""
-        left_out = Counter(b.compute_seconds or 0.0 for b in active
-                           if b.rank in self._runs or b.rank in self._spread.suspects)
+        runs, suspects = self._runs, self._spread.suspects
+        left_out: Counter[float] = Counter()
+        if runs or suspects:  # (no pass over the 8,192 ranks when none is left out)
+            left_out.update(b.compute_seconds or 0.0 for b in active
+                            if b.rank in runs or b.rank in suspects)
         for value in reversed(ordered):
             if left_out[value] > 0:
                 left_out[value] -= 1
@@ -269,12 +275,14 @@ class StragglerRule:
     def check(self, active: list[Heartbeat], now: float) -> Fault | None:
         """Return a straggler fault once one is due (``active``: the stepping ranks)."""
         active = [b for b in active if b.compute_seconds]
-        judged = {b.rank for b in active} if len(active) >= 2 else set()
-        for rank in [r for r in self._held.since if r not in judged]:
-            # Not stepping now (a boundary's publish, a node whose answer is late): how
-            # long a rank has been over the ratio counts only while it is seen stepping,
-            # or the first poll after a pause would find it "slow" for the whole pause.
-            self._held.pause(rank)
+        judged = len(active) >= 2
+        if self._held.since:  # (the set of 8,192 ranks only when a clock may need it)
+            stepping = {b.rank for b in active} if judged else set()
+            for rank in [r for r in self._held.since if r not in stepping]:
+                # Not stepping now (a boundary's publish, a node whose answer is late): how
+                # long a rank has been over the ratio counts only while it is seen stepping,
+                # or the first poll after a pause would find it "slow" for the whole pause.
+                self._held.pause(rank)
         if not judged:
             return None
         exact = self._interval_excess(active, now)
@@ -282,7 +290,7 @@ class StragglerRule:
             self._stepping_since = now
         if now - self._stepping_since < self.rule.sustained:
             return None  # start-up: nothing held, nothing lost yet
-        ordered = sorted(b.compute_seconds or 0.0 for b in active)
+        ordered = sorted([b.compute_seconds or 0.0 for b in active])
         median_of_others = leave_one_out(ordered)
         spread, limit = self._spread, self._spread.ratio
         # A rank's ratio to the others' median rises with its compute (the others' median

@@ -37,6 +37,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from relay.watch.observation import StepSeen
 from relay_train.protocol.heartbeat import Heartbeat, Phase
 
 WINDOW = 120  # polls (60 s at the default poll_interval) the step-time quantile is taken over
@@ -66,7 +67,7 @@ class StepTimes:
     """Watch heartbeats for the job's step time; answer the hang threshold in force."""
 
     def __init__(self) -> None:
-        self._last: dict[int, tuple[int, float]] = {}  # rank -> (step, wall clock)
+        self._last: dict[int, StepSeen] = {}  # rank -> its step, the wall clock it was seen at
         self._first_step: int | None = None
         self._samples: deque[float] = deque(maxlen=WINDOW)
         self._checkpointed: set[int] = set()  # ranks whose open interval saw a checkpoint
@@ -75,22 +76,27 @@ class StepTimes:
         """Fold in one poll's heartbeats: one sample, the ranks' median mean step time."""
         if not beats:
             return
-        low = min(b.step for b in beats.values())
         if self._first_step is None:
-            self._first_step = low
+            self._first_step = min(b.step for b in beats.values())
         checkpointing = any(b.phase == _CHECKPOINT for b in beats.values())
+        checkpointed, last_of = self._checkpointed, self._last  # (8,192 ranks a poll: hoisted)
         if checkpointing:
-            self._checkpointed.update(beats)
+            checkpointed.update(beats)
+        warm = self._first_step + warmup_steps
         times: list[float] = []
         for rank, beat in beats.items():
-            last = self._last.get(rank)
-            if last is not None and beat.step > last[0] and beat.wall_clock > last[1]:
-                if rank not in self._checkpointed and last[0] >= self._first_step + warmup_steps:
-                    times.append((beat.wall_clock - last[1]) / (beat.step - last[0]))
-                if not checkpointing:  # a checkpoint still going on taints the next interval
-                    self._checkpointed.discard(rank)
-            if last is None or beat.step != last[0]:
-                self._last[rank] = (beat.step, beat.wall_clock)
+            step, last = beat.step, last_of.get(rank)
+            if last is None:
+                last_of[rank] = StepSeen(step, beat.wall_clock)
+                continue
+            if step == last.step:
+                continue
+            if step > last.step and beat.wall_clock > last.at:
+                if last.step >= warm and rank not in checkpointed:
+                    times.append((beat.wall_clock - last.at) / (step - last.step))
+                if not checkpointing:  # a checkpoint going on taints the next interval
+                    checkpointed.discard(rank)
+            last.step, last.at = step, beat.wall_clock
         if times:
             self._samples.append(statistics.median(times))
 

@@ -55,6 +55,7 @@ from relay_train.batches import epoch_batches
 from relay_train.boundary import BoundaryKeeper
 from relay_train.checkpoints.checkpointer import Checkpointer
 from relay_train.collectives import CollectivePhases, StepPhases
+from relay_train.cpu_wait import CpuWait
 from relay_train.device import PlacedRank, RankDevice, setup_rank_device
 from relay_train.inject import ChaosMonkey
 from relay_train.local import DEFAULT_CHECKPOINT_EVERY, LocalSession
@@ -122,6 +123,9 @@ class Session(SessionState, CollectivePhases, PlacedRank):
         self._clock: dict[str, float] = {}
         self._compute, self._natural, self._rate = Ewma(), Ewma(), Ewma()
         self._compute_total = 0.0  # seconds of compute over this rank's steps (heartbeat)
+        self._cpu_wait: CpuWait | None = None  # the training thread's (made in steps())
+        self._waited = Ewma()  # the CPU wait of a step's compute, smoothed
+        self._waited_total = 0.0
         self._step_time = Ewma()  # logged as step_seconds: checkpoint_every auto's pace
         self._injected = 0.0
         self._last_step = cfg.start_step
@@ -204,6 +208,8 @@ class Session(SessionState, CollectivePhases, PlacedRank):
         """
         self._heartbeat.beat(step=self.start_step)
         self._loop_started = time.perf_counter()
+        if self._cpu_wait is None:
+            self._cpu_wait = CpuWait()  # this thread's: the one that trains
         step = self.start_step
         while True:
             resumed = time.perf_counter()
@@ -226,6 +232,7 @@ class Session(SessionState, CollectivePhases, PlacedRank):
             self._phases.compute()
             self._clock.clear()
             self._clock["started"] = time.perf_counter()
+            self._mark_wait("wait_started")
             self._injected = self._chaos.delay(step, self._natural.value or 0.0)
             self.step = step
             yield step
@@ -239,6 +246,19 @@ class Session(SessionState, CollectivePhases, PlacedRank):
         """
         return epoch_batches(loader, self.steps(), seed=self.seed,
                              expected_per_epoch=self.cfg.steps_per_epoch)
+
+    def _compute_wait(self) -> tuple[float, float] | None:
+        """Return the CPU wait of this step's compute for the heartbeat (smoothed, and every
+        step's added up; relay_train.cpu_wait), or None where it is not known."""
+        clock = self._clock
+        start = clock.get("wait_started")
+        end = clock.get("wait_compute_done")
+        if end is None:  # no collective marked the end of compute: the step is compute
+            end = self._cpu_wait.seconds() if self._cpu_wait is not None else None
+        if start is None or end is None:
+            return None
+        self._waited_total += end - start
+        return self._waited.add(end - start), self._waited_total
 
     @contextlib.contextmanager
     def update(self, step: int | None = None) -> Iterator[None]:
@@ -268,7 +288,8 @@ class Session(SessionState, CollectivePhases, PlacedRank):
         self._compute_total += computed
         self._heartbeat.beat(step=step + 1, compute_seconds=self._compute.add(computed),
                              samples_per_second=rate, loss=loss,
-                             compute_total=self._compute_total)
+                             compute_total=self._compute_total, step_seconds=step_time,
+                             cpu_wait=self._compute_wait())
         self._last_step = step + 1
         newly_poisoned = loss is not None and not math.isfinite(loss) and self._training.finite
         if newly_poisoned:

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from relay_train.cpu_wait import CpuWait
 from relay_train.device import wait_for_compute
 from relay_train.protocol.heartbeat import HeartbeatWriter, Phase
 from relay_train.reduce import comm_hook
@@ -187,8 +188,16 @@ class CollectivePhases:
 
     _heartbeat: HeartbeatWriter
     _phases: StepPhases
-    _clock: dict[str, float]  # this step's times: "started", "compute_done"
+    _clock: dict[str, float]  # this step's marks: "started", "compute_done", "wait_..."
     device: torch.device
+
+    _cpu_wait: CpuWait | None  # the training thread's CPU wait (relay_train.cpu_wait)
+
+    def _mark_wait(self, mark: str) -> None:
+        """Note the training thread's CPU wait so far under ``mark`` in this step's clock."""
+        waited = self._cpu_wait.seconds() if self._cpu_wait is not None else None
+        if waited is not None:
+            self._clock[mark] = waited
 
     def comm_hook(self, *, ordered: bool = True) -> Any:  # noqa: ANN401 - DDP's hook type
         """Return a DDP comm hook that marks the collective phase (and sums in rank order).
@@ -225,4 +234,5 @@ class CollectivePhases:
         if "compute_done" not in self._clock:
             wait_for_compute(self.device)  # on CUDA: queued kernels are compute, not collective
             self._clock["compute_done"] = time.perf_counter()
+            self._mark_wait("wait_compute_done")
         self._phases.wait()

@@ -70,6 +70,11 @@ class Heartbeat:
     compute_seconds: float | None = None  # per step, smoothed (an EWMA)
     compute_total: float | None = None  # every step's compute added up: the exact figure
     samples_per_second: float | None = None
+    # Of compute_seconds (and of compute_total), the time the rank's thread was ready but
+    # waited for a CPU (relay_train.cpu_wait): the host's load, not the rank's work.
+    cpu_wait_seconds: float | None = None
+    cpu_wait_total: float | None = None
+    step_seconds: float | None = None  # wall time per step, smoothed
     loss: float | None = None
     nonfinite_step: int | None = None  # the first step whose loss was NaN/inf, once seen
     wall_clock: float = field(default_factory=node_clock)
@@ -186,10 +191,17 @@ class HeartbeatWriter:
         samples_per_second: float | None = None,
         loss: float | None = None,
         compute_total: float | None = None,
+        step_seconds: float | None = None,
+        cpu_wait: tuple[float, float] | None = None,
     ) -> None:
-        """Record a finished step (cheap: memory only)."""
+        """Record a finished step (cheap: memory only). ``cpu_wait``: the CPU wait of its
+        compute (smoothed) and every step's added up."""
         with self._lock:
             self._beat.step = step
+            if step_seconds is not None:
+                self._beat.step_seconds = step_seconds
+            if cpu_wait is not None:
+                self._beat.cpu_wait_seconds, self._beat.cpu_wait_total = cpu_wait
             if compute_seconds is not None:
                 self._beat.compute_seconds = compute_seconds
             if compute_total is not None:

@@ -90,8 +90,8 @@ NODES = "nodes"  # node -> its agent's latest status (STATE, EXIT_CODES, ERRORS,
 SEEN_AGE_SECONDS = "seen_age_seconds"  # since the aggregator last heard that agent, on its clock
 BEATS = "beats"  # the node's heartbeats, each a list of BEAT_FIELDS' values in that order
 BEAT_FIELDS = ("rank", "pid", "pid_started", "step", "phase", "compute_seconds", "compute_total",
-               "samples_per_second", "loss", "nonfinite_step", "seq", AGE_SECONDS,
-               PHASE_AGE_SECONDS)
+               "samples_per_second", "step_seconds", "cpu_wait_seconds", "cpu_wait_total",
+               "loss", "nonfinite_step", "seq", AGE_SECONDS, PHASE_AGE_SECONDS)
 
 # -- POST stop -------------------------------------------------------------------------
 REASON = "reason"  # request: why (for the agent's log)

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 from relay.core.faults import Fault, FaultKind
 from relay.policy.model import MIN_SLOW_STEPS, StragglerDetection, ThroughputDetection
-from relay.watch.spread import RateSpread, RatioSpread
+from relay.watch.spread import RateSpread, RatioSpread, UsualWork, work
 from relay_train.protocol.heartbeat import Heartbeat
 
 GRACE_POLLS = 1  # polls under the ratio a slow run survives (its clock stopped meanwhile)
@@ -166,6 +166,7 @@ class StragglerRule:
             total = beat.compute_total
             if total is None:
                 continue
+            total -= beat.cpu_wait_total or 0.0  # the work's alone (relay.watch.spread.work)
             rank, step = beat.rank, beat.step
             seen = totals.get(rank)
             if seen is not None:
@@ -226,7 +227,7 @@ class StragglerRule:
         when it is due); return its ratio. A run survives :data:`GRACE_POLLS` polls under
         the ratio, its clock stopped and nothing counted: a straggler measured under the
         ratio for a poll on a loaded host goes on where it was."""
-        rank, value, spread = beat.rank, beat.compute_seconds or 0.0, self._spread
+        rank, value, spread = beat.rank, work(beat), self._spread
         ratio = value / others if others > 0 else 0.0
         over = ratio > spread.ratio
         if over and spread.machine_wide(others):
@@ -260,8 +261,7 @@ class StragglerRule:
         runs, suspects = self._runs, self._spread.suspects
         left_out: Counter[float] = Counter()
         if runs or suspects:  # (no pass over the 8,192 ranks when none is left out)
-            left_out.update(b.compute_seconds or 0.0 for b in active
-                            if b.rank in runs or b.rank in suspects)
+            left_out.update(work(b) for b in active if b.rank in runs or b.rank in suspects)
         for value in reversed(ordered):
             if left_out[value] > 0:
                 left_out[value] -= 1
@@ -290,7 +290,7 @@ class StragglerRule:
             self._stepping_since = now
         if now - self._stepping_since < self.rule.sustained:
             return None  # start-up: nothing held, nothing lost yet
-        ordered = sorted([b.compute_seconds or 0.0 for b in active])
+        ordered = sorted([work(b) for b in active])
         median_of_others = leave_one_out(ordered)
         spread, limit = self._spread, self._spread.ratio
         # A rank's ratio to the others' median rises with its compute (the others' median
@@ -307,9 +307,8 @@ class StragglerRule:
         due: list[tuple[float, float]] = []  # (lost, held) of each rank whose run is due
         slow: list[Heartbeat] = []  # the ranks over the ratio, judged this poll
         ratios: dict[int, float] = {}
-        for beat in [b for b in active if (b.compute_seconds or 0.0) > bound
-                     or b.rank in tracked]:
-            others = median_of_others(beat.compute_seconds or 0.0)
+        for beat in [b for b in active if work(b) > bound or b.rank in tracked]:
+            others = median_of_others(work(beat))
             ratios[beat.rank] = self._judge(beat, others, now, exact(beat.rank), due, slow)
         spread.add(self._highest_under(ordered, median_of_others, active),
                    ordered[len(ordered) // 2])
@@ -319,19 +318,27 @@ class StragglerRule:
         # The job has had a straggler long enough. Blame the rank holding it back now, the
         # slowest: a mildly slow rank (its own background work) may have been over the ratio
         # longer, but a much slower one that turned up since sets every step's pace.
-        beat = max(slow, key=lambda b: (b.compute_seconds or 0.0, -b.rank))
-        others = median_of_others(beat.compute_seconds or 0.0)
+        beat = max(slow, key=lambda b: (work(b), -b.rank))
+        others = median_of_others(work(beat))
         ratio = ratios[beat.rank]
         budget = "" if self.rule.lost_seconds is None else (
             f"lost_seconds {self.rule.lost_seconds:g}s, ")
         return Fault(FaultKind.STRAGGLER, beat.rank, beat.node,
-                     {"summary": f"compute time {beat.compute_seconds:.3f}s per step is "
+                     {"summary": f"compute time {work(beat):.3f}s per step{_waited(beat)} is "
                       f"{ratio:.1f}x the other ranks' median {others:.3f}s; the job lost "
                       f"{lost:.1f}s waiting on a rank over {limit:.3g}x in {held:.1f}s "
                       f"({spread.describe()}, {budget}sustained {self.rule.sustained:g}s)",
                       "compute_seconds": {b.rank: round(b.compute_seconds or 0.0, 4)
                                           for b in active},
+                      "cpu_wait_seconds": {b.rank: round(b.cpu_wait_seconds, 4) for b in active
+                                           if b.cpu_wait_seconds is not None},
                       "ratio": round(ratio, 2), "lost_seconds": round(lost, 2)}, now)
+
+
+def _waited(beat: Heartbeat) -> str:
+    """Return ``" (and 0.040s waiting for a CPU)"`` where the rank said it waited."""
+    waited = beat.cpu_wait_seconds
+    return f" (and {waited:.3f}s waiting for a CPU)" if waited else ""
 
 
 class ThroughputRule:
@@ -346,6 +353,7 @@ class ThroughputRule:
         self.baseline: float | None = None
         self._spread = RateSpread(rule.floor)  # the floor in force (relay.watch.spread)
         self._dip: float | None = None  # the lowest rate of a dip going on
+        self._work = UsualWork()  # the ranks' compute with a CPU, and their step time
 
     def check(self, active: list[Heartbeat], heard: int, now: float) -> Fault | None:
         """Return a fault once throughput has stayed low (``heard``: ranks with a record)."""
@@ -363,13 +371,18 @@ class ThroughputRule:
             self._started = self._started or now
             self._samples.append(rate)
             self._spread.add(rate, None)
+            self._work.sample(active)
             if now - self._started >= rule.baseline:
                 self.baseline = statistics.median(self._samples)
                 self._spread.add(rate, self.baseline)
+                self._work.settle()
             return None
         floor = self._spread.floor
         low = rate < floor * self.baseline
-        held = self._slow.hold("job", low, now)
+        # The ranks' own work slowed enough to put the job under the policy's floor (however
+        # deep the CPU waits of a loaded host have lowered the floor in force): see UsualWork.
+        slowed = rate < self.baseline and self._work.slowed(active, rule.floor)
+        held = self._slow.hold("job", low or slowed, now)
         if not low:
             if self._dip is not None:  # a dip that recovered before sustained: the job's noise
                 self._spread.add(self._dip, self.baseline)
@@ -381,10 +394,12 @@ class ThroughputRule:
             return None
         adapted = "" if floor == rule.floor else (
             f", the policy's {rule.floor:.0%} lowered by the job's own dips")
+        why = "" if low else f"; {self._work.describe()}"
         return Fault(FaultKind.THROUGHPUT_DEGRADED, None, None,
                      {"summary": f"job throughput {rate:.0f} samples/s is "
                       f"{rate / self.baseline:.0%} of its baseline {self.baseline:.0f} for "
                       f"{held:.1f}s (floor {floor:.0%}{adapted}, "
-                      f"sustained {rule.sustained:g}s)",
-                      "samples_per_second": round(rate, 1), "baseline": round(self.baseline, 1)},
+                      f"sustained {rule.sustained:g}s){why}",
+                      "samples_per_second": round(rate, 1), "baseline": round(self.baseline, 1),
+                      **self._work.evidence()},
                      now)

@@ -27,6 +27,21 @@ slower while other work runs) is not taken for a fault:
   rank is not judged until the usual figure has caught up with the new level (about
   half the window) or the others are back. A straggler never raises the others'
   compute (they wait for it in the collective, not in compute), so it is still seen.
+- **a rank's work, not the host's queue**: the straggler rule compares each rank's
+  compute *with a CPU*: its compute per step less the time its thread waited for one
+  (the heartbeat's ``cpu_wait_seconds``, from the kernel's run-queue figures:
+  :mod:`relay_train.cpu_wait`). On a host oversubscribed 2x, ranks' compute per step
+  swung 15-92 ms from poll to poll while compute less that wait stayed 8-22 ms; a
+  straggler's sleep, a slow kernel or a throttled device are not waits for a CPU and
+  count in full. A rank starved of CPU by other work on its own node is therefore not
+  called a straggler by this rule: the job's throughput shows it.
+- **the job's work slowed** (:class:`UsualWork`): on a loaded host the throughput floor
+  in force sinks with the dips the CPU waits cause (to 0.36 of the baseline at ~10x
+  load), below which a real slowdown hides. So the throughput rule has a second
+  witness: the ranks' median compute with a CPU grew, against its usual figure while
+  the baseline was measured, by enough to put the job below the *policy's* floor on
+  its own (``added > (1 / floor - 1) x the usual step time``): every rank's work got
+  slower, whatever the host's queue does.
 - **throughput floor**: the job's low dips while its baseline is measured (and the
   dips that recovered before ``sustained`` since): the floor in force is
   ``min(floor, 1 - FLOOR_MARGIN x (1 - p5 / baseline))``, never below
@@ -39,6 +54,7 @@ import statistics
 from collections import deque
 
 from relay.watch.steptime import WINDOW, nearest_rank
+from relay_train.protocol.heartbeat import Heartbeat
 
 RATIO_MARGIN = 1.25  # the ratio in force sits this far beyond the noise's p95 excess
 # Never above, with room below 3x: a rank at 3x the others' compute is a straggler on any
@@ -141,3 +157,70 @@ class RateSpread:
         depth = 1.0 - nearest_rank(list(self._rates), LOW) / baseline
         self.floor = max(min(self.policy_floor, 1.0 - FLOOR_MARGIN * depth),
                          MIN_FLOOR_SHARE * self.policy_floor)
+
+
+def work(beat: Heartbeat) -> float:
+    """Return a rank's compute per step with a CPU: its compute less the time its thread
+    waited for one (the whole compute where the rank does not say)."""
+    return max((beat.compute_seconds or 0.0) - (beat.cpu_wait_seconds or 0.0), 0.0)
+
+
+def _middle(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+class UsualWork:
+    """The ranks' usual compute with a CPU and step time (measured with the throughput
+    baseline), and whether their work has since slowed enough to sink the job below a
+    floor by itself. Judged only where every rank says its CPU wait."""
+
+    def __init__(self) -> None:
+        self._work: list[float] = []
+        self._steps: list[float] = []
+        self.work: float | None = None  # the usual: the median of the polls' medians
+        self.step: float | None = None
+        self.now: float | None = None  # the last poll's median, once judged
+
+    @staticmethod
+    def _figures(active: list[Heartbeat]) -> tuple[float, float] | None:
+        """Return the poll's median work and median step time (None: not every rank says)."""
+        if any(b.cpu_wait_seconds is None or b.step_seconds is None for b in active):
+            return None
+        return (_middle([work(b) for b in active]),
+                _middle([b.step_seconds or 0.0 for b in active]))
+
+    def sample(self, active: list[Heartbeat]) -> None:
+        """Fold in one poll while the baseline is measured."""
+        figures = self._figures(active)
+        if figures is not None:
+            self._work.append(figures[0])
+            self._steps.append(figures[1])
+
+    def settle(self) -> None:
+        """Fix the usual figures (once the baseline is measured)."""
+        if len(self._work) >= 2:
+            self.work, self.step = statistics.median(self._work), statistics.median(self._steps)
+
+    def slowed(self, active: list[Heartbeat], floor: float) -> bool:
+        """Return whether the work added per step since the baseline would alone put the
+        job below ``floor`` of it."""
+        figures = self._figures(active) if self.work is not None else None
+        if figures is None or self.step is None or self.work is None:
+            self.now = None
+            return False
+        self.now = figures[0]
+        return self.now - self.work > (1.0 / floor - 1.0) * self.step
+
+    def describe(self) -> str:
+        """Return the figures behind :meth:`slowed` (for the fault's summary)."""
+        if self.now is None or self.work is None or self.step is None:
+            return ""
+        return (f"the ranks' compute with a CPU rose from {self.work:.3f}s to {self.now:.3f}s "
+                f"a step (usual step {self.step:.3f}s)")
+
+    def evidence(self) -> dict[str, float]:
+        """Return the figures behind :meth:`slowed` as evidence fields."""
+        if self.now is None or self.work is None or self.step is None:
+            return {}
+        return {"work_seconds": round(self.now, 4), "usual_work_seconds": round(self.work, 4),
+                "usual_step_seconds": round(self.step, 4)}

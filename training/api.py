@@ -210,6 +210,7 @@ class Session(SessionState, CollectivePhases, PlacedRank):
         self._loop_started = time.perf_counter()
         if self._cpu_wait is None:
             self._cpu_wait = CpuWait()  # this thread's: the one that trains
+            self._heartbeat.watch_cpu_wait(self._cpu_wait.seconds)
         step = self.start_step
         while True:
             resumed = time.perf_counter()

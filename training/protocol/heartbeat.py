@@ -18,6 +18,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -75,6 +76,7 @@ class Heartbeat:
     cpu_wait_seconds: float | None = None
     cpu_wait_total: float | None = None
     step_seconds: float | None = None  # wall time per step, smoothed
+    phase_cpu_wait: float | None = None  # of the phase so far (at wall_clock), waited for a CPU
     loss: float | None = None
     nonfinite_step: int | None = None  # the first step whose loss was NaN/inf, once seen
     wall_clock: float = field(default_factory=node_clock)
@@ -163,6 +165,13 @@ class HeartbeatWriter:
         self._interval = interval_seconds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{rank}", daemon=True)
+        self._cpu_wait: Callable[[], float | None] | None = None  # the training thread's
+        self._phase_wait: float | None = None  # its CPU wait when the phase began
+
+    def watch_cpu_wait(self, waited: Callable[[], float | None]) -> None:
+        """Say how to read the training thread's CPU wait so far (relay_train.cpu_wait):
+        each record then says how much of its phase so far was a wait for a CPU."""
+        self._cpu_wait = waited
 
     @property
     def enabled(self) -> bool:
@@ -179,9 +188,12 @@ class HeartbeatWriter:
 
     def enter(self, phase: Phase) -> None:
         """Mark the start of ``phase`` (cheap: memory only)."""
+        waited = self._cpu_wait() if self._cpu_wait is not None else None
         with self._lock:
             self._beat.phase = phase.value
             self._beat.phase_started_at = node_clock()
+            self._phase_wait = waited
+            self._beat.phase_cpu_wait = None if waited is None else 0.0
 
     def beat(
         self,
@@ -228,7 +240,10 @@ class HeartbeatWriter:
             self._flush()
 
     def _flush(self) -> None:
+        waited = self._cpu_wait() if self._cpu_wait is not None else None
         with self._lock:
+            if waited is not None and self._phase_wait is not None:
+                self._beat.phase_cpu_wait = max(waited - self._phase_wait, 0.0)
             self._beat.wall_clock = node_clock()
             self._beat.seq += 1
             text = self._beat.to_json()

@@ -91,7 +91,7 @@ SEEN_AGE_SECONDS = "seen_age_seconds"  # since the aggregator last heard that ag
 BEATS = "beats"  # the node's heartbeats, each a list of BEAT_FIELDS' values in that order
 BEAT_FIELDS = ("rank", "pid", "pid_started", "step", "phase", "compute_seconds", "compute_total",
                "samples_per_second", "step_seconds", "cpu_wait_seconds", "cpu_wait_total",
-               "loss", "nonfinite_step", "seq", AGE_SECONDS, PHASE_AGE_SECONDS)
+               "phase_cpu_wait", "loss", "nonfinite_step", "seq", AGE_SECONDS, PHASE_AGE_SECONDS)
 
 # -- POST stop -------------------------------------------------------------------------
 REASON = "reason"  # request: why (for the agent's log)

@@ -47,10 +47,12 @@ def find_hang(obs: Observation, cfg: Detection, limit: HangLimit) -> Fault | Non
         working += 1
         seconds = now - b.phase_started_at
         working_all_over = working_all_over and seconds > hang_timeout
-        if phase == COMPUTE and seconds > limit.seconds:
+        # In compute, the time its thread waited for a CPU is the host's load, not a stall.
+        if phase == COMPUTE and seconds - (b.phase_cpu_wait or 0.0) > limit.seconds:
             computing.append(b)
     if computing and waiting:
-        culprit = max(computing, key=lambda b: now - b.phase_started_at)
+        culprit = max(computing,
+                      key=lambda b: now - b.phase_started_at - (b.phase_cpu_wait or 0.0))
         return _hang_fault(obs, culprit, _in_phase(beats, now), "stalled in compute "
                            f"while {waiting} rank(s) wait in the collective", limit.describe())
     # Every rank busy at once (an evaluation pass, say) is judged on the policy's own
@@ -68,9 +70,10 @@ def find_hang(obs: Observation, cfg: Detection, limit: HangLimit) -> Fault | Non
 def _hang_fault(obs: Observation, culprit: Heartbeat, in_phase: dict[int, float], what: str,
                 bound: str) -> Fault:
     """Return a hang blamed on ``culprit``; ``bound`` names the threshold it passed."""
-    seconds = in_phase[culprit.rank]
+    seconds, waited = in_phase[culprit.rank], culprit.phase_cpu_wait
+    of_it = f" ({waited:.1f}s of it waiting for a CPU)" if waited else ""
     return Fault(FaultKind.HANG, culprit.rank, culprit.node,
-                 {"summary": f"rank {culprit.rank} {what} for {seconds:.1f}s "
+                 {"summary": f"rank {culprit.rank} {what} for {seconds:.1f}s{of_it} "
                   f"at step {culprit.step} ({bound})",
                   "phases": {b.rank: b.phase for b in obs.heartbeats.values()},
                   "seconds_in_phase": {r: round(s, 2) for r, s in in_phase.items()},

@@ -9,9 +9,12 @@ compute while the others wait for it) when the policy's
                      held within [min, detection.hang_timeout]
 
 - a step-time sample: at each poll, the median over the ranks of each rank's
-  mean step time since its previous record (one sample per poll: in data-parallel
-  training the ranks step in lockstep, and a window of per-rank samples would
-  shrink with the world size - 120 of them are a tenth of one poll at 1,024 ranks);
+  mean step time since its previous record, less the time its compute waited for a
+  CPU (the heartbeat's ``cpu_wait_total``; the hang rule likewise judges a rank's time
+  in compute less its ``phase_cpu_wait``: on a loaded host neither is a stall); one
+  sample per poll (in data-parallel training the ranks step in lockstep, and a window
+  of per-rank samples would shrink with the world size - 120 of them are a tenth of one
+  poll at 1,024 ranks);
 - the p95 step time: the 95th percentile (nearest rank) of the last
   :data:`WINDOW` samples, counted only after ``warmup_steps`` steps (start-up and
   the first steps after a resume are slow). Not the single slowest: one slow
@@ -85,18 +88,21 @@ class StepTimes:
         warm = self._first_step + warmup_steps
         times: list[float] = []
         for rank, beat in beats.items():
-            step, last = beat.step, last_of.get(rank)
+            # The rank's clock less its compute's waits for a CPU (relay_train.cpu_wait): a
+            # step's time is then what the step took had the host not been loaded.
+            step, last, at = beat.step, last_of.get(rank), beat.wall_clock - (
+                beat.cpu_wait_total or 0.0)
             if last is None:
-                last_of[rank] = StepSeen(step, beat.wall_clock)
+                last_of[rank] = StepSeen(step, at)
                 continue
             if step == last.step:
                 continue
-            if step > last.step and beat.wall_clock > last.at:
+            if step > last.step and at > last.at:
                 if last.step >= warm and rank not in checkpointed:
-                    times.append((beat.wall_clock - last.at) / (step - last.step))
+                    times.append((at - last.at) / (step - last.step))
                 if not checkpointing:  # a checkpoint going on taints the next interval
                     checkpointed.discard(rank)
-            last.step, last.at = step, beat.wall_clock
+            last.step, last.at = step, at
         if times:
             self._samples.append(statistics.median(times))
 

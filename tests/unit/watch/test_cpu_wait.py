@@ -14,11 +14,13 @@ import pytest
 from relay.core.faults import FaultKind
 from relay.policy.model import Detection, ThroughputDetection
 from relay.watch.detection import Detector
+from relay.watch.hangs import find_hang
 from relay.watch.observation import Observation
 from relay.watch.slowness import ThroughputRule
 from relay.watch.spread import work
+from relay.watch.steptime import HangLimit, StepTimes
 from relay_train.cpu_wait import CpuWait
-from relay_train.protocol.heartbeat import Heartbeat, Phase
+from relay_train.protocol.heartbeat import Heartbeat, HeartbeatWriter, Phase, read_heartbeats
 
 NODE_RANKS = {"node-a": [0, 1], "node-b": [2, 3]}
 RANKS = [0, 1, 2, 3]
@@ -167,3 +169,59 @@ def test_this_threads_cpu_wait_never_goes_back() -> None:
     sum(range(200_000))
     second = waits.seconds()
     assert second is not None and second >= first >= 0.0
+
+
+# -- the hang rule and the derived threshold ----------------------------------------
+
+
+def stalled(waited: float | None) -> Observation:
+    """Rank 1 in compute for 3 s (``waited`` of it waiting for a CPU), the others waiting."""
+    now = T0 + 100
+    beats = {r: beat(r, now, 50, 0.010, 0.0) for r in RANKS}
+    for r in RANKS:
+        beats[r].phase = Phase.COLLECTIVE.value
+    beats[1].phase, beats[1].phase_started_at = Phase.COMPUTE.value, now - 3.0
+    beats[1].phase_cpu_wait = waited
+    return Observation(now=now, launched_at=T0, heartbeats=beats, node_ranks=NODE_RANKS,
+                       heartbeat_interval=POLL)
+
+
+def test_time_in_compute_spent_waiting_for_a_cpu_is_not_a_stall() -> None:
+    limit = HangLimit(2.0, "")
+    assert find_hang(stalled(2.5), Detection(), limit) is None
+    fault = find_hang(stalled(0.5), Detection(), limit)  # 2.5 s of its own: stalled
+    assert fault is not None and (fault.kind, fault.culprit_rank) == (FaultKind.HANG, 1)
+    assert "0.5s of it waiting for a CPU" in fault.evidence["summary"]
+    unsaid = find_hang(stalled(None), Detection(), limit)
+    assert unsaid is not None and unsaid.culprit_rank == 1
+
+
+def test_the_derived_step_time_leaves_out_the_computes_waits() -> None:
+    """Steps of 0.1 s, 0.06 s of which waiting for a CPU: the step time sampled is 0.04 s;
+    the same records with no wait said give 0.1 s."""
+    said, unsaid = StepTimes(), StepTimes()
+    for i in range(40):
+        now = T0 + i * POLL
+        records = {r: beat(r, now, 5 * i, 0.010, 0.060) for r in RANKS}
+        for b in records.values():
+            b.wall_clock, b.cpu_wait_total = now, 0.3 * i  # 5 steps a poll, 0.06 s each
+        said.observe(records, warmup_steps=0)
+        for b in records.values():
+            b.cpu_wait_total = None
+        unsaid.observe(records, warmup_steps=0)
+    assert said.step_time is not None and unsaid.step_time is not None
+    assert said.step_time == pytest.approx(0.04)
+    assert unsaid.step_time == pytest.approx(0.1)
+
+
+def test_a_record_says_how_much_of_its_phase_was_a_wait_for_a_cpu(tmp_path: Path) -> None:
+    waited = [10.0]
+    writer = HeartbeatWriter(tmp_path, rank=0, node="n0", interval_seconds=60)
+    writer.watch_cpu_wait(lambda: waited[0])
+    writer.enter(Phase.COMPUTE)  # the phase begins with 10 s waited so far
+    waited[0] = 10.75
+    writer.flush_now()
+    assert read_heartbeats(tmp_path)[0].phase_cpu_wait == pytest.approx(0.75)
+    writer.enter(Phase.COLLECTIVE)  # a new phase starts from nothing
+    writer.flush_now()
+    assert read_heartbeats(tmp_path)[0].phase_cpu_wait == 0.0

@@ -168,7 +168,9 @@ class Cluster:
                          phase=phase.value if step else Phase.STARTING.value,
                          phase_started_at=phase_started, compute_seconds=per_step,
                          compute_total=compute_total, samples_per_second=1000.0, loss=2.0,
-                         wall_clock=written, seq=int((written - self.started_at) * 2))
+                         wall_clock=written, seq=int((written - self.started_at) * 2),
+                         step_seconds=self.step_seconds, cpu_wait_seconds=0.0,
+                         cpu_wait_total=0.0, phase_cpu_wait=0.0)  # a host with cores to spare
 
     def report(self, node: str, now: float) -> list[dict[str, Any]]:
         """Return what ``node``'s agent's status says of its ranks: heartbeats with ages."""

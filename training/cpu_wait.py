@@ -6,7 +6,9 @@ Linux counts that time per thread (``/proc/thread-self/schedstat``, second field
 nanoseconds runnable but not running). A rank reports it beside its compute time, so
 the watcher's performance rules can judge the work itself (compute less this wait) and
 not take a loaded machine for a straggler or a slowed job. Time a rank sleeps
-(I/O, a collective, a slow input pipeline) is not a wait for a CPU and stays counted.
+(I/O, a collective, a slow input pipeline) is not a wait for a CPU and stays counted;
+so is time its thread is blocked on the GIL or a lock held by another of its threads
+(to the kernel that is a sleep too).
 
 Where the file is missing (not Linux, no ``/proc``), :meth:`CpuWait.seconds` is None
 and the heartbeat says nothing of it: the rules then judge wall-clock compute as before.

@@ -62,6 +62,11 @@ _AGE_COLUMN = BEAT_FIELDS.index(AGE_SECONDS)  # followed by PHASE_AGE_SECONDS
 _ROW_KEYS = tuple({AGE_SECONDS: "wall_clock", PHASE_AGE_SECONDS: "phase_started_at"}.get(f, f)
                   for f in BEAT_FIELDS)
 _ROW_LENGTH = len(BEAT_FIELDS)
+# The per-step figures and totals, sent to the microsecond: their full float reprs made
+# the watcher's JSON parse ~45% slower at 1,024 nodes (34 -> 24 ms a poll with these cut).
+_ROUNDED = tuple(BEAT_FIELDS.index(f) for f in (
+    "compute_seconds", "compute_total", "samples_per_second", "step_seconds",
+    "cpu_wait_seconds", "cpu_wait_total", "phase_cpu_wait"))
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,9 @@ def beat_row(record: dict[str, Any]) -> list[Any]:
     row = [record.get(name) for name in BEAT_FIELDS]
     row[_AGE_COLUMN] = round(float(row[_AGE_COLUMN]), 4)
     row[_AGE_COLUMN + 1] = round(float(row[_AGE_COLUMN + 1]), 4)
+    for i in _ROUNDED:
+        if type(row[i]) is float:
+            row[i] = round(row[i], 6)
     return row
 
 

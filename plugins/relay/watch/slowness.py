@@ -220,14 +220,16 @@ class StragglerRule:
         return held >= self.rule.sustained or (
             budget is not None and run.lost >= budget and run.steps >= MIN_SLOW_STEPS)
 
-    def _judge(self, beat: Heartbeat, others: float, now: float, exact: float | None,
-               due: list[tuple[float, float]], slow: list[Heartbeat]) -> float:
-        """Judge one rank against the others' median compute ``others``: start, go on
+    def _judge(self, beat: Heartbeat, value: float, others: float, now: float,
+               exact: float | None, due: list[tuple[float, float]],
+               slow: list[Heartbeat]) -> float:
+        """Judge one rank, its compute with a CPU ``value``, against the others' median
+        ``others``: start, go on
         with or end its slow run (adding it to ``slow``, and its (lost, held) to ``due``
         when it is due); return its ratio. A run survives :data:`GRACE_POLLS` polls under
         the ratio, its clock stopped and nothing counted: a straggler measured under the
         ratio for a poll on a loaded host goes on where it was."""
-        rank, value, spread = beat.rank, work(beat), self._spread
+        rank, spread = beat.rank, self._spread
         ratio = value / others if others > 0 else 0.0
         over = ratio > spread.ratio
         if over and spread.machine_wide(others):
@@ -290,7 +292,9 @@ class StragglerRule:
             self._stepping_since = now
         if now - self._stepping_since < self.rule.sustained:
             return None  # start-up: nothing held, nothing lost yet
-        ordered = sorted([work(b) for b in active])
+        # work(b), inlined: 8,192 ranks a poll at 1,024 nodes
+        values = [(b.compute_seconds or 0.0) - (b.cpu_wait_seconds or 0.0) for b in active]
+        ordered = sorted(values)
         median_of_others = leave_one_out(ordered)
         spread, limit = self._spread, self._spread.ratio
         # A rank's ratio to the others' median rises with its compute (the others' median
@@ -307,9 +311,11 @@ class StragglerRule:
         due: list[tuple[float, float]] = []  # (lost, held) of each rank whose run is due
         slow: list[Heartbeat] = []  # the ranks over the ratio, judged this poll
         ratios: dict[int, float] = {}
-        for beat in [b for b in active if work(b) > bound or b.rank in tracked]:
-            others = median_of_others(work(beat))
-            ratios[beat.rank] = self._judge(beat, others, now, exact(beat.rank), due, slow)
+        for beat, value in zip(active, values, strict=True):
+            if value > bound or beat.rank in tracked:
+                others = median_of_others(value)
+                ratios[beat.rank] = self._judge(beat, value, others, now, exact(beat.rank),
+                                                due, slow)
         spread.add(self._highest_under(ordered, median_of_others, active),
                    ordered[len(ordered) // 2])
         if not due:

@@ -16,6 +16,7 @@ import pytest
 from relay.core.faults import Fault
 from relay.policy.model import StragglerDetection
 from relay.watch.slowness import StragglerRule, leave_one_out
+from relay.watch.spread import work
 from relay_train.protocol.heartbeat import Heartbeat, Phase
 
 
@@ -27,12 +28,13 @@ class FullPass(StragglerRule):
         for beat in active:
             if beat.compute_total is None:
                 continue
+            total = beat.compute_total - (beat.cpu_wait_total or 0.0)  # the work's alone
             seen = self._totals.get(beat.rank)
-            if seen is not None and beat.step > seen[0] and beat.compute_total >= seen[1]:
+            if seen is not None and beat.step > seen[0] and total >= seen[1]:
                 steps = beat.step - seen[0]
-                per_step[beat.rank] = ((beat.compute_total - seen[1]) / steps, steps, seen[2])
+                per_step[beat.rank] = ((total - seen[1]) / steps, steps, seen[2])
             if seen is None or beat.step != seen[0]:
-                self._totals[beat.rank] = (beat.step, beat.compute_total, now)
+                self._totals[beat.rank] = (beat.step, total, now)
         if len(per_step) < 2:
             return lambda _rank: None
         others = leave_one_out(sorted(p for p, _, _ in per_step.values()))
@@ -52,15 +54,16 @@ class FullPass(StragglerRule):
             self._stepping_since = now
         if now - self._stepping_since < self.rule.sustained:
             return None
-        ordered = sorted(b.compute_seconds or 0.0 for b in active)
+        ordered = sorted(work(b) for b in active)
         median_of_others = leave_one_out(ordered)
         limit = self._spread.ratio
         ratios: dict[int, float] = {}
         due: list[tuple[float, float]] = []
         slow: list[Heartbeat] = []
         for beat in active:
-            others = median_of_others(beat.compute_seconds or 0.0)
-            ratios[beat.rank] = self._judge(beat, others, now, exact(beat.rank), due, slow)
+            others = median_of_others(work(beat))
+            ratios[beat.rank] = self._judge(beat, work(beat), others, now, exact(beat.rank),
+                                            due, slow)
         suspects = self._runs.keys() | self._spread.suspects
         under = [ratios[b.rank] for b in active
                  if ratios[b.rank] <= limit and b.rank not in suspects]
@@ -75,6 +78,7 @@ def _polls(seed: int, ranks: int, polls: int) -> list[tuple[float, list[Heartbea
     rng = random.Random(seed)
     step = dict.fromkeys(range(ranks), 0)
     total = dict.fromkeys(range(ranks), 0.0)
+    waited = dict.fromkeys(range(ranks), 0.0)
     slow: dict[int, float] = {}
     base, out = 0.05, []
     for i in range(polls):
@@ -93,12 +97,17 @@ def _polls(seed: int, ranks: int, polls: int) -> list[tuple[float, list[Heartbea
                 continue  # not stepping this poll (a late answer)
             steps = rng.choice([0, 1, 3, 5])
             per = base * slow.get(rank, 1.0) * rng.uniform(0.9, 1.1)
+            wait = per * rng.uniform(0.0, 3.0)  # waiting for a CPU, on top of its work
             step[rank] += steps
-            total[rank] += per * steps
+            total[rank] += (per + wait) * steps
+            waited[rank] += wait * steps
+            says = rng.random() > 0.1  # most ranks say their CPU wait
             beats.append(Heartbeat(rank=rank, node=f"node-{rank // 4}", pid=1, step=step[rank],
                                    phase=Phase.COMPUTE.value, phase_started_at=now,
-                                   compute_seconds=per if rng.random() > 0.02 else 0.0,
+                                   compute_seconds=per + wait if rng.random() > 0.02 else 0.0,
                                    compute_total=None if rng.random() < 0.03 else total[rank],
+                                   cpu_wait_seconds=wait if says else None,
+                                   cpu_wait_total=waited[rank] if says else None,
                                    wall_clock=now))
         out.append((now, beats))
     return out

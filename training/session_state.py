@@ -277,7 +277,7 @@ class SessionState:
         batch, self._metrics = self._metrics, []
         if batch:
             publisher, sink = self._publisher(), self._sink
-            publisher.submit(lambda: _log_metrics(sink, batch))
+            publisher.submit(lambda: sink.log_metrics(batch))
 
     def _tracked(self) -> dict[str, Any]:
         if self._state_fn is not None or self._objects:
@@ -365,10 +365,3 @@ class SessionState:
                 world_size=self.cfg.world_size, parent=self._parent, keys=self._keys())
             self._checkpointer.submit(self._sink.connect)  # off the loop's thread
         return self._checkpointer
-
-
-def _log_metrics(sink: Any, batch: list[tuple[int, dict[str, float], int]]) -> None:  # noqa: ANN401
-    for step, values, timestamp_ms in batch:
-        sink.log_metrics(step, values, timestamp_ms)
-
-

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -117,13 +117,19 @@ class MlflowCheckpointSink:
             path.write_text(manifest.to_json())
             self._retrying(self._client.log_artifact, self.run_id, str(path), folder)
 
-    def log_metrics(self, step: int, values: Mapping[str, float], timestamp_ms: int) -> None:
-        """Log a set of metrics at ``step``."""
-        metrics = [Metric(k, float(v), timestamp_ms, step) for k, v in values.items()]
+    def log_metrics(self, batch: Sequence[tuple[int, Mapping[str, float], int]]) -> None:
+        """Log the metrics of several steps, each (step, values, timestamp in ms), in one
+        request: one a step made rank 0's publisher thread hold the GIL its training loop
+        needs for ~30% of each step on a loaded host (``relay.tools.bench.cpu_wait_probe``)."""
+        metrics = [Metric(k, float(v), timestamp_ms, step)
+                   for step, values, timestamp_ms in batch for k, v in values.items()]
+        if not metrics:
+            return
         try:
             self._optional(self._client.log_batch, self.run_id, metrics=metrics)
         except Exception as exc:  # noqa: BLE001 - metrics are dropped, never fatal
             self.dropped += 1
             if self.dropped == 1:
-                log.warning("Dropped metrics at step %d: MLflow run %s refused them after "
-                            "retries (%s); later drops are only counted", step, self.run_id, exc)
+                log.warning("Dropped metrics of steps %d-%d: MLflow run %s refused them after "
+                            "retries (%s); later drops are only counted", batch[0][0],
+                            batch[-1][0], self.run_id, exc)

@@ -48,7 +48,7 @@ def test_metrics_that_mlflow_refuses_are_dropped_and_checkpoints_still_publish(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING, logger="relay_train.checkpoints.publish"):
         for step in (1, 2):  # two metric batches fail, each retried three times, then dropped
-            checkpointer.submit(lambda step=step: sink.log_metrics(step, {"loss": 1.0}, 0))
+            checkpointer.submit(lambda step=step: sink.log_metrics([(step, {"loss": 1.0}, 0)]))
         checkpointer.save(model, optimizer, 2, {})
         checkpointer.close(timeout_seconds=60)  # raises if anything in the queue failed
     assert len(tries) == 6 and sink.dropped == 2
@@ -115,3 +115,26 @@ def test_an_mlflow_outage_never_turns_the_policys_decision_into_a_default_retry(
     logged = capfd.readouterr()  # once Airflow configures logging, it writes to the console
     assert "Could not log decision.json in MLflow after retries" in (
         logged.out + logged.err + caplog.text)
+
+
+def test_a_flush_of_several_steps_is_one_request_with_every_steps_metrics(
+    run: tuple[str, str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One request a flush, not one a step: each held rank 0's GIL beside its loop."""
+    uri, run_id = run
+    requests: list[int] = []
+    log_batch = MlflowClient.log_batch
+
+    def counted(self: MlflowClient, *args: object, **kwargs: object) -> None:
+        requests.append(len(kwargs.get("metrics") or []))  # type: ignore[arg-type]
+        log_batch(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(MlflowClient, "log_batch", counted)
+    sink = MlflowCheckpointSink(uri, run_id)
+    sink.log_metrics([(step, {"loss": 1.0 / step, "step_seconds": 0.1}, 1000 + step)
+                      for step in range(1, 6)])
+    assert requests == [10]
+    history = MlflowClient(uri).get_metric_history(run_id, "loss")
+    assert sorted((m.step, m.value) for m in history) == [(s, 1.0 / s) for s in range(1, 6)]
+    sink.log_metrics([])  # nothing to send: no request
+    assert requests == [10]

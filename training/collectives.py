@@ -32,7 +32,6 @@ from typing import Any, Protocol
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from relay_train.cpu_wait import CpuWait
 from relay_train.device import wait_for_compute
 from relay_train.protocol.heartbeat import HeartbeatWriter, Phase
 from relay_train.reduce import comm_hook
@@ -191,11 +190,10 @@ class CollectivePhases:
     _clock: dict[str, float]  # this step's marks: "started", "compute_done", "wait_..."
     device: torch.device
 
-    _cpu_wait: CpuWait | None  # the training thread's CPU wait (relay_train.cpu_wait)
-
     def _mark_wait(self, mark: str) -> None:
-        """Note the training thread's CPU wait so far under ``mark`` in this step's clock."""
-        waited = self._cpu_wait.seconds() if self._cpu_wait is not None else None
+        """Note under ``mark`` in this step's clock the training thread's CPU wait as the
+        phase just entered began (the heartbeat read it then: no second read)."""
+        waited = self._heartbeat.phase_began_waited
         if waited is not None:
             self._clock[mark] = waited
 
@@ -231,8 +229,10 @@ class CollectivePhases:
 
     def enter_collective(self) -> None:
         """Mark the end of this step's local compute (once per step)."""
-        if "compute_done" not in self._clock:
+        first = "compute_done" not in self._clock
+        if first:
             wait_for_compute(self.device)  # on CUDA: queued kernels are compute, not collective
             self._clock["compute_done"] = time.perf_counter()
-            self._mark_wait("wait_compute_done")
         self._phases.wait()
+        if first:
+            self._mark_wait("wait_compute_done")

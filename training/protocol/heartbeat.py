@@ -186,8 +186,14 @@ class HeartbeatWriter:
         self._thread.start()
         return self
 
+    @property
+    def phase_began_waited(self) -> float | None:
+        """Return the training thread's CPU wait when the current phase began (None:
+        unknown): read once at each phase change, for the step's figures too."""
+        return self._phase_wait
+
     def enter(self, phase: Phase) -> None:
-        """Mark the start of ``phase`` (cheap: memory only)."""
+        """Mark the start of ``phase`` (cheap: memory, and the CPU wait when watched)."""
         waited = self._cpu_wait() if self._cpu_wait is not None else None
         with self._lock:
             self._beat.phase = phase.value

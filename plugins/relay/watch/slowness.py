@@ -224,11 +224,11 @@ class StragglerRule:
                exact: float | None, due: list[tuple[float, float]],
                slow: list[Heartbeat]) -> float:
         """Judge one rank, its compute with a CPU ``value``, against the others' median
-        ``others``: start, go on
-        with or end its slow run (adding it to ``slow``, and its (lost, held) to ``due``
-        when it is due); return its ratio. A run survives :data:`GRACE_POLLS` polls under
-        the ratio, its clock stopped and nothing counted: a straggler measured under the
-        ratio for a poll on a loaded host goes on where it was."""
+        ``others``: start, go on with or end its slow run (adding it to ``slow``, and its
+        (lost, held) to ``due`` when it is due); return its ratio. A run survives
+        :data:`GRACE_POLLS` polls under the ratio, its clock stopped and nothing counted: a
+        straggler measured under the ratio for a poll on a loaded host goes on where it
+        was."""
         rank, spread = beat.rank, self._spread
         ratio = value / others if others > 0 else 0.0
         over = ratio > spread.ratio

@@ -31,7 +31,8 @@ slower while other work runs) is not taken for a fault:
   compute *with a CPU*: its compute per step less the time its thread waited for one
   (the heartbeat's ``cpu_wait_seconds``, from the kernel's run-queue figures:
   :mod:`relay_train.cpu_wait`). On a host oversubscribed 2x, ranks' compute per step
-  swung 15-92 ms from poll to poll while compute less that wait stayed 8-22 ms; a
+  swung 16-110 ms from poll to poll while compute less that wait stayed 6-21 ms
+  (``relay.tools.bench.cpu_wait_probe``); a
   straggler's sleep, a slow kernel or a throttled device are not waits for a CPU and
   count in full. A rank starved of CPU by other work on its own node is therefore not
   called a straggler by this rule: the job's throughput shows it.
@@ -166,10 +167,6 @@ def work(beat: Heartbeat) -> float:
     return max((beat.compute_seconds or 0.0) - (beat.cpu_wait_seconds or 0.0), 0.0)
 
 
-def _middle(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
-
-
 class UsualWork:
     """The ranks' usual compute with a CPU and step time (measured with the throughput
     baseline), and whether their work has since slowed enough to sink the job below a
@@ -190,8 +187,8 @@ class UsualWork:
         ranks = active[::max(len(active) // SAMPLED_RANKS, 1)]
         if any(b.cpu_wait_seconds is None or b.step_seconds is None for b in ranks):
             return None
-        return (_middle([work(b) for b in ranks]),
-                _middle([b.step_seconds or 0.0 for b in ranks]))
+        return (statistics.median_high([work(b) for b in ranks]),
+                statistics.median_high([b.step_seconds or 0.0 for b in ranks]))
 
     def sample(self, active: list[Heartbeat]) -> None:
         """Fold in one poll while the baseline is measured."""

@@ -313,6 +313,8 @@ def test_comm_hook_fences_compute_before_flipping_to_collective(
     events: list[str] = []
 
     class Heartbeat:
+        phase_began_waited = None  # no CPU wait watched
+
         def enter(self, phase: Phase) -> None:
             events.append(f"enter {phase.value}")
 

@@ -82,8 +82,19 @@ log = logging.getLogger("relay_train")
 WARMUP_STEPS = 2
 
 # Metrics go to MLflow (off the loop) every this many steps too, not only with a checkpoint,
-# so an attempt that faults still shows its loss and throughput up to the fault.
+# so an attempt that faults still shows its loss and throughput up to the fault...
 METRICS_EVERY = 5
+# ...but at most one request in this many seconds: each is tens of ms of the MLflow client's
+# Python in rank 0's publisher thread, holding the GIL the loop needs (4 a second at the
+# tiny model's pace made rank 0's compute 1.4-2.6x the others' for polls on end under load).
+METRICS_SECONDS = 2.0
+
+
+def metrics_due(pending: int, sent_at: float, now: float) -> bool:
+    """Return whether rank 0 sends its ``pending`` steps' metrics now (the last flush at
+    ``sent_at``, both ``time.monotonic()``): :data:`METRICS_EVERY` steps and
+    :data:`METRICS_SECONDS` since the last."""
+    return pending >= METRICS_EVERY and now - sent_at >= METRICS_SECONDS
 
 
 class Session(SessionState, CollectivePhases, PlacedRank):
@@ -120,6 +131,7 @@ class Session(SessionState, CollectivePhases, PlacedRank):
         self._dcp: Any = None  # checkpoints.dcp.DcpCheckpointer, made at the first sharded save
         self._sink: Any = None
         self._metrics: list[tuple[int, dict[str, float], int]] = []
+        self._metrics_sent_at = -math.inf  # time.monotonic() of the last flush
         self._clock: dict[str, float] = {}
         self._compute, self._natural, self._rate = Ewma(), Ewma(), Ewma()
         self._compute_total = 0.0  # seconds of compute over this rank's steps (heartbeat)
@@ -309,7 +321,7 @@ class Session(SessionState, CollectivePhases, PlacedRank):
                                   int(time.time() * 1000)))
         if tracks and self.checkpoint_due(step + 1):
             self._checkpoint(step + 1, loss)
-        elif (step + 1) % METRICS_EVERY == 0:
+        elif metrics_due(len(self._metrics), self._metrics_sent_at, time.monotonic()):
             self._flush_metrics()
 
     def close(self) -> None:

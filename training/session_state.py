@@ -66,6 +66,7 @@ class SessionState:
     _dcp: Any  # relay_train.checkpoints.dcp.DcpCheckpointer, made on the first sharded save
     _sink: Any
     _metrics: list[tuple[int, dict[str, float], int]]
+    _metrics_sent_at: float
     _stall: float
     _closed: bool
     _last_step: int
@@ -275,6 +276,7 @@ class SessionState:
 
     def _flush_metrics(self) -> None:
         batch, self._metrics = self._metrics, []
+        self._metrics_sent_at = time.monotonic()
         if batch:
             publisher, sink = self._publisher(), self._sink
             publisher.submit(lambda: sink.log_metrics(batch))

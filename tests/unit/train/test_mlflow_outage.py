@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,13 @@ def test_a_flush_of_several_steps_is_one_request_with_every_steps_metrics(
     assert sorted((m.step, m.value) for m in history) == [(s, 1.0 / s) for s in range(1, 6)]
     sink.log_metrics([])  # nothing to send: no request
     assert requests == [10]
+
+
+def test_rank_zero_sends_its_metrics_every_five_steps_but_at_most_every_two_seconds() -> None:
+    """Slow steps: a flush every METRICS_EVERY steps; fast ones: one a METRICS_SECONDS."""
+    from relay_train.api import METRICS_EVERY, METRICS_SECONDS, metrics_due
+
+    assert metrics_due(METRICS_EVERY, -math.inf, 0.0)  # the first flush waits for no clock
+    assert not metrics_due(METRICS_EVERY - 1, -math.inf, 100.0)
+    assert not metrics_due(50 * METRICS_EVERY, 100.0, 100.0 + METRICS_SECONDS / 2)
+    assert metrics_due(METRICS_EVERY, 100.0, 100.0 + METRICS_SECONDS)

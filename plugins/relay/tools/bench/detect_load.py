@@ -107,7 +107,7 @@ def labelled(store: Store, root: Path, detection: Detection, repeats: int,
             lat = f"{rec['latency']:.2f}s" if rec["latency"] is not None else "-"
             print(f"  {scenario.name:10} #{i + 1}: {rec.get('kind', rec['status']):20} culprit "
                   f"{rec.get('culprit')} after {lat} ({'ok' if rec['ok'] else 'WRONG'}) "
-                  f"{'' if rec['ok'] else rec.get('summary', '')}", flush=True)
+                  f"{rec.get('summary', '')}", flush=True)  # which test fired, right or wrong
             trials.append((scenario.expected_kind, rec))
     return trials
 

@@ -7,8 +7,10 @@ every rank has stepped, and prints, per rank and over all of them: the compute p
 the straggler rule used to judge (wall clock, smoothed), the share of it spent waiting
 for a CPU (``cpu_wait_seconds``, from the kernel's run-queue figure:
 :mod:`relay_train.cpu_wait`), and the compute less that wait, which the rule judges
-now: min / median / max over the samples, and the max/min spread. ``--no-load``: the same
-job without the busy processes.
+now: min / median / max over the samples, and the max/min spread; then each rank's ratio
+of that work to the other ranks' median per poll (the figure the straggler rule judges):
+p50 / p90 / max, and how many polls were over 1.4x. ``--no-load``: the same job without
+the busy processes.
 
 Run: ``python -m relay.tools.bench.cpu_wait_probe [SECONDS] [--no-load]``.
 """
@@ -28,6 +30,7 @@ from relay.tools.bench.detect_load import oversubscribed
 from relay_train.protocol.heartbeat import Heartbeat, read_heartbeats
 
 POLL_SECONDS = 0.5
+OVER = 1.4  # a ratio worth counting: the straggler rule's floor is the policy's 1.5x
 STARTUP_SECONDS = 300.0
 
 
@@ -81,7 +84,23 @@ def main(argv: list[str]) -> int:
         share = sum(waited) / sum(compute) if sum(compute) > 0 else 0.0
         print(f"  rank {rank}: {_figures(compute)}   {share:6.0%}              "
               f"{_figures([c - w for c, w in zip(compute, waited, strict=True)])}")
+    print(f"  each rank's compute less the wait over the other ranks' median, per poll "
+          f"(the straggler rule's ratio): p50 / p90 / max, polls over {OVER:g}x")
+    for rank in sorted(polls[0]) if polls else []:
+        ratios = sorted(_ratio(p, rank) for p in polls)
+        over = sum(r > OVER for r in ratios)
+        print(f"  rank {rank}: {statistics.median(ratios):.2f} / "
+              f"{ratios[int(0.9 * (len(ratios) - 1))]:.2f} / {ratios[-1]:.2f}x, "
+              f"{over} of {len(ratios)} polls over {OVER:g}x")
     return 0
+
+
+def _ratio(beats: dict[int, Heartbeat], rank: int) -> float:
+    """Return ``rank``'s compute less its CPU wait over the other ranks' median."""
+    def work(b: Heartbeat) -> float:
+        return (b.compute_seconds or 0.0) - (b.cpu_wait_seconds or 0.0)
+    others = statistics.median(work(b) for r, b in beats.items() if r != rank)
+    return work(beats[rank]) / others if others > 0 else 0.0
 
 
 if __name__ == "__main__":

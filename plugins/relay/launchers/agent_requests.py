@@ -81,7 +81,7 @@ class AgentRequests:
             if not reply_is_signed(self._secret, nonce, exc.code, raw, exc.headers):
                 self._unsigned(node, route, exc.code)
                 return None
-            payload = _json(raw)
+            payload = parse_answer(raw)
             if exc.code == 409:
                 self._refuse(node, str(route), payload.get(ATTEMPT), payload)
             log.warning("Agent of %s answered %d to %s: %s", node, exc.code, route,
@@ -100,7 +100,7 @@ class AgentRequests:
             return None
         if not kind.startswith("application/json"):
             return raw
-        payload = _json(raw)
+        payload = parse_answer(raw)
         if payload.get(ATTEMPT) != self.attempt_id:
             self._refuse(node, str(route), payload.get(ATTEMPT), payload)
         return payload
@@ -160,7 +160,8 @@ class AgentRequests:
             return None
 
 
-def _json(raw: bytes) -> dict[str, Any]:
+def parse_answer(raw: bytes) -> dict[str, Any]:
+    """Return an agent's or aggregator's JSON answer as a dict ({} where it is none)."""
     try:  # msgspec (Airflow's) parses an aggregator's summary in a third of json's time
         payload = _DECODE(raw or b"{}")
     except msgspec.DecodeError:

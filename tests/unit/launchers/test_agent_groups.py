@@ -28,7 +28,7 @@ from relay.launchers.agent_groups import (
     fresh,
     groups_of,
 )
-from relay.launchers.agent_requests import _json
+from relay.launchers.agent_requests import parse_answer
 from relay.launchers.aggregator import Aggregator
 from relay.policy.model import Detection
 from relay.watch.detection import Detector
@@ -246,8 +246,8 @@ def test_a_summary_speaks_only_for_its_own_groups_nodes(tree: Tree) -> None:
 
 
 def test_a_nan_loss_survives_the_fast_json_decoder() -> None:
-    assert _json(b'{"loss": NaN}')["loss"] != _json(b'{"loss": NaN}')["loss"]  # NaN
-    assert _json(b"not json") == {}
+    assert parse_answer(b'{"loss": NaN}')["loss"] != parse_answer(b'{"loss": NaN}')["loss"]  # NaN
+    assert parse_answer(b"not json") == {}
 
 
 def test_the_local_launcher_reads_through_aggregator_processes(

@@ -5,7 +5,8 @@ loaded machine its summaries come late and the watcher falls back to asking ever
 so its figure is not the aggregated path's. This probe times that path alone, per poll:
 the JSON of :data:`~relay.launchers.agent_groups.GROUP_SIZE`-node summaries (built by the
 real :func:`~relay.launchers.agent_groups.encode_summary` from the simulator's model of the
-job, :class:`~relay.tools.bench.sim_cluster.Cluster`, outside the timing) parsed, merged
+job, :class:`~relay.tools.bench.sim_cluster.Cluster`, outside the timing) parsed as the
+channel parses them (:func:`~relay.launchers.agent_requests.parse_answer`), merged
 by the real :class:`~relay.launchers.agent_client.AgentChannel`, a launch status built as
 the launchers do, then :meth:`Detector.check` and :meth:`Detector.due_at`, on a simulated
 clock every 0.5 s, after a warm-up past the straggler rule's start-up. The triggerer's
@@ -31,6 +32,7 @@ import relay.watch.triggers  # noqa: F401 - the triggerer's heap (Airflow, Relay
 from relay.core.attempt import AttemptState
 from relay.launchers.agent_client import AgentChannel
 from relay.launchers.agent_groups import Group, encode_summary, fresh, groups_of
+from relay.launchers.agent_requests import parse_answer
 from relay.launchers.base import LaunchStatus, NodeStatus
 from relay.tools.bench.sim_cluster import Cluster
 from relay.tools.bench.watcher import default_detection
@@ -67,7 +69,7 @@ class Probe:
         """Do one poll's work on ``wires`` received at ``now``; return whether a fault came."""
         channel = self.channel
         for group, wire in zip(self.groups, wires, strict=True):
-            summary = json.loads(wire)
+            summary = parse_answer(wire)  # as the channel parses it (msgspec)
             if fresh(summary):
                 channel._merge(group, now, summary)  # noqa: SLF001 - the poll's own step
         nodes = {}

@@ -15,10 +15,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from relay.core.attempt import AttemptState
 from relay.core.faults import Fault, FaultKind
 from relay.launchers.agent_client import FRESH_WAIT_SECONDS
 from relay.policy.model import Detection
+from relay.watch.columns import RankArrays
 from relay.watch.exits import before_first_step, classify_exit, only_secondary_exits, preemption
 from relay.watch.hangs import find_hang
 from relay.watch.lockstep import Lockstep
@@ -29,7 +32,6 @@ from relay.watch.observation import (
     WAITING,
     WORKING,
     Observation,
-    StepSeen,
     past_startup,
 )
 from relay.watch.slow_link import LinkWatch
@@ -56,7 +58,8 @@ class Detector:
                            if detection.straggler else None)
         self._throughput = ThroughputRule(detection.throughput) if detection.throughput else None
         self._links = LinkWatch()  # names the node whose slow link slowed the job
-        self._stepped: dict[int, StepSeen] = {}  # rank -> its step, when it was reached
+        # per rank: its step, and when this detector saw it reached (relay.watch.columns)
+        self._stepped = RankArrays(step=(np.int64, 0), at=(np.float64, 0.0))
         self._lockstep = Lockstep()  # a node unheard while the others step on is alive
         self._secondary_since: float | None = None
         self._watching_since: float | None = None  # this detector's first observation
@@ -73,10 +76,10 @@ class Detector:
         if self._watching_since is None:
             self._watching_since = obs.now
         self._active_of = (obs, self._step_on(obs))
-        self._lockstep.observe(obs.heartbeats)
+        self._lockstep.observe(obs.columns)
         self._links.observe(obs)
         if self.cfg.derive_hang_timeout is not None:
-            self._steps.observe(obs.heartbeats, self.cfg.derive_hang_timeout.warmup_steps)
+            self._steps.observe(obs.columns, self.cfg.derive_hang_timeout.warmup_steps)
         rules = (
             ({FaultKind.PREEMPTED}, self._preempted),  # before the exits its stop may cause
             ({FaultKind.CRASH, FaultKind.LAUNCH_FAILURE, FaultKind.SHORT_SEGMENT}, self._exits),
@@ -346,23 +349,26 @@ class Detector:
 
     def _step_on(self, obs: Observation) -> list[Heartbeat]:
         """Note when each rank's step last moved; return the ranks that are stepping: working,
-        and their step moved recently (one pass over the ranks, 8,192 a poll at 1,024 nodes).
+        and their step moved recently (over the poll's columns: 8,192 ranks a poll at 1,024
+        nodes).
 
         A stalled job freezes every rank's last compute time and rate; judging speed on
         those frozen numbers would call a hang a straggler.
         """
-        recent, working = self.cfg.hang_timeout / 2, WORKING
-        stepped, now = self._stepped, obs.now
-        active = []
-        for rank, beat in obs.heartbeats.items():
-            seen = stepped.get(rank)
-            if seen is None:
-                seen = stepped[rank] = StepSeen(beat.step, now)
-            elif beat.step != seen.step:
-                seen.step, seen.at = beat.step, now
-            if beat.phase in working and now - seen.at <= recent:
-                active.append(beat)
-        return active
+        cols, stepped, now = obs.columns, self._stepped, obs.now
+        stepped.fit(cols.rank)
+        rank, step = cols.rank, cols.step
+        moved = ~stepped.seen[rank] | (step != stepped["step"][rank])
+        stepped["step"][rank[moved]], stepped["at"][rank[moved]] = step[moved], now
+        stepped.seen[rank] = True
+        recent = now - stepped["at"][rank] <= self.cfg.hang_timeout / 2
+        return cols.rows(cols.in_phase(*WORKING) & recent)
+
+    def stepped(self) -> dict[int, tuple[int, float]]:
+        """Return rank -> its step and when this detector saw it reached."""
+        ranks = np.flatnonzero(self._stepped.seen).tolist()
+        return {r: (int(self._stepped["step"][r]), float(self._stepped["at"][r]))
+                for r in ranks}
 
     def _active(self, obs: Observation) -> list[Heartbeat]:
         """Return the ranks stepping in ``obs``, as :meth:`check` found them (see _step_on)."""

@@ -19,37 +19,49 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from relay.watch.observation import StepSeen
-from relay_train.protocol.heartbeat import Heartbeat
+import numpy as np
+
+from relay.watch.columns import RankArrays, RankColumns
 
 
 class Lockstep:
     """Remember when each rank last moved on a step; answer each node's latest proof of life."""
 
     def __init__(self) -> None:
-        # rank -> the wall clock of its last record before its step last moved on
-        self._moved_after: dict[int, float] = {}
-        self._last: dict[int, StepSeen] = {}  # rank -> the step and wall clock last seen
+        # per rank: the step and wall clock last seen, and the wall clock of its last
+        # record before its step last moved on (arrays indexed by rank: relay.watch.columns)
+        self._last = RankArrays(step=(np.int64, 0), at=(np.float64, 0.0),
+                                moved_after=(np.float64, -math.inf))
 
-    def observe(self, beats: dict[int, Heartbeat]) -> None:
+    def observe(self, cols: RankColumns) -> None:
         """Fold in one poll's records."""
-        last_of, moved_after = self._last, self._moved_after  # (8,192 ranks a poll: hoisted)
-        for rank, beat in beats.items():
-            step, wall_clock = beat.step, beat.wall_clock
-            last = last_of.get(rank)
-            if last is None:
-                last_of[rank] = StepSeen(step, wall_clock)
-            elif step != last.step or wall_clock > last.at:
-                if step > last.step:
-                    moved_after[rank] = last.at
-                last.step, last.at = step, wall_clock
+        last = self._last
+        last.fit(cols.rank)
+        rank, step, wall_clock = cols.rank, cols.step, cols.wall_clock
+        seen, last_step, last_at = last.seen[rank], last["step"][rank], last["at"][rank]
+        changed = seen & ((step != last_step) | (wall_clock > last_at))
+        moved = changed & (step > last_step)
+        last["moved_after"][rank[moved]] = last_at[moved]
+        fresh = changed | ~seen
+        last["step"][rank[fresh]], last["at"][rank[fresh]] = step[fresh], wall_clock[fresh]
+        last.seen[rank] = True
+
+    def moved_after(self) -> dict[int, float]:
+        """Return rank -> the wall clock of its last record before its step last moved on."""
+        after = self._last["moved_after"]
+        return {r: float(after[r]) for r in np.flatnonzero(after > -math.inf).tolist()}
+
+    def last_seen(self) -> dict[int, tuple[int, float]]:
+        """Return rank -> the step and wall clock last seen."""
+        ranks = np.flatnonzero(self._last.seen).tolist()
+        return {r: (int(self._last["step"][r]), float(self._last["at"][r])) for r in ranks}
 
     def alive_since(self, nodes: list[str], node_of: Callable[[int], str | None],
                     ) -> dict[str, float]:
         """Return node -> the latest time other nodes' steps show its ranks were alive
         (empty: fewer than two nodes stepped)."""
         best: dict[str, float] = {}  # node -> the latest proof its ranks give the others
-        for rank, after in self._moved_after.items():
+        for rank, after in self.moved_after().items():
             node = node_of(rank)
             if node is not None and after > best.get(node, -math.inf):
                 best[node] = after

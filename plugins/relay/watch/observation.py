@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from relay.launchers.base import LaunchStatus
+from relay.watch.columns import RankColumns
 from relay_train.protocol.heartbeat import Heartbeat, Phase
 
 # The phases as the plain strings heartbeats carry: the rules look at every rank each
@@ -46,20 +47,14 @@ class Observation:
                 nodes.setdefault(rank, node)
         return nodes
 
+    @cached_property
+    def columns(self) -> RankColumns:
+        """Return the heartbeats as columns (:mod:`relay.watch.columns`), built once."""
+        return RankColumns.of(self.heartbeats.values())
+
     def node_of(self, rank: int) -> str | None:
         """Return the node a rank runs on."""
         return self._rank_nodes.get(rank)
-
-
-@dataclass(slots=True)
-class StepSeen:
-    """A rank's step as a rule last noted it, and the time that goes with it (when it was
-    reached, or the record's wall clock): one a rank, updated in place. A new tuple a rank
-    a poll, kept until the next (8,192 a poll at 1,024 nodes, in each of three rules), had
-    the garbage collector walk the whole heap every poll or two."""
-
-    step: int
-    at: float
 
 
 def past_startup(obs: Observation) -> bool:

@@ -36,16 +36,17 @@ compute while the others wait for it) when the policy's
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from relay.watch.observation import StepSeen
-from relay_train.protocol.heartbeat import Heartbeat, Phase
+import numpy as np
+
+from relay.watch.columns import RankArrays, RankColumns, code_of
+from relay_train.protocol.heartbeat import Phase
 
 WINDOW = 120  # polls (60 s at the default poll_interval) the step-time quantile is taken over
 QUANTILE = 0.95  # of the step-time samples: above jitter, below a rare stall
-_CHECKPOINT = Phase.CHECKPOINT.value  # (an enum member's .value costs a call per rank)
+_CHECKPOINT = code_of(Phase.CHECKPOINT.value)
 
 
 @dataclass(frozen=True)
@@ -70,41 +71,50 @@ class StepTimes:
     """Watch heartbeats for the job's step time; answer the hang threshold in force."""
 
     def __init__(self) -> None:
-        self._last: dict[int, StepSeen] = {}  # rank -> its step, the wall clock it was seen at
+        # per rank: its step and clock when last seen moving on, whether its open interval
+        # saw a checkpoint (arrays indexed by rank: relay.watch.columns)
+        self._last = RankArrays(step=(np.int64, 0), at=(np.float64, 0.0),
+                                checkpointed=(np.bool_, False))
         self._first_step: int | None = None
         self._samples: deque[float] = deque(maxlen=WINDOW)
-        self._checkpointed: set[int] = set()  # ranks whose open interval saw a checkpoint
 
-    def observe(self, beats: dict[int, Heartbeat], warmup_steps: int) -> None:
+    def observe(self, cols: RankColumns, warmup_steps: int) -> None:
         """Fold in one poll's heartbeats: one sample, the ranks' median mean step time."""
-        if not beats:
+        if not len(cols):
             return
         if self._first_step is None:
-            self._first_step = min(b.step for b in beats.values())
-        checkpointing = any(b.phase == _CHECKPOINT for b in beats.values())
-        checkpointed, last_of = self._checkpointed, self._last  # (8,192 ranks a poll: hoisted)
+            self._first_step = int(cols.step.min())
+        last = self._last
+        last.fit(cols.rank)
+        rank, step = cols.rank, cols.step
+        # The rank's clock less its compute's waits for a CPU (relay_train.cpu_wait): a
+        # step's time is then what the step took had the host not been loaded.
+        at = cols.wall_clock - cols.cpu_wait_total
+        checkpointing = bool((cols.phase == _CHECKPOINT).any())
+        checkpointed = last["checkpointed"]
         if checkpointing:
-            checkpointed.update(beats)
-        warm = self._first_step + warmup_steps
-        times: list[float] = []
-        for rank, beat in beats.items():
-            # The rank's clock less its compute's waits for a CPU (relay_train.cpu_wait): a
-            # step's time is then what the step took had the host not been loaded.
-            step, last, at = beat.step, last_of.get(rank), beat.wall_clock - (
-                beat.cpu_wait_total or 0.0)
-            if last is None:
-                last_of[rank] = StepSeen(step, at)
-                continue
-            if step == last.step:
-                continue
-            if step > last.step and at > last.at:
-                if last.step >= warm and rank not in checkpointed:
-                    times.append((at - last.at) / (step - last.step))
-                if not checkpointing:  # a checkpoint going on taints the next interval
-                    checkpointed.discard(rank)
-            last.step, last.at = step, at
-        if times:
-            self._samples.append(statistics.median(times))
+            checkpointed[rank] = True
+        seen, last_step, last_at = last.seen[rank], last["step"][rank], last["at"][rank]
+        moved = seen & (step != last_step)
+        on = moved & (step > last_step) & (at > last_at)
+        sampled = on & (last_step >= self._first_step + warmup_steps) & ~checkpointed[rank]
+        times = (at[sampled] - last_at[sampled]) / (step[sampled] - last_step[sampled])
+        if not checkpointing:  # a checkpoint going on taints the next interval
+            checkpointed[rank[on]] = False
+        fresh = moved | ~seen
+        last["step"][rank[fresh]], last["at"][rank[fresh]] = step[fresh], at[fresh]
+        last.seen[rank] = True
+        if len(times):
+            self._samples.append(float(np.median(times)))
+
+    def last_seen(self) -> dict[int, tuple[int, float]]:
+        """Return rank -> its step and clock when last seen moving on."""
+        ranks = np.flatnonzero(self._last.seen).tolist()
+        return {r: (int(self._last["step"][r]), float(self._last["at"][r])) for r in ranks}
+
+    def checkpointed(self) -> set[int]:
+        """Return the ranks whose open interval saw a checkpoint."""
+        return set(np.flatnonzero(self._last["checkpointed"] & self._last.seen).tolist())
 
     @property
     def step_time(self) -> float | None:

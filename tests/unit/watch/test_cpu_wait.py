@@ -13,6 +13,7 @@ import pytest
 
 from relay.core.faults import FaultKind
 from relay.policy.model import Detection, ThroughputDetection
+from relay.watch.columns import RankColumns
 from relay.watch.detection import Detector
 from relay.watch.hangs import find_hang
 from relay.watch.observation import Observation
@@ -27,6 +28,11 @@ RANKS = [0, 1, 2, 3]
 POLL = 0.5
 T0 = 1_700_000_000.0
 SAMPLES = 32.0  # samples a step, the job's
+
+
+def columns(beats: dict[int, Heartbeat]) -> RankColumns:
+    """Return one poll's records as the rules take them."""
+    return RankColumns.of(beats.values())
 
 
 def beat(rank: int, now: float, step: int, work_s: float, wait: float | None,
@@ -205,10 +211,10 @@ def test_the_derived_step_time_leaves_out_the_computes_waits() -> None:
         records = {r: beat(r, now, 5 * i, 0.010, 0.060) for r in RANKS}
         for b in records.values():
             b.wall_clock, b.cpu_wait_total = now, 0.3 * i  # 5 steps a poll, 0.06 s each
-        said.observe(records, warmup_steps=0)
+        said.observe(columns(records), warmup_steps=0)
         for b in records.values():
             b.cpu_wait_total = None
-        unsaid.observe(records, warmup_steps=0)
+        unsaid.observe(columns(records), warmup_steps=0)
     assert said.step_time is not None and unsaid.step_time is not None
     assert said.step_time == pytest.approx(0.04)
     assert unsaid.step_time == pytest.approx(0.1)

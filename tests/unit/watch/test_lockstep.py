@@ -11,6 +11,7 @@ from relay.core.attempt import AttemptState
 from relay.core.faults import Fault, FaultKind
 from relay.launchers.local.launcher import LaunchStatus, NodeStatus
 from relay.policy.model import Detection
+from relay.watch.columns import RankColumns
 from relay.watch.detection import Detector
 from relay.watch.lockstep import Lockstep
 from relay.watch.observation import Observation
@@ -23,6 +24,11 @@ POLL = 0.5
 STEPS_PER_POLL = 10
 T0 = 1_700_000_000.0
 CFG = Detection()
+
+
+def columns(beats: dict[int, Heartbeat]) -> RankColumns:
+    """Return one poll's records as the rules take them."""
+    return RankColumns.of(beats.values())
 
 
 def record(rank: int, step: int, written: float, phase: str = Phase.COLLECTIVE.value
@@ -93,11 +99,11 @@ def test_a_frozen_node_or_stopped_rank_is_called_as_soon_as_without_the_proof(
 
 def test_the_proof_of_life_is_the_latest_step_of_another_node() -> None:
     lockstep = Lockstep()
-    lockstep.observe({0: record(0, 1, T0), 2: record(2, 1, T0)})
-    lockstep.observe({0: record(0, 5, T0 + 1), 2: record(2, 1, T0 + 1)})
+    lockstep.observe(columns({0: record(0, 1, T0), 2: record(2, 1, T0)}))
+    lockstep.observe(columns({0: record(0, 5, T0 + 1), 2: record(2, 1, T0 + 1)}))
     assert lockstep.alive_since(list(NODE_RANKS), NODE_OF.get) == {}, "one node stepped"
-    lockstep.observe({0: record(0, 5, T0 + 2), 2: record(2, 4, T0 + 2)})
-    lockstep.observe({0: record(0, 9, T0 + 3), 2: record(2, 4, T0 + 3)})
+    lockstep.observe(columns({0: record(0, 5, T0 + 2), 2: record(2, 4, T0 + 2)}))
+    lockstep.observe(columns({0: record(0, 9, T0 + 3), 2: record(2, 4, T0 + 3)}))
     # node-a's rank 0 moved on after its record at T0+2; node-b's rank 2 after T0+1
     assert lockstep.alive_since(list(NODE_RANKS), NODE_OF.get) == {
         "node-a": T0 + 1, "node-b": T0 + 2}

@@ -1,19 +1,22 @@
-"""Each rank's last step, kept by the rules as one record updated in place
-(:class:`~relay.watch.observation.StepSeen`), must say exactly what the tuple made afresh
-each poll said before: the lockstep proof, the step-time samples and the stepping ranks
-are compared with the tuple versions (kept here as the reference) on random sequences of
-polls (ranks missing, steps standing still, going back, jumping; clocks not moving on;
-checkpoints; every phase).
+"""Each rank's last step, kept by the rules in arrays indexed by rank and worked out over a
+poll's columns (:mod:`relay.watch.columns`), must say exactly what a Python record a rank
+said before: the lockstep proof, the step-time samples and the stepping ranks are compared
+with per-rank tuple versions (kept here as the reference) on random sequences of polls
+(ranks missing, steps standing still, going back, jumping; clocks not moving on;
+checkpoints; every phase; ranks' CPU waits).
 """
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
+from collections.abc import Callable
 
 import pytest
 
 from relay.policy.model import Detection
+from relay.watch.columns import RankColumns
 from relay.watch.detection import Detector
 from relay.watch.lockstep import Lockstep
 from relay.watch.observation import WORKING, Observation
@@ -24,50 +27,53 @@ PHASES = [Phase.COMPUTE.value] * 4 + [Phase.COLLECTIVE.value] * 4 + [
     Phase.CHECKPOINT.value, Phase.STARTING.value, Phase.DONE.value]
 
 
-class TupleLockstep(Lockstep):
-    """Lockstep's observe as it was: a new (step, wall clock) tuple a rank a poll."""
+class TupleLockstep:
+    """Lockstep's observe as it was: a (step, wall clock) tuple a rank, in a dict."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.tuples: dict[int, tuple[int, float]] = {}
+        self.moved_after: dict[int, float] = {}
 
     def observe(self, beats: dict[int, Heartbeat]) -> None:
         for rank, beat in beats.items():
             last = self.tuples.get(rank)
             if last is not None and beat.step > last[0]:
-                self._moved_after[rank] = last[1]
+                self.moved_after[rank] = last[1]
             if last is None or beat.step != last[0] or beat.wall_clock > last[1]:
                 self.tuples[rank] = (beat.step, beat.wall_clock)
 
 
-class TupleStepTimes(StepTimes):
-    """StepTimes' observe as it was: a new (step, wall clock) tuple a rank a poll."""
+class TupleStepTimes:
+    """StepTimes' observe as it was: a (step, clock less CPU waits) tuple a rank, in a dict."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.tuples: dict[int, tuple[int, float]] = {}
+        self.checkpointed: set[int] = set()
+        self.samples: list[float] = []
+        self.first_step: int | None = None
 
     def observe(self, beats: dict[int, Heartbeat], warmup_steps: int) -> None:
         if not beats:
             return
         low = min(b.step for b in beats.values())
-        if self._first_step is None:
-            self._first_step = low
+        if self.first_step is None:
+            self.first_step = low
         checkpointing = any(b.phase == Phase.CHECKPOINT.value for b in beats.values())
         if checkpointing:
-            self._checkpointed.update(beats)
+            self.checkpointed.update(beats)
         times: list[float] = []
         for rank, beat in beats.items():
             last = self.tuples.get(rank)
-            if last is not None and beat.step > last[0] and beat.wall_clock > last[1]:
-                if rank not in self._checkpointed and last[0] >= self._first_step + warmup_steps:
-                    times.append((beat.wall_clock - last[1]) / (beat.step - last[0]))
+            at = beat.wall_clock - (beat.cpu_wait_total or 0.0)
+            if last is not None and beat.step > last[0] and at > last[1]:
+                if rank not in self.checkpointed and last[0] >= self.first_step + warmup_steps:
+                    times.append((at - last[1]) / (beat.step - last[0]))
                 if not checkpointing:
-                    self._checkpointed.discard(rank)
+                    self.checkpointed.discard(rank)
             if last is None or beat.step != last[0]:
-                self.tuples[rank] = (beat.step, beat.wall_clock)
+                self.tuples[rank] = (beat.step, at)
         if times:
-            self._samples.append(statistics.median(times))
+            self.samples.append(statistics.median(times))
 
 
 def _polls(seed: int, ranks: int, polls: int) -> list[tuple[float, dict[int, Heartbeat]]]:
@@ -88,28 +94,44 @@ def _polls(seed: int, ranks: int, polls: int) -> list[tuple[float, dict[int, Hea
             beats[rank] = Heartbeat(rank=rank, node=f"node-{rank // 4}", pid=1,
                                     step=step[rank], phase=rng.choice(PHASES),
                                     phase_started_at=wall[rank] - 0.1,
-                                    wall_clock=wall[rank])
+                                    wall_clock=wall[rank],
+                                    cpu_wait_total=rng.choice([None, 0.01 * i, 0.02 * i]))
         out.append((now, beats))
     return out
 
 
+def alive_since(ref: TupleLockstep, nodes: list[str], node_of: Callable[[int], str | None]
+                ) -> dict[str, float]:
+    """Lockstep.alive_since as it was, over the reference's dict."""
+    best: dict[str, float] = {}
+    for rank, after in ref.moved_after.items():
+        node = node_of(rank)
+        if node is not None and after > best.get(node, -math.inf):
+            best[node] = after
+    if len(best) < 2:
+        return {}
+    (top_node, top), (_, second) = sorted(best.items(), key=lambda i: i[1], reverse=True)[:2]
+    return {node: second if node == top_node else top for node in nodes}
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_lockstep_and_step_times_in_place_say_what_fresh_tuples_said(seed: int) -> None:
+def test_lockstep_and_step_times_over_columns_say_what_per_rank_tuples_said(seed: int) -> None:
     lockstep, ref_lockstep = Lockstep(), TupleLockstep()
     steps, ref_steps = StepTimes(), TupleStepTimes()
     nodes = [f"node-{n}" for n in range(4)]
     node_of = {r: f"node-{r // 4}" for r in range(16)}.get
     for now, beats in _polls(seed, ranks=16, polls=120):
-        lockstep.observe(beats)
+        cols = RankColumns.of(beats.values())
+        lockstep.observe(cols)
         ref_lockstep.observe(beats)
-        steps.observe(beats, warmup_steps=5)
+        steps.observe(cols, warmup_steps=5)
         ref_steps.observe(beats, warmup_steps=5)
-        assert {r: (s.step, s.at) for r, s in lockstep._last.items()} == ref_lockstep.tuples
-        assert lockstep._moved_after == ref_lockstep._moved_after, f"poll at {now}"
-        assert lockstep.alive_since(nodes, node_of) == ref_lockstep.alive_since(nodes, node_of)
-        assert {r: (s.step, s.at) for r, s in steps._last.items()} == ref_steps.tuples
-        assert list(steps._samples) == list(ref_steps._samples), f"poll at {now}"
-        assert steps._checkpointed == ref_steps._checkpointed
+        assert lockstep.last_seen() == ref_lockstep.tuples
+        assert lockstep.moved_after() == ref_lockstep.moved_after, f"poll at {now}"
+        assert lockstep.alive_since(nodes, node_of) == alive_since(ref_lockstep, nodes, node_of)
+        assert steps.last_seen() == ref_steps.tuples
+        assert list(steps._samples) == ref_steps.samples, f"poll at {now}"
+        assert steps.checkpointed() == ref_steps.checkpointed
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -129,4 +151,4 @@ def test_the_stepping_ranks_in_place_are_those_fresh_tuples_gave(seed: int) -> N
         want = [b for b in beats.values() if b.phase in WORKING
                 and now - stepped[b.rank][1] <= cfg.hang_timeout / 2]
         assert detector._active(obs) == want, f"poll at {now}"
-        assert {r: (s.step, s.at) for r, s in detector._stepped.items()} == stepped
+        assert detector.stepped() == stepped

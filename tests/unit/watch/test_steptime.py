@@ -13,6 +13,7 @@ import pytest
 
 from relay.core.faults import FaultKind
 from relay.policy.model import Detection, HangFromStepTime
+from relay.watch.columns import RankColumns
 from relay.watch.detection import Detector
 from relay.watch.observation import Observation
 from relay.watch.steptime import WINDOW, StepTimes
@@ -23,6 +24,11 @@ INTERVAL = 0.5
 T0 = 1_800_000_000.0
 DERIVE = HangFromStepTime()
 CFG = Detection(derive_hang_timeout=DERIVE)
+
+
+def columns(beats: dict[int, Heartbeat]) -> RankColumns:
+    """Return one poll's records as the rules take them."""
+    return RankColumns.of(beats.values())
 
 
 def beat(rank: int, step: int, wall: float, phase: str = Phase.COLLECTIVE.value,
@@ -55,8 +61,8 @@ def run_steps(detector: Detector, seconds: float, step_time: float,
 
 def test_no_derivation_before_warmup_uses_the_policys_hang_timeout() -> None:
     times = StepTimes()
-    times.observe({0: beat(0, 0, T0)}, warmup_steps=20)
-    times.observe({0: beat(0, 10, T0 + 0.5)}, warmup_steps=20)  # still in warm-up
+    times.observe(columns({0: beat(0, 0, T0)}), warmup_steps=20)
+    times.observe(columns({0: beat(0, 10, T0 + 0.5)}), warmup_steps=20)  # still in warm-up
     limit = times.hang_limit(3.0, INTERVAL, 10.0, 1.5)
     assert (limit.seconds, limit.how) == (3.0, "")
 
@@ -71,7 +77,7 @@ def test_derived_threshold_is_lag_plus_factor_times_p95_step_within_bounds(
 ) -> None:
     times = StepTimes()
     for i in range(60):  # mean step time between records, past the warm-up
-        times.observe({0: beat(0, i * 5, T0 + i * 5 * step_time)}, warmup_steps=20)
+        times.observe(columns({0: beat(0, i * 5, T0 + i * 5 * step_time)}), warmup_steps=20)
     assert times.step_time == pytest.approx(step_time, rel=1e-4)
     limit = times.hang_limit(3.0, INTERVAL, DERIVE.safety_factor, DERIVE.min)
     assert limit.seconds == pytest.approx(expected)
@@ -85,14 +91,15 @@ def feed(times: StepTimes, step_times: list[float], *, ranks: int = 4,
     At the polls in ``checkpoint_at`` rank 0's record shows it checkpointing.
     """
     wall, step = T0, 0
-    times.observe({r: beat(r, step, wall) for r in range(ranks)}, warmup_steps=0)
+    times.observe(columns({r: beat(r, step, wall) for r in range(ranks)}), warmup_steps=0)
     for i, seconds in enumerate(step_times):
         steps = max(round(INTERVAL / seconds), 1)
         step += steps
         wall += steps * seconds
-        times.observe({r: beat(r, step, wall, Phase.CHECKPOINT.value
-                               if r == 0 and i in checkpoint_at else Phase.COLLECTIVE.value)
-                       for r in range(ranks)}, warmup_steps=0)
+        times.observe(columns({r: beat(r, step, wall, Phase.CHECKPOINT.value
+                                       if r == 0 and i in checkpoint_at
+                                       else Phase.COLLECTIVE.value)
+                               for r in range(ranks)}), warmup_steps=0)
 
 
 def threshold(times: StepTimes) -> float:

@@ -59,6 +59,7 @@ from relay_train.cpu_wait import CpuWait
 from relay_train.device import PlacedRank, RankDevice, setup_rank_device
 from relay_train.inject import ChaosMonkey
 from relay_train.local import DEFAULT_CHECKPOINT_EVERY, LocalSession
+from relay_train.metrics import PendingMetrics
 from relay_train.protocol.env import ENV_LAUNCH, ENV_NODE
 from relay_train.protocol.heartbeat import HeartbeatWriter
 from relay_train.protocol.launch import (
@@ -80,22 +81,6 @@ log = logging.getLogger("relay_train")
 # The first steps of an attempt warm up (allocations, DDP's bucket rebuild after step one):
 # they are not the rank's natural pace, which chaos stragglers are scaled by.
 WARMUP_STEPS = 2
-
-# Metrics go to MLflow (off the loop) every this many steps too, not only with a checkpoint,
-# so an attempt that faults still shows its loss and throughput up to the fault...
-METRICS_EVERY = 5
-# ...but at most one request in this many seconds: each is tens of ms of the MLflow client's
-# Python in rank 0's publisher thread, holding the GIL the loop needs (4 a second at the
-# tiny model's pace made rank 0's compute 1.4-2.6x the others' for polls on end under load).
-METRICS_SECONDS = 2.0
-
-
-def metrics_due(pending: int, sent_at: float, now: float) -> bool:
-    """Return whether rank 0 sends its ``pending`` steps' metrics now (the last flush at
-    ``sent_at``, both ``time.monotonic()``): :data:`METRICS_EVERY` steps and
-    :data:`METRICS_SECONDS` since the last."""
-    return pending >= METRICS_EVERY and now - sent_at >= METRICS_SECONDS
-
 
 class Session(SessionState, CollectivePhases, PlacedRank):
     """This rank's view of one segment attempt; made by :func:`init`."""
@@ -130,8 +115,7 @@ class Session(SessionState, CollectivePhases, PlacedRank):
         self._checkpointer: Checkpointer | None = None
         self._dcp: Any = None  # checkpoints.dcp.DcpCheckpointer, made at the first sharded save
         self._sink: Any = None
-        self._metrics: list[tuple[int, dict[str, float], int]] = []
-        self._metrics_sent_at = -math.inf  # time.monotonic() of the last flush
+        self._metrics = PendingMetrics(self._send_metrics)  # rank 0's (relay_train.metrics)
         self._clock: dict[str, float] = {}
         self._compute, self._natural, self._rate = Ewma(), Ewma(), Ewma()
         self._compute_total = 0.0  # seconds of compute over this rank's steps (heartbeat)
@@ -152,6 +136,7 @@ class Session(SessionState, CollectivePhases, PlacedRank):
         self._evidence.start()
         if rank == 0:
             self._publisher()  # opens the tracking store beside the loop, long before a save
+            self._heartbeat.after_each_write(self._send_stalled_metrics)
 
     # -- where this segment starts and ends ------------------------------------------
 
@@ -316,13 +301,12 @@ class Session(SessionState, CollectivePhases, PlacedRank):
                 self.save(step + 1)  # offers this rank's RNG states to rank 0's checkpoint
             return
         if loss is not None:
-            self._metrics.append((step + 1, {"loss": loss, "samples_per_second": rate,
-                                             "step_seconds": step_time},
-                                  int(time.time() * 1000)))
+            self._metrics.add(step + 1, {"loss": loss, "samples_per_second": rate,
+                                         "step_seconds": step_time})
         if tracks and self.checkpoint_due(step + 1):
             self._checkpoint(step + 1, loss)
-        elif metrics_due(len(self._metrics), self._metrics_sent_at, time.monotonic()):
-            self._flush_metrics()
+        elif self._metrics.due(time.monotonic()):
+            self._metrics.flush()
 
     def close(self) -> None:
         """Finish: publish every pending checkpoint, write the result, stop the threads."""
@@ -335,7 +319,7 @@ class Session(SessionState, CollectivePhases, PlacedRank):
         if self._dcp is not None:
             self._dcp.close()
         if self._checkpointer is not None:
-            self._flush_metrics()
+            self._metrics.flush()
             self._checkpointer.close()
         if self.rank == 0 and self._loop_started is not None:
             seconds = time.perf_counter() - self._loop_started

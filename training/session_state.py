@@ -33,13 +33,14 @@ from relay_train.checkpoints.checkpointer import (
 from relay_train.checkpoints.fetch import fetch_resume
 from relay_train.errors import CorruptCheckpointError
 from relay_train.inject import ChaosMonkey
+from relay_train.metrics import Batch, PendingMetrics
 from relay_train.protocol.env import ENV_NODE
 from relay_train.protocol.heartbeat import HeartbeatWriter, Phase
 from relay_train.protocol.launch import LaunchConfig, ResumeFrom
 from relay_train.protocol.manifest import CheckpointRef
 from relay_train.protocol.signing import KeyRing, launch_ring, resume_problem
 from relay_train.rescue import DrainRequest, TrainingState
-from relay_train.timing import StartupClock
+from relay_train.timing import Ewma, StartupClock
 
 log = logging.getLogger("relay_train")
 
@@ -65,8 +66,8 @@ class SessionState:
     _checkpointer: Checkpointer | None
     _dcp: Any  # relay_train.checkpoints.dcp.DcpCheckpointer, made on the first sharded save
     _sink: Any
-    _metrics: list[tuple[int, dict[str, float], int]]
-    _metrics_sent_at: float
+    _metrics: PendingMetrics
+    _step_time: Ewma
     _stall: float
     _closed: bool
     _last_step: int
@@ -271,15 +272,18 @@ class SessionState:
         log.info("step %d loss %s checkpoint stall %.4fs", step,
                  "-" if loss is None else f"{loss:.4f}", stall)
         # What checkpoint_every: auto weighs a save at (relay.lineage.interval).
-        self._metrics.append((step, {"checkpoint_stall_seconds": stall}, int(time.time() * 1000)))
-        self._flush_metrics()
+        self._metrics.add(step, {"checkpoint_stall_seconds": stall})
+        self._metrics.flush()
 
-    def _flush_metrics(self) -> None:
-        batch, self._metrics = self._metrics, []
-        self._metrics_sent_at = time.monotonic()
-        if batch:
-            publisher, sink = self._publisher(), self._sink
-            publisher.submit(lambda: sink.log_metrics(batch))
+    def _send_metrics(self, batch: Batch) -> None:
+        publisher, sink = self._publisher(), self._sink
+        publisher.submit(lambda: sink.log_metrics(batch))
+
+    def _send_stalled_metrics(self) -> None:
+        """(The heartbeat writer's thread, each interval.) Send the figures a stalled loop
+        holds back: the attempt may be stopped before its loop steps again."""
+        if self._metrics.stalled(time.monotonic(), self._step_time.value):
+            self._metrics.flush()
 
     def _tracked(self) -> dict[str, Any]:
         if self._state_fn is not None or self._objects:

@@ -167,11 +167,17 @@ class HeartbeatWriter:
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{rank}", daemon=True)
         self._cpu_wait: Callable[[], float | None] | None = None  # the training thread's
         self._phase_wait: float | None = None  # its CPU wait when the phase began
+        self._after_write: Callable[[], None] | None = None
 
     def watch_cpu_wait(self, waited: Callable[[], float | None]) -> None:
         """Say how to read the training thread's CPU wait so far (relay_train.cpu_wait):
         each record then says how much of its phase so far was a wait for a CPU."""
         self._cpu_wait = waited
+
+    def after_each_write(self, call: Callable[[], None]) -> None:
+        """Run ``call`` in the writer's thread after each periodic write (rank 0 sends the
+        metrics a stalled loop holds back from there: relay_train.metrics)."""
+        self._after_write = call
 
     @property
     def enabled(self) -> bool:
@@ -262,3 +268,8 @@ class HeartbeatWriter:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             self._flush()
+            if self._after_write is not None:
+                try:
+                    self._after_write()
+                except Exception:  # noqa: BLE001 - the records go on whatever it does
+                    log.exception("The heartbeat writer's after-write call failed")

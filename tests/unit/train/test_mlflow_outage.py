@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-import math
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,15 @@ from tenacity import Retrying, stop_after_attempt, wait_none
 from relay.core.checkpoint_keys import checkpoint_keys
 from relay_train.checkpoints.checkpointer import Checkpointer
 from relay_train.checkpoints.publish import MlflowCheckpointSink
+from relay_train.metrics import (
+    METRICS_EVERY,
+    METRICS_SECONDS,
+    MIN_STALL_SECONDS,
+    Batch,
+    PendingMetrics,
+    stall_seconds,
+)
+from relay_train.protocol.heartbeat import HeartbeatWriter
 
 KEYS = checkpoint_keys()  # the test session's key ring ($RELAY_HOME's key file)
 
@@ -142,10 +152,54 @@ def test_a_flush_of_several_steps_is_one_request_with_every_steps_metrics(
 
 
 def test_rank_zero_sends_its_metrics_every_five_steps_but_at_most_every_two_seconds() -> None:
-    """Slow steps: a flush every METRICS_EVERY steps; fast ones: one a METRICS_SECONDS."""
-    from relay_train.api import METRICS_EVERY, METRICS_SECONDS, metrics_due
+    """Slow steps: a batch every METRICS_EVERY steps; fast ones: one a METRICS_SECONDS."""
+    sent: list[Batch] = []
+    pending = PendingMetrics(sent.append)
+    for step in range(METRICS_EVERY - 1):
+        pending.add(step, {"loss": 1.0})
+    assert not pending.due(time.monotonic() + 100)
+    pending.add(METRICS_EVERY, {"loss": 1.0})
+    assert pending.due(time.monotonic())  # the first batch waits for no clock
+    pending.flush()
+    assert [len(b) for b in sent] == [METRICS_EVERY]
+    for step in range(50 * METRICS_EVERY):
+        pending.add(step, {"loss": 1.0})
+    assert not pending.due(pending.sent_at + METRICS_SECONDS / 2)
+    assert pending.due(pending.sent_at + METRICS_SECONDS)
+    pending.flush()
+    pending.flush()  # nothing kept: nothing sent
+    assert [len(b) for b in sent] == [METRICS_EVERY, 50 * METRICS_EVERY]
 
-    assert metrics_due(METRICS_EVERY, -math.inf, 0.0)  # the first flush waits for no clock
-    assert not metrics_due(METRICS_EVERY - 1, -math.inf, 100.0)
-    assert not metrics_due(50 * METRICS_EVERY, 100.0, 100.0 + METRICS_SECONDS / 2)
-    assert metrics_due(METRICS_EVERY, 100.0, 100.0 + METRICS_SECONDS)
+
+def test_figures_a_stalled_loop_holds_back_count_as_stalled_after_three_step_times() -> None:
+    pending = PendingMetrics(lambda _batch: None)
+    assert not pending.stalled(time.monotonic() + 100, 0.1), "nothing held back"
+    pending.add(1, {"loss": 1.0})
+    added = pending.added_at
+    assert stall_seconds(None) == stall_seconds(0.01) == MIN_STALL_SECONDS
+    assert stall_seconds(1.0) == 3.0
+    assert not pending.stalled(added + 2.9, 1.0)
+    assert pending.stalled(added + 3.0, 1.0)
+    assert pending.stalled(added + MIN_STALL_SECONDS, 0.05)
+
+
+def test_the_heartbeat_writer_runs_its_after_write_call_in_its_thread(tmp_path: Path) -> None:
+    """What sends a stalled loop's metrics: called after each periodic write, and a call
+    that raises stops neither the writer nor the next call."""
+    calls: list[str] = []
+    twice = threading.Event()
+
+    def call() -> None:
+        calls.append(threading.current_thread().name)
+        if len(calls) >= 2:
+            twice.set()
+        raise RuntimeError("the writer goes on")
+
+    writer = HeartbeatWriter(tmp_path, rank=0, node="n0", interval_seconds=0.05)
+    writer.after_each_write(call)
+    writer.start()
+    try:
+        assert twice.wait(60)
+    finally:
+        writer.close()
+    assert set(calls) == {"heartbeat-0"}

@@ -48,6 +48,8 @@ class RankColumns:
     step: Ints
     phase: npt.NDArray[np.int8]  # PHASE_CODES, UNKNOWN_PHASE for any other
     wall_clock: Floats
+    phase_started_at: Floats
+    phase_cpu_wait: Floats  # 0 where the rank did not say
     cpu_wait_total: Floats  # 0 where the rank did not say
 
     @classmethod
@@ -68,6 +70,8 @@ class RankColumns:
             step=np.array([b.step for b in beats], np.int64),
             phase=np.array([codes(b.phase, UNKNOWN_PHASE) for b in beats], np.int8),
             wall_clock=np.array([b.wall_clock for b in beats], np.float64),
+            phase_started_at=np.array([b.phase_started_at for b in beats], np.float64),
+            phase_cpu_wait=np.array([b.phase_cpu_wait or 0.0 for b in beats], np.float64),
             cpu_wait_total=np.array([b.cpu_wait_total or 0.0 for b in beats], np.float64),
         )
 
@@ -76,6 +80,8 @@ class RankColumns:
 
     def in_phase(self, *phases: str) -> Flags:
         """Return which rows are in one of ``phases``."""
+        if len(phases) == 1:
+            return self.phase == code_of(phases[0])
         return np.isin(self.phase, [code_of(p) for p in phases])
 
     def rows(self, which: Flags) -> list[Heartbeat]:

@@ -21,7 +21,7 @@ from relay.core.attempt import AttemptState
 from relay.core.faults import Fault, FaultKind
 from relay.launchers.agent_client import FRESH_WAIT_SECONDS
 from relay.policy.model import Detection
-from relay.watch.columns import RankArrays
+from relay.watch.columns import Floats, RankArrays
 from relay.watch.exits import before_first_step, classify_exit, only_secondary_exits, preemption
 from relay.watch.hangs import find_hang
 from relay.watch.lockstep import Lockstep
@@ -226,6 +226,13 @@ class Detector:
         return (obs.now - obs.launched_at <= self.cfg.startup_timeout
                 and all(b.step == 0 for b in obs.heartbeats.values()))
 
+    def _silent(self, obs: Observation, idle: str) -> set[int]:
+        """Return the ranks silent for over heartbeat_timeout, neither done nor ``idle``."""
+        cols = obs.columns
+        busy = ~cols.in_phase(DONE) & ~cols.in_phase(idle)
+        return set(cols.rank[busy & (obs.now - cols.wall_clock > self.cfg.heartbeat_timeout)]
+                   .tolist())
+
     def _stale(self, obs: Observation) -> Fault | None:
         # A node is unresponsive once its ranks and its agent have all been silent for
         # heartbeat_timeout (the policy's "silent"). A frozen node's ranks fall silent
@@ -239,9 +246,7 @@ class Detector:
         past = past_startup(obs)
         if past and self._first_step(obs):
             return None  # still start-up: the first step of a fresh job (see _first_step)
-        idle = DONE if past else STARTING
-        stale = {r for r, b in obs.heartbeats.items()
-                 if b.phase != DONE and b.phase != idle and now - b.wall_clock > timeout}
+        stale = self._silent(obs, DONE if past else STARTING)
         if not stale and not unheard:
             return None
         # Other nodes' ranks that stepped on after a silent rank's last word prove it alive.
@@ -293,22 +298,21 @@ class Detector:
         after. It costs nothing while the job is healthy: fresh heartbeats put every such
         time seconds away, past the next poll.
         """
-        now, timeout = obs.now, self.cfg.heartbeat_timeout
-        beats = [b for b in obs.heartbeats.values() if b.phase != DONE]
-        # The soonest of these times after now, each looked at once (no list of 8,192).
-        hang = FaultKind.HANG in self.enabled and any(b.phase in WAITING for b in beats)
-        limit = self.hang_limit(obs).seconds if hang else 0.0
+        now, timeout, cols = obs.now, self.cfg.heartbeat_timeout, obs.columns
+        live = ~cols.in_phase(DONE)
+        hang = FaultKind.HANG in self.enabled and bool((live & cols.in_phase(*WAITING)).any())
         silence = bool(self.enabled & {FaultKind.NODE_UNRESPONSIVE, FaultKind.RANK_UNRESPONSIVE})
+        due: list[Floats] = []  # the times each threshold falls due, over the columns
+        if hang:
+            due.append(cols.phase_started_at[live & cols.in_phase(COMPUTE)]
+                       + self.hang_limit(obs).seconds)
+        if silence:
+            due.append(cols.wall_clock[live] + timeout)
         soonest: float | None = None
-        for b in beats if hang or silence else ():
-            if hang and b.phase == COMPUTE:
-                t = b.phase_started_at + limit
-                if t > now and (soonest is None or t < soonest):
-                    soonest = t
-            if silence:
-                t = b.wall_clock + timeout
-                if t > now and (soonest is None or t < soonest):
-                    soonest = t
+        for times in due:
+            later = times[times > now]
+            if len(later) and (soonest is None or later.min() < soonest):
+                soonest = float(later.min())
         if silence and obs.launch is not None:
             for n in obs.launch.nodes.values():
                 if n.last_seen is not None and (t := n.last_seen + timeout) > now and (

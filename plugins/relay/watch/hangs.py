@@ -7,6 +7,8 @@ force (the policy's, or one derived from the job's step times: :mod:`relay.watch
 
 from __future__ import annotations
 
+import numpy as np
+
 from relay.core.faults import Fault, FaultKind
 from relay.policy.model import Detection
 from relay.watch.observation import CHECKPOINT, COMPUTE, DONE, WAITING, WORKING, Observation
@@ -21,44 +23,35 @@ def _in_phase(beats: list[Heartbeat], now: float) -> dict[int, float]:
 
 def find_hang(obs: Observation, cfg: Detection, limit: HangLimit) -> Fault | None:
     """Return the hang these observations show, judged on ``limit`` (see the module)."""
-    now = obs.now
-    beats = [b for b in obs.heartbeats.values() if b.phase != DONE]
-    if not beats:
+    now, cols = obs.now, obs.columns  # (over the poll's columns: 8,192 ranks at 1,024 nodes)
+    live = ~cols.in_phase(DONE)
+    if not live.any():
         return None
-    # Only a rank whose heartbeat thread still writes is "stalled"; a silent
-    # one is left to the unresponsive rules. One pass over the ranks (8,192 a poll).
-    lag, hang_timeout = 3 * obs.heartbeat_interval, cfg.hang_timeout
-    computing: list[Heartbeat] = []
-    waiting = working = 0
-    working_all_over = True  # every working rank in its phase past hang_timeout
-    for b in beats:
-        phase = b.phase
-        if phase == CHECKPOINT:
-            if now - b.phase_started_at > cfg.checkpoint_timeout:
-                return _hang_fault(obs, b, _in_phase(beats, now), "stuck saving a checkpoint",
-                                   f"checkpoint_timeout {cfg.checkpoint_timeout:g}s")
-            continue
-        if phase not in WORKING:
-            continue
-        if phase in WAITING:
-            waiting += 1
-        if now - b.wall_clock > lag:
-            continue  # not alive
-        working += 1
-        seconds = now - b.phase_started_at
-        working_all_over = working_all_over and seconds > hang_timeout
-        # In compute, the time its thread waited for a CPU is the host's load, not a stall.
-        if phase == COMPUTE and seconds - (b.phase_cpu_wait or 0.0) > limit.seconds:
-            computing.append(b)
-    if computing and waiting:
-        culprit = max(computing,
-                      key=lambda b: now - b.phase_started_at - (b.phase_cpu_wait or 0.0))
-        return _hang_fault(obs, culprit, _in_phase(beats, now), "stalled in compute "
+    seconds = now - cols.phase_started_at  # each rank's time in its phase
+    stuck = live & cols.in_phase(CHECKPOINT) & (seconds > cfg.checkpoint_timeout)
+    if stuck.any():
+        return _hang_fault(obs, cols.rows(stuck)[0], _in_phase(cols.rows(live), now),
+                           "stuck saving a checkpoint",
+                           f"checkpoint_timeout {cfg.checkpoint_timeout:g}s")
+    working = live & cols.in_phase(*WORKING)
+    waiting = int((working & cols.in_phase(*WAITING)).sum())
+    # Only a rank whose heartbeat thread still writes is "stalled"; a silent one is left
+    # to the unresponsive rules.
+    alive = working & ~(now - cols.wall_clock > 3 * obs.heartbeat_interval)
+    # In compute, the time its thread waited for a CPU is the host's load, not a stall.
+    stalled = seconds - cols.phase_cpu_wait
+    computing = alive & cols.in_phase(COMPUTE) & (stalled > limit.seconds)
+    if computing.any() and waiting:
+        rows = np.flatnonzero(computing)
+        culprit = cols.beats[int(rows[np.argmax(stalled[rows])])]  # (the first, on a tie)
+        return _hang_fault(obs, culprit, _in_phase(cols.rows(live), now), "stalled in compute "
                            f"while {waiting} rank(s) wait in the collective", limit.describe())
     # Every rank busy at once (an evaluation pass, say) is judged on the policy's own
     # hang_timeout: a threshold derived from the steps is for one rank that holds up others.
-    if working and working == len(beats) and working_all_over and all(
+    hang_timeout = cfg.hang_timeout
+    if alive.any() and (alive == live).all() and (seconds[alive] > hang_timeout).all() and all(
             r in obs.heartbeats for r in obs.expected_ranks):
+        beats = cols.rows(live)
         return Fault(FaultKind.HANG, None, None,
                      {"summary": f"no rank made progress for {hang_timeout:g}s",
                       "seconds_in_phase": {r: round(s, 2)

@@ -15,12 +15,14 @@ from collections.abc import Callable
 
 import pytest
 
+from relay.core.faults import Fault, FaultKind
 from relay.policy.model import Detection
 from relay.watch.columns import RankColumns
 from relay.watch.detection import Detector
+from relay.watch.hangs import _hang_fault, find_hang
 from relay.watch.lockstep import Lockstep
-from relay.watch.observation import WORKING, Observation
-from relay.watch.steptime import StepTimes
+from relay.watch.observation import WAITING, WORKING, Observation
+from relay.watch.steptime import HangLimit, StepTimes
 from relay_train.protocol.heartbeat import Heartbeat, Phase
 
 PHASES = [Phase.COMPUTE.value] * 4 + [Phase.COLLECTIVE.value] * 4 + [
@@ -152,3 +154,119 @@ def test_the_stepping_ranks_in_place_are_those_fresh_tuples_gave(seed: int) -> N
                 and now - stepped[b.rank][1] <= cfg.hang_timeout / 2]
         assert detector._active(obs) == want, f"poll at {now}"
         assert detector.stepped() == stepped
+
+
+def reference_due_at(detector: Detector, obs: Observation) -> float | None:
+    """Detector.due_at as it was: one pass over the heartbeat objects."""
+    now, timeout = obs.now, detector.cfg.heartbeat_timeout
+    beats = [b for b in obs.heartbeats.values() if b.phase != Phase.DONE.value]
+    hang = FaultKind.HANG in detector.enabled and any(b.phase in WAITING for b in beats)
+    limit = detector.hang_limit(obs).seconds if hang else 0.0
+    silence = bool(detector.enabled & {FaultKind.NODE_UNRESPONSIVE,
+                                       FaultKind.RANK_UNRESPONSIVE})
+    soonest: float | None = None
+    for b in beats if hang or silence else ():
+        if hang and b.phase == Phase.COMPUTE.value:
+            t = b.phase_started_at + limit
+            if t > now and (soonest is None or t < soonest):
+                soonest = t
+        if silence:
+            t = b.wall_clock + timeout
+            if t > now and (soonest is None or t < soonest):
+                soonest = t
+    return soonest
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_due_times_and_silent_ranks_over_columns_are_what_the_per_rank_passes_said(
+        seed: int) -> None:
+    rng = random.Random(seed)
+    detector = Detector(Detection())
+    node_ranks = {f"node-{n}": list(range(4 * n, 4 * n + 4)) for n in range(4)}
+    for now, beats in _polls(seed, ranks=16, polls=120):
+        for b in beats.values():  # phases begun anywhere from 3 s ago to now
+            b.phase_started_at = now - rng.uniform(0.0, 3.0)
+        obs = Observation(now=now, launched_at=900.0, heartbeats=beats, node_ranks=node_ranks,
+                          heartbeat_interval=0.5)
+        detector.check(obs)
+        for later in (0.0, 1.7, 2.5):  # so that some ranks are over the thresholds
+            seen = Observation(now=now + later, launched_at=900.0, heartbeats=beats,
+                               node_ranks=node_ranks, heartbeat_interval=0.5)
+            assert detector.due_at(seen) == reference_due_at(detector, seen), f"at {now}"
+            for idle in (Phase.DONE.value, Phase.STARTING.value):
+                want = {r for r, b in beats.items() if b.phase not in (Phase.DONE.value, idle)
+                        and seen.now - b.wall_clock > detector.cfg.heartbeat_timeout}
+                assert detector._silent(seen, idle) == want, f"at {seen.now}, idle {idle}"
+
+
+def reference_find_hang(obs: Observation, cfg: Detection, limit: HangLimit) -> Fault | None:
+    """find_hang as it was: one pass over the heartbeat objects."""
+    now = obs.now
+    beats = [b for b in obs.heartbeats.values() if b.phase != Phase.DONE.value]
+    if not beats:
+        return None
+    lag, hang_timeout = 3 * obs.heartbeat_interval, cfg.hang_timeout
+    computing: list[Heartbeat] = []
+    waiting = working = 0
+    working_all_over = True
+    in_phase = {b.rank: now - b.phase_started_at for b in beats}
+    for b in beats:
+        if b.phase == Phase.CHECKPOINT.value:
+            if now - b.phase_started_at > cfg.checkpoint_timeout:
+                return _hang_fault(obs, b, in_phase, "stuck saving a checkpoint",
+                                   f"checkpoint_timeout {cfg.checkpoint_timeout:g}s")
+            continue
+        if b.phase not in WORKING:
+            continue
+        if b.phase in WAITING:
+            waiting += 1
+        if now - b.wall_clock > lag:
+            continue
+        working += 1
+        seconds = now - b.phase_started_at
+        working_all_over = working_all_over and seconds > hang_timeout
+        if b.phase == Phase.COMPUTE.value and seconds - (b.phase_cpu_wait or 0.0) > limit.seconds:
+            computing.append(b)
+    if computing and waiting:
+        culprit = max(computing,
+                      key=lambda b: now - b.phase_started_at - (b.phase_cpu_wait or 0.0))
+        return _hang_fault(obs, culprit, in_phase, "stalled in compute "
+                           f"while {waiting} rank(s) wait in the collective", limit.describe())
+    if working and working == len(beats) and working_all_over and all(
+            r in obs.heartbeats for r in obs.expected_ranks):
+        return Fault(FaultKind.HANG, None, None,
+                     {"summary": f"no rank made progress for {hang_timeout:g}s",
+                      "seconds_in_phase": {r: round(s, 2) for r, s in in_phase.items()},
+                      "steps": {b.rank: b.step for b in beats}}, obs.now)
+    return None
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_hang_rule_over_columns_finds_what_the_per_rank_pass_found(seed: int) -> None:
+    """Random phases, phase ages, CPU waits and silences; some polls with every rank in
+    compute or the collective (the all-busy hang), some with a checkpoint stuck."""
+    rng = random.Random(seed)
+    cfg = Detection(hang_timeout=2.0, checkpoint_timeout=2.5)
+    node_ranks = {f"node-{n}": list(range(4 * n, 4 * n + 4)) for n in range(4)}
+    found = {False: 0, True: 0}  # hangs with a culprit, and every rank busy at once
+    for now, beats in _polls(seed, ranks=16, polls=200):
+        busy = rng.random() < 0.3
+        for b in beats.values():
+            b.phase_started_at = now - rng.choice([0.1, 1.0, 2.2, 3.0, rng.uniform(0.0, 4.0)])
+            b.phase_cpu_wait = rng.choice([None, 0.0, 0.5, 1.5])
+            if busy:  # every rank heard lately, in the collective (or just begun computing)
+                b.phase = rng.choice([Phase.COMPUTE.value] + [Phase.COLLECTIVE.value] * 30)
+                b.wall_clock = now - rng.uniform(0.0, 1.6)
+                b.phase_started_at = now - (rng.uniform(1.95, 4.0) if b.phase != "compute"
+                                            else rng.uniform(0.0, 2.5))
+        # the ranks heard are the job's (as in a busy poll): else the all-busy hang waits
+        ranks = {n: [r for r in rs if r in beats] for n, rs in node_ranks.items()} if busy \
+            else node_ranks
+        obs = Observation(now=now, launched_at=900.0, heartbeats=beats, node_ranks=ranks,
+                          heartbeat_interval=0.5)
+        limit = HangLimit(rng.choice([1.0, 2.0, 2.5]), "")
+        want = reference_find_hang(obs, cfg, limit)
+        assert find_hang(obs, cfg, limit) == want, f"poll at {now}"
+        if want is not None:
+            found[want.culprit_rank is None] += 1
+    assert found[False] > 10 and found[True] > 3, f"too few hangs of each kind: {found}"

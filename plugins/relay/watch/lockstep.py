@@ -60,12 +60,19 @@ class Lockstep:
                     ) -> dict[str, float]:
         """Return node -> the latest time other nodes' steps show its ranks were alive
         (empty: fewer than two nodes stepped)."""
-        best: dict[str, float] = {}  # node -> the latest proof its ranks give the others
-        for rank, after in self.moved_after().items():
-            node = node_of(rank)
-            if node is not None and after > best.get(node, -math.inf):
-                best[node] = after
-        if len(best) < 2:
-            return {}
-        (top_node, top), (_, second) = sorted(best.items(), key=lambda i: i[1], reverse=True)[:2]
-        return {node: second if node == top_node else top for node in nodes}
+        return alive_since(self.moved_after(), nodes, node_of)
+
+
+def alive_since(moved_after: dict[int, float], nodes: list[str],
+                node_of: Callable[[int], str | None]) -> dict[str, float]:
+    """Return node -> the latest time other nodes' steps show its ranks were alive, from
+    each rank's last record before its step moved on (empty: fewer than two nodes)."""
+    best: dict[str, float] = {}  # node -> the latest proof its ranks give the others
+    for rank, after in moved_after.items():
+        node = node_of(rank)
+        if node is not None and after > best.get(node, -math.inf):
+            best[node] = after
+    if len(best) < 2:
+        return {}
+    (top_node, top), (_, second) = sorted(best.items(), key=lambda i: i[1], reverse=True)[:2]
+    return {node: second if node == top_node else top for node in nodes}

@@ -8,10 +8,8 @@ checkpoints; every phase; ranks' CPU waits).
 
 from __future__ import annotations
 
-import math
 import random
 import statistics
-from collections.abc import Callable
 
 import pytest
 
@@ -20,7 +18,7 @@ from relay.policy.model import Detection
 from relay.watch.columns import RankColumns
 from relay.watch.detection import Detector
 from relay.watch.hangs import _hang_fault, find_hang
-from relay.watch.lockstep import Lockstep
+from relay.watch.lockstep import Lockstep, alive_since
 from relay.watch.observation import WAITING, WORKING, Observation
 from relay.watch.steptime import HangLimit, StepTimes
 from relay_train.protocol.heartbeat import Heartbeat, Phase
@@ -102,20 +100,6 @@ def _polls(seed: int, ranks: int, polls: int) -> list[tuple[float, dict[int, Hea
     return out
 
 
-def alive_since(ref: TupleLockstep, nodes: list[str], node_of: Callable[[int], str | None]
-                ) -> dict[str, float]:
-    """Lockstep.alive_since as it was, over the reference's dict."""
-    best: dict[str, float] = {}
-    for rank, after in ref.moved_after.items():
-        node = node_of(rank)
-        if node is not None and after > best.get(node, -math.inf):
-            best[node] = after
-    if len(best) < 2:
-        return {}
-    (top_node, top), (_, second) = sorted(best.items(), key=lambda i: i[1], reverse=True)[:2]
-    return {node: second if node == top_node else top for node in nodes}
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_lockstep_and_step_times_over_columns_say_what_per_rank_tuples_said(seed: int) -> None:
     lockstep, ref_lockstep = Lockstep(), TupleLockstep()
@@ -130,7 +114,8 @@ def test_lockstep_and_step_times_over_columns_say_what_per_rank_tuples_said(seed
         ref_steps.observe(beats, warmup_steps=5)
         assert lockstep.last_seen() == ref_lockstep.tuples
         assert lockstep.moved_after() == ref_lockstep.moved_after, f"poll at {now}"
-        assert lockstep.alive_since(nodes, node_of) == alive_since(ref_lockstep, nodes, node_of)
+        assert lockstep.alive_since(nodes, node_of) == alive_since(ref_lockstep.moved_after,
+                                                                   nodes, node_of)
         assert steps.last_seen() == ref_steps.tuples
         assert list(steps._samples) == ref_steps.samples, f"poll at {now}"
         assert steps.checkpointed() == ref_steps.checkpointed

@@ -13,8 +13,9 @@ and looks at those alone.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
@@ -38,19 +39,16 @@ def code_of(phase: str) -> int:
     return PHASE_CODES.get(phase, UNKNOWN_PHASE)
 
 
-@dataclass(frozen=True)
 class RankColumns:
     """The fields the rules read from every rank's record, one array each, in the order of
-    the records: ``beats[i]`` is row ``i``."""
+    the records: ``beats[i]`` is row ``i``. Each field is read off the records the first
+    time a rule asks for it, once a poll however many rules use it."""
 
-    beats: list[Heartbeat]
-    rank: Ints
-    step: Ints
-    phase: npt.NDArray[np.int8]  # PHASE_CODES, UNKNOWN_PHASE for any other
-    wall_clock: Floats
-    phase_started_at: Floats
-    phase_cpu_wait: Floats  # 0 where the rank did not say
-    cpu_wait_total: Floats  # 0 where the rank did not say
+    def __init__(self, beats: list[Heartbeat], rank: Ints) -> None:
+        self.beats = beats
+        self.rank = rank
+        self._parent: RankColumns | None = None  # (subset: its fields index the parent's)
+        self._index: Ints = rank
 
     @classmethod
     def of(cls, records: Iterable[Heartbeat]) -> RankColumns:
@@ -62,18 +60,70 @@ class RankColumns:
             log.debug("Leaving out records with a rank outside [0, %d)", MAX_RANKS)
             beats = [b for b in beats if 0 <= b.rank < MAX_RANKS]
             rank = np.array([b.rank for b in beats], np.int64)
-        # (list comprehensions, then arrays: faster here than np.fromiter over a generator)
+        return cls(beats, rank)
+
+    # (list comprehensions, then arrays: faster here than np.fromiter over a generator)
+    @cached_property
+    def step(self) -> Ints:
+        if self._parent is not None:
+            return self._parent.step[self._index]
+        return np.array([b.step for b in self.beats], np.int64)
+
+    @cached_property
+    def phase(self) -> npt.NDArray[np.int8]:
+        """PHASE_CODES, UNKNOWN_PHASE for any other."""
+        if self._parent is not None:
+            return self._parent.phase[self._index]
         codes = PHASE_CODES.get
-        return cls(
-            beats=beats,
-            rank=rank,
-            step=np.array([b.step for b in beats], np.int64),
-            phase=np.array([codes(b.phase, UNKNOWN_PHASE) for b in beats], np.int8),
-            wall_clock=np.array([b.wall_clock for b in beats], np.float64),
-            phase_started_at=np.array([b.phase_started_at for b in beats], np.float64),
-            phase_cpu_wait=np.array([b.phase_cpu_wait or 0.0 for b in beats], np.float64),
-            cpu_wait_total=np.array([b.cpu_wait_total or 0.0 for b in beats], np.float64),
-        )
+        return np.array([codes(b.phase, UNKNOWN_PHASE) for b in self.beats], np.int8)
+
+    @cached_property
+    def wall_clock(self) -> Floats:
+        if self._parent is not None:
+            return self._parent.wall_clock[self._index]
+        return np.array([b.wall_clock for b in self.beats], np.float64)
+
+    @cached_property
+    def phase_started_at(self) -> Floats:
+        if self._parent is not None:
+            return self._parent.phase_started_at[self._index]
+        return np.array([b.phase_started_at for b in self.beats], np.float64)
+
+    @cached_property
+    def phase_cpu_wait(self) -> Floats:
+        """0 where the rank did not say."""
+        if self._parent is not None:
+            return self._parent.phase_cpu_wait[self._index]
+        return np.array([b.phase_cpu_wait or 0.0 for b in self.beats], np.float64)
+
+    @cached_property
+    def cpu_wait_total(self) -> Floats:
+        """0 where the rank did not say."""
+        if self._parent is not None:
+            return self._parent.cpu_wait_total[self._index]
+        return np.array([b.cpu_wait_total or 0.0 for b in self.beats], np.float64)
+
+    @cached_property
+    def compute_seconds(self) -> Floats:
+        """0 where the rank did not say."""
+        if self._parent is not None:
+            return self._parent.compute_seconds[self._index]
+        return np.array([b.compute_seconds or 0.0 for b in self.beats], np.float64)
+
+    @cached_property
+    def cpu_wait_seconds(self) -> Floats:
+        """0 where the rank did not say."""
+        if self._parent is not None:
+            return self._parent.cpu_wait_seconds[self._index]
+        return np.array([b.cpu_wait_seconds or 0.0 for b in self.beats], np.float64)
+
+    @cached_property
+    def compute_total(self) -> Floats:
+        """NaN where the rank did not say (an older worker)."""
+        if self._parent is not None:
+            return self._parent.compute_total[self._index]
+        return np.array([math.nan if b.compute_total is None else b.compute_total
+                         for b in self.beats], np.float64)
 
     def __len__(self) -> int:
         return len(self.beats)
@@ -83,6 +133,14 @@ class RankColumns:
         if len(phases) == 1:
             return self.phase == code_of(phases[0])
         return np.isin(self.phase, [code_of(p) for p in phases])
+
+    def subset(self, which: Flags) -> RankColumns:
+        """Return the columns of the rows ``which`` marks: the fields read here already
+        are indexed, not read off the records again."""
+        index = np.flatnonzero(which)
+        child = RankColumns([self.beats[i] for i in index.tolist()], self.rank[index])
+        child._parent, child._index = self, index
+        return child
 
     def rows(self, which: Flags) -> list[Heartbeat]:
         """Return the records of the rows ``which`` marks, in row order."""

@@ -21,7 +21,7 @@ from relay.core.attempt import AttemptState
 from relay.core.faults import Fault, FaultKind
 from relay.launchers.agent_client import FRESH_WAIT_SECONDS
 from relay.policy.model import Detection
-from relay.watch.columns import Floats, RankArrays
+from relay.watch.columns import Floats, RankArrays, RankColumns
 from relay.watch.exits import before_first_step, classify_exit, only_secondary_exits, preemption
 from relay.watch.hangs import find_hang
 from relay.watch.lockstep import Lockstep
@@ -64,7 +64,7 @@ class Detector:
         self._secondary_since: float | None = None
         self._watching_since: float | None = None  # this detector's first observation
         self._steps = StepTimes()  # for a hang threshold derived from the job's step time
-        self._active_of: tuple[Observation, list[Heartbeat]] | None = None  # (see _active)
+        self._active_of: tuple[Observation, RankColumns] | None = None  # (see _active)
 
     @property
     def baseline(self) -> float | None:
@@ -351,7 +351,7 @@ class Detector:
 
     # -- performance ------------------------------------------------------------
 
-    def _step_on(self, obs: Observation) -> list[Heartbeat]:
+    def _step_on(self, obs: Observation) -> RankColumns:
         """Note when each rank's step last moved; return the ranks that are stepping: working,
         and their step moved recently (over the poll's columns: 8,192 ranks a poll at 1,024
         nodes).
@@ -366,7 +366,7 @@ class Detector:
         stepped["step"][rank[moved]], stepped["at"][rank[moved]] = step[moved], now
         stepped.seen[rank] = True
         recent = now - stepped["at"][rank] <= self.cfg.hang_timeout / 2
-        return cols.rows(cols.in_phase(*WORKING) & recent)
+        return cols.subset(cols.in_phase(*WORKING) & recent)
 
     def stepped(self) -> dict[int, tuple[int, float]]:
         """Return rank -> its step and when this detector saw it reached."""
@@ -374,7 +374,7 @@ class Detector:
         return {r: (int(self._stepped["step"][r]), float(self._stepped["at"][r]))
                 for r in ranks}
 
-    def _active(self, obs: Observation) -> list[Heartbeat]:
+    def _active(self, obs: Observation) -> RankColumns:
         """Return the ranks stepping in ``obs``, as :meth:`check` found them (see _step_on)."""
         if self._active_of is None or self._active_of[0] is not obs:
             self._active_of = (obs, self._step_on(obs))
@@ -388,7 +388,7 @@ class Detector:
     def _throughput_degraded(self, obs: Observation) -> Fault | None:
         if self._throughput is None:
             return None
-        fault = self._throughput.check(self._active(obs), len(obs.heartbeats), obs.now)
+        fault = self._throughput.check(self._active(obs).beats, len(obs.heartbeats), obs.now)
         if fault is None or FaultKind.STRAGGLER not in self.enabled:
             return fault
         return self._links.attribute(fault)  # a straggler of the node whose link is slow

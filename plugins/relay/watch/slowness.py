@@ -50,8 +50,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from relay.core.faults import Fault, FaultKind
 from relay.policy.model import MIN_SLOW_STEPS, StragglerDetection, ThroughputDetection
+from relay.watch.columns import RankArrays, RankColumns
 from relay.watch.spread import RateSpread, RatioSpread, UsualWork, work
 from relay_train.protocol.heartbeat import Heartbeat
 
@@ -142,8 +145,10 @@ class StragglerRule:
         self._runs: dict[int, _SlowRun] = {}
         # When two ranks were first seen stepping; -inf: past start-up before we looked.
         self._stepping_since: float | None = -math.inf if settled else None
-        # rank -> (step, compute_total, when) at the last poll: the exact excess (above)
-        self._totals: dict[int, tuple[int, float, float]] = {}
+        # per rank: its step, compute_total less CPU waits and when, at the last poll that
+        # moved it on: the exact excess (above); arrays indexed by rank (relay.watch.columns)
+        self._totals = RankArrays(step=(np.int64, 0), total=(np.float64, 0.0),
+                                  when=(np.float64, 0.0))
         self._spread = RatioSpread(rule.ratio)  # the ratio in force (relay.watch.spread)
 
     @property
@@ -151,42 +156,45 @@ class StragglerRule:
         """Return the ratio in force: the policy's, raised by the job's own spread."""
         return self._spread.ratio
 
-    def _interval_excess(self, active: list[Heartbeat], now: float
+    def _interval_excess(self, cols: RankColumns, now: float
                          ) -> Callable[[int], float | None]:
         """Return ``rank ->`` its compute beyond the others' median over the steps it
         finished since the last poll (at most the time that passed; None where a figure is
-        unknown); remember this poll's totals for the next. Only the ranks over the ratio
-        are asked: the figure is worked out for those alone."""
-        # rank -> its compute per step over the interval, and its totals at the interval's
-        # start (the tuple kept from then: no new one a rank a poll for the collector to walk)
-        per_step: dict[int, float] = {}
-        before: dict[int, tuple[int, float, float]] = {}
+        unknown); remember this poll's totals for the next. Over the stepping ranks'
+        columns; only the ranks over the ratio are asked."""
         totals = self._totals
-        for beat in active:
-            total = beat.compute_total
-            if total is None:
-                continue
-            total -= beat.cpu_wait_total or 0.0  # the work's alone (relay.watch.spread.work)
-            rank, step = beat.rank, beat.step
-            seen = totals.get(rank)
-            if seen is not None:
-                if step == seen[0]:
-                    continue
-                if step > seen[0] and total >= seen[1]:
-                    per_step[rank] = (total - seen[1]) / (step - seen[0])
-                    before[rank] = seen
-            totals[rank] = (step, total, now)
+        totals.fit(cols.rank)
+        rank, step = cols.rank, cols.step
+        total = cols.compute_total - cols.cpu_wait_total  # the work's alone (spread.work)
+        seen = totals.seen[rank]
+        last_step, last_total = totals["step"][rank], totals["total"][rank]
+        since = totals["when"][rank]
+        moved = ~np.isnan(total) & ~(seen & (step == last_step))
+        on = moved & seen & (step > last_step) & (total >= last_total)
+        per_step = (total[on] - last_total[on]) / (step[on] - last_step[on])
+        steps, since = step[on] - last_step[on], since[on]
+        totals["step"][rank[moved]], totals["total"][rank[moved]] = step[moved], total[moved]
+        totals["when"][rank[moved]], totals.seen[rank[moved]] = now, True
         if len(per_step) < 2:
             return lambda _rank: None
-        others = leave_one_out(sorted(per_step.values()))
+        others = leave_one_out(sorted(per_step.tolist()))
+        row_of = np.full(len(totals.seen), -1, np.int64)
+        row_of[rank[on]] = np.arange(len(per_step))
 
-        def excess(rank: int) -> float | None:
-            if rank not in per_step:
+        def excess(of: int) -> float | None:
+            i = int(row_of[of]) if 0 <= of < len(row_of) else -1
+            if i < 0:
                 return None
-            p, (start, _, since) = per_step[rank], before[rank]
-            return min(max(p - others(p), 0.0) * (totals[rank][0] - start), now - since)
+            p = float(per_step[i])
+            return min(max(p - others(p), 0.0) * int(steps[i]), now - float(since[i]))
 
         return excess
+
+    def totals(self) -> dict[int, tuple[int, float, float]]:
+        """Return rank -> (step, compute_total less CPU waits, when) at its last move."""
+        t = self._totals
+        return {r: (int(t["step"][r]), float(t["total"][r]), float(t["when"][r]))
+                for r in np.flatnonzero(t.seen).tolist()}
 
     def _track(self, beat: Heartbeat, extra: float, now: float,
                exact: float | None) -> _SlowRun:
@@ -274,26 +282,27 @@ class StragglerRule:
                 return ratio
         return None
 
-    def check(self, active: list[Heartbeat], now: float) -> Fault | None:
-        """Return a straggler fault once one is due (``active``: the stepping ranks)."""
-        active = [b for b in active if b.compute_seconds]
+    def check(self, stepping: RankColumns, now: float) -> Fault | None:
+        """Return a straggler fault once one is due (``stepping``: the stepping ranks)."""
+        cols = stepping.subset(stepping.compute_seconds != 0.0)  # those that say a figure
+        active = cols.beats
         judged = len(active) >= 2
         if self._held.since:  # (the set of 8,192 ranks only when a clock may need it)
-            stepping = {b.rank for b in active} if judged else set()
-            for rank in [r for r in self._held.since if r not in stepping]:
+            ranks = set(cols.rank.tolist()) if judged else set()
+            for rank in [r for r in self._held.since if r not in ranks]:
                 # Not stepping now (a boundary's publish, a node whose answer is late): how
                 # long a rank has been over the ratio counts only while it is seen stepping,
                 # or the first poll after a pause would find it "slow" for the whole pause.
                 self._held.pause(rank)
         if not judged:
             return None
-        exact = self._interval_excess(active, now)
+        exact = self._interval_excess(cols, now)
         if self._stepping_since is None:
             self._stepping_since = now
         if now - self._stepping_since < self.rule.sustained:
             return None  # start-up: nothing held, nothing lost yet
-        # work(b), inlined: 8,192 ranks a poll at 1,024 nodes
-        values = [(b.compute_seconds or 0.0) - (b.cpu_wait_seconds or 0.0) for b in active]
+        works = cols.compute_seconds - cols.cpu_wait_seconds  # work(b), over the columns
+        values = works.tolist()
         ordered = sorted(values)
         median_of_others = leave_one_out(ordered)
         spread, limit = self._spread, self._spread.ratio
@@ -311,11 +320,12 @@ class StragglerRule:
         due: list[tuple[float, float]] = []  # (lost, held) of each rank whose run is due
         slow: list[Heartbeat] = []  # the ranks over the ratio, judged this poll
         ratios: dict[int, float] = {}
-        for beat, value in zip(active, values, strict=True):
-            if value > bound or beat.rank in tracked:
-                others = median_of_others(value)
-                ratios[beat.rank] = self._judge(beat, value, others, now, exact(beat.rank),
-                                                due, slow)
+        looked = (works > bound) | np.isin(cols.rank, list(tracked))
+        for i in np.flatnonzero(looked).tolist():
+            beat, value = active[i], values[i]
+            others = median_of_others(value)
+            ratios[beat.rank] = self._judge(beat, value, others, now, exact(beat.rank),
+                                            due, slow)
         spread.add(self._highest_under(ordered, median_of_others, active),
                    ordered[len(ordered) // 2])
         if not due:

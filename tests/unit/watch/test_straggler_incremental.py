@@ -15,26 +15,34 @@ import pytest
 
 from relay.core.faults import Fault
 from relay.policy.model import StragglerDetection
+from relay.watch.columns import RankColumns
 from relay.watch.slowness import StragglerRule, leave_one_out
 from relay.watch.spread import work
 from relay_train.protocol.heartbeat import Heartbeat, Phase
 
 
 class FullPass(StragglerRule):
-    """The rule judging every rank every poll (the reference)."""
+    """The rule judging every rank every poll, one Python record a rank (the reference)."""
 
-    def _interval_excess(self, active: list[Heartbeat], now: float):  # type: ignore[no-untyped-def, override]
+    def __init__(self, rule: StragglerDetection) -> None:
+        super().__init__(rule)
+        self._ref_totals: dict[int, tuple[int, float, float]] = {}
+
+    def totals(self) -> dict[int, tuple[int, float, float]]:
+        return dict(self._ref_totals)
+
+    def _interval_excess(self, cols: RankColumns, now: float):  # type: ignore[no-untyped-def, override]
         per_step: dict[int, tuple[float, int, float]] = {}
-        for beat in active:
+        for beat in cols.beats:
             if beat.compute_total is None:
                 continue
             total = beat.compute_total - (beat.cpu_wait_total or 0.0)  # the work's alone
-            seen = self._totals.get(beat.rank)
+            seen = self._ref_totals.get(beat.rank)
             if seen is not None and beat.step > seen[0] and total >= seen[1]:
                 steps = beat.step - seen[0]
                 per_step[beat.rank] = ((total - seen[1]) / steps, steps, seen[2])
             if seen is None or beat.step != seen[0]:
-                self._totals[beat.rank] = (beat.step, total, now)
+                self._ref_totals[beat.rank] = (beat.step, total, now)
         if len(per_step) < 2:
             return lambda _rank: None
         others = leave_one_out(sorted(p for p, _, _ in per_step.values()))
@@ -42,14 +50,14 @@ class FullPass(StragglerRule):
                  for rank, (p, steps, since) in per_step.items()}
         return exact.get
 
-    def check(self, active: list[Heartbeat], now: float) -> Fault | None:
-        active = [b for b in active if b.compute_seconds]
+    def check(self, stepping: RankColumns, now: float) -> Fault | None:
+        active = [b for b in stepping.beats if b.compute_seconds]
         judged = {b.rank for b in active} if len(active) >= 2 else set()
         for rank in [r for r in self._held.since if r not in judged]:
             self._held.pause(rank)
         if not judged:
             return None
-        exact = self._interval_excess(active, now)
+        exact = self._interval_excess(RankColumns.of(active), now)
         if self._stepping_since is None:
             self._stepping_since = now
         if now - self._stepping_since < self.rule.sustained:
@@ -115,7 +123,7 @@ def _polls(seed: int, ranks: int, polls: int) -> list[tuple[float, list[Heartbea
 
 def _state(rule: StragglerRule) -> tuple[object, ...]:
     runs = {r: vars(run) for r, run in rule._runs.items()}
-    return (runs, dict(rule._held.since), set(rule._held.paused), dict(rule._totals),
+    return (runs, dict(rule._held.since), set(rule._held.paused), rule.totals(),
             rule.ratio, dict(rule._spread._ended))
 
 
@@ -125,7 +133,8 @@ def test_judging_only_the_ranks_over_the_ratio_equals_a_pass_over_every_rank(see
     fast, full = StragglerRule(policy), FullPass(policy)
     slow_seen = False
     for now, beats in _polls(seed, ranks=4 + seed * 4, polls=80):
-        got, want = fast.check(list(beats), now), full.check(list(beats), now)
+        got = fast.check(RankColumns.of(beats), now)
+        want = full.check(RankColumns.of(beats), now)
         assert (got is None) == (want is None), f"poll at {now}"
         assert _state(fast) == _state(full), f"poll at {now}"
         slow_seen = slow_seen or bool(fast._runs)

@@ -8,6 +8,12 @@ a poll (:meth:`Observation.columns <relay.watch.observation.Observation.columns>
 :class:`RankArrays` keeps a rule's per-rank figures indexed by rank. A rule then finds
 the few ranks worth a closer look (a stall, a step that moved) with array operations,
 and looks at those alone.
+
+On columns: the stepping ranks (:class:`~relay.watch.detection.Detector`), the lockstep
+proof, the step-time samples, the hang rule, the silent ranks, ``due_at`` and the
+straggler rule. Not yet: the NaN and throughput rules, and the summaries themselves,
+which are still decoded into one heartbeat object a rank before the columns are read
+off them (``relay.launchers.agent_groups.decode_node``).
 """
 
 from __future__ import annotations

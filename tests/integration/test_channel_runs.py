@@ -33,6 +33,8 @@ from relay.recover.ask_rescue import request_rescue
 from relay.recover.evidence import ask_for_evidence, collect_evidence
 from relay.tools.bench.common import TINY_MODEL, Store, launch_config, launched, node_ranks, watch
 from relay.tools.mlflow_server import mlflow_server as running_mlflow_server
+from relay.watch.detection import Detector
+from relay.watch.observation import Observation
 from relay.watch.triggers import observe_attempt
 from relay_train.protocol.env import ENV_CLOCK_SKEW
 from relay_train.protocol.heartbeat import read_heartbeats
@@ -179,6 +181,18 @@ def test_a_frozen_node_resumed_after_its_attempt_was_replaced_is_refused(
     lineage = Lineage(mlflow_server, tmp_path / "unused")
     parent = lineage.parent_run("fence", "relay_fence", "run-1")
     old = _attempt(lineage, parent, tmp_path, 1, "node-a", end_step=100_000)
+    # The node must freeze once the watcher has seen its ranks step: frozen before that,
+    # it is called at startup_timeout as a launch that never got going (Detector._first_step).
+    # A checkpoint in MLflow is no proof (25 fast steps can pass between two polls).
+    stepping, check = threading.Event(), Detector.check
+
+    def watching(detector: Detector, obs: Observation) -> Fault | None:
+        beats = obs.heartbeats.values()
+        if len(beats) == 2 and all(b.step > 0 and b.phase != "starting" for b in beats):
+            stepping.set()
+        return check(detector, obs)
+
+    monkeypatch.setattr(Detector, "check", watching)
     launcher = LocalLauncher()
     launcher.launch(old)
     new = None
@@ -188,6 +202,7 @@ def test_a_frozen_node_resumed_after_its_attempt_was_replaced_is_refused(
     watcher.start()
     try:
         _wait("a first checkpoint", lambda: lineage._published_dirs(old.run_id))
+        assert stepping.wait(240), "the watcher never saw both ranks step"
         launcher.signal_node(Attempt(old.root), "node-a", signal.SIGSTOP)  # the node freezes
         watcher.join(timeout=120)
         assert events and events[0]["fault"]["kind"] == "node_unresponsive", events

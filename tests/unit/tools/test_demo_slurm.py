@@ -8,7 +8,7 @@ from pathlib import Path
 from relay.core import settings
 from relay.spec.job import load_job_spec
 from relay.tools.demo import DEMO_FAULTS
-from relay.tools.demo_slurm import JOB, slurm_faults, slurm_spec
+from relay.tools.demo_slurm import JOB, SLURM_STRAGGLER_FACTOR, slurm_faults, slurm_spec
 from relay.tools.testbed import TestBed
 
 
@@ -26,6 +26,11 @@ def test_the_slurm_demo_runs_the_local_demos_job_and_faults_on_the_beds_nodes(
 
     faults = slurm_faults(DEMO_FAULTS)
     assert [f["chaos"].get("node") for f in faults] == [None, "node2", "node4"]
-    assert [{k: v for k, v in f["chaos"].items() if k != "node"} for f in faults] == \
-        [{k: v for k, v in f["chaos"].items() if k != "node"} for f in DEMO_FAULTS]
+    assert [{k: v for k, v in f["chaos"].items() if k not in ("node", "factor")}
+            for f in faults] == \
+        [{k: v for k, v in f["chaos"].items() if k not in ("node", "factor")}
+         for f in DEMO_FAULTS]
+    straggler = faults[2]["chaos"]["factor"]
+    assert straggler == SLURM_STRAGGLER_FACTOR > DEMO_FAULTS[2]["chaos"]["factor"]
+    assert f"{SLURM_STRAGGLER_FACTOR:g}x slower" in faults[2]["what"]
     assert "node2" in faults[1]["what"] and "node-b" not in faults[1]["what"]

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
-from functools import cached_property
+from collections.abc import Callable, Iterable
+from operator import attrgetter
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +44,36 @@ Flags = npt.NDArray[np.bool_]
 def code_of(phase: str) -> int:
     """Return the code :class:`RankColumns` gives ``phase``."""
     return PHASE_CODES.get(phase, UNKNOWN_PHASE)
+
+
+class _Field:
+    """One field of :class:`RankColumns`: read off every record the first time a rule asks
+    for it (in a subset, indexed from its parent's), then kept on the columns.
+    ``missing`` stands for a None; ``convert`` maps the values read."""
+
+    def __init__(self, dtype: type, missing: float | None = None,
+                 convert: Callable[[list[Any]], list[Any]] | None = None) -> None:
+        self.dtype, self.missing, self.convert = dtype, missing, convert
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, cols: RankColumns | None, owner: type) -> Any:  # noqa: ANN401
+        if cols is None:
+            return self
+        if cols._parent is not None:  # noqa: SLF001 - the columns' own
+            value = getattr(cols._parent, self.name)[cols._index]  # noqa: SLF001
+        else:
+            values = list(map(attrgetter(self.name), cols.beats))
+            if self.missing is not None:
+                missing = self.missing
+                values = [missing if v is None else v for v in values]
+            if self.convert is not None:
+                values = self.convert(values)
+            value = np.array(values, self.dtype)
+        cols.__dict__[self.name] = value  # (a non-data descriptor: found there from now on)
+        return value
 
 
 class RankColumns:
@@ -68,68 +99,16 @@ class RankColumns:
             rank = np.array([b.rank for b in beats], np.int64)
         return cls(beats, rank)
 
-    # (list comprehensions, then arrays: faster here than np.fromiter over a generator)
-    @cached_property
-    def step(self) -> Ints:
-        if self._parent is not None:
-            return self._parent.step[self._index]
-        return np.array([b.step for b in self.beats], np.int64)
-
-    @cached_property
-    def phase(self) -> npt.NDArray[np.int8]:
-        """PHASE_CODES, UNKNOWN_PHASE for any other."""
-        if self._parent is not None:
-            return self._parent.phase[self._index]
-        codes = PHASE_CODES.get
-        return np.array([codes(b.phase, UNKNOWN_PHASE) for b in self.beats], np.int8)
-
-    @cached_property
-    def wall_clock(self) -> Floats:
-        if self._parent is not None:
-            return self._parent.wall_clock[self._index]
-        return np.array([b.wall_clock for b in self.beats], np.float64)
-
-    @cached_property
-    def phase_started_at(self) -> Floats:
-        if self._parent is not None:
-            return self._parent.phase_started_at[self._index]
-        return np.array([b.phase_started_at for b in self.beats], np.float64)
-
-    @cached_property
-    def phase_cpu_wait(self) -> Floats:
-        """0 where the rank did not say."""
-        if self._parent is not None:
-            return self._parent.phase_cpu_wait[self._index]
-        return np.array([b.phase_cpu_wait or 0.0 for b in self.beats], np.float64)
-
-    @cached_property
-    def cpu_wait_total(self) -> Floats:
-        """0 where the rank did not say."""
-        if self._parent is not None:
-            return self._parent.cpu_wait_total[self._index]
-        return np.array([b.cpu_wait_total or 0.0 for b in self.beats], np.float64)
-
-    @cached_property
-    def compute_seconds(self) -> Floats:
-        """0 where the rank did not say."""
-        if self._parent is not None:
-            return self._parent.compute_seconds[self._index]
-        return np.array([b.compute_seconds or 0.0 for b in self.beats], np.float64)
-
-    @cached_property
-    def cpu_wait_seconds(self) -> Floats:
-        """0 where the rank did not say."""
-        if self._parent is not None:
-            return self._parent.cpu_wait_seconds[self._index]
-        return np.array([b.cpu_wait_seconds or 0.0 for b in self.beats], np.float64)
-
-    @cached_property
-    def compute_total(self) -> Floats:
-        """NaN where the rank did not say (an older worker)."""
-        if self._parent is not None:
-            return self._parent.compute_total[self._index]
-        return np.array([math.nan if b.compute_total is None else b.compute_total
-                         for b in self.beats], np.float64)
+    step = _Field(np.int64)
+    phase = _Field(np.int8, convert=lambda phases: [  # PHASE_CODES, else UNKNOWN_PHASE
+        PHASE_CODES.get(p, UNKNOWN_PHASE) for p in phases])
+    wall_clock = _Field(np.float64)
+    phase_started_at = _Field(np.float64)
+    phase_cpu_wait = _Field(np.float64, missing=0.0)  # 0 where the rank did not say
+    cpu_wait_total = _Field(np.float64, missing=0.0)
+    compute_seconds = _Field(np.float64, missing=0.0)
+    cpu_wait_seconds = _Field(np.float64, missing=0.0)
+    compute_total = _Field(np.float64, missing=math.nan)  # NaN: not said (an older worker)
 
     def __len__(self) -> int:
         return len(self.beats)
@@ -177,3 +156,11 @@ class RankArrays:
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.arrays[name]
+
+    def by_rank(self, *names: str, where: Flags | None = None) -> dict[int, Any]:
+        """Return rank -> its figures ``names`` (a tuple; the figure, for one name), for
+        every rank seen (and marked by ``where``): what a rule kept, for its tests."""
+        ranks = np.flatnonzero(self.seen if where is None else self.seen & where)
+        columns = [self.arrays[n][ranks].tolist() for n in names]
+        figures = columns[0] if len(names) == 1 else list(zip(*columns, strict=True))
+        return dict(zip(ranks.tolist(), figures, strict=True))

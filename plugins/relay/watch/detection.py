@@ -370,9 +370,7 @@ class Detector:
 
     def stepped(self) -> dict[int, tuple[int, float]]:
         """Return rank -> its step and when this detector saw it reached."""
-        ranks = np.flatnonzero(self._stepped.seen).tolist()
-        return {r: (int(self._stepped["step"][r]), float(self._stepped["at"][r]))
-                for r in ranks}
+        return self._stepped.by_rank("step", "at")
 
     def _active(self, obs: Observation) -> RankColumns:
         """Return the ranks stepping in ``obs``, as :meth:`check` found them (see _step_on)."""

@@ -49,12 +49,11 @@ class Lockstep:
     def moved_after(self) -> dict[int, float]:
         """Return rank -> the wall clock of its last record before its step last moved on."""
         after = self._last["moved_after"]
-        return {r: float(after[r]) for r in np.flatnonzero(after > -math.inf).tolist()}
+        return self._last.by_rank("moved_after", where=after > -math.inf)
 
     def last_seen(self) -> dict[int, tuple[int, float]]:
         """Return rank -> the step and wall clock last seen."""
-        ranks = np.flatnonzero(self._last.seen).tolist()
-        return {r: (int(self._last["step"][r]), float(self._last["at"][r])) for r in ranks}
+        return self._last.by_rank("step", "at")
 
     def alive_since(self, nodes: list[str], node_of: Callable[[int], str | None],
                     ) -> dict[str, float]:

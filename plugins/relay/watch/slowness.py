@@ -192,9 +192,7 @@ class StragglerRule:
 
     def totals(self) -> dict[int, tuple[int, float, float]]:
         """Return rank -> (step, compute_total less CPU waits, when) at its last move."""
-        t = self._totals
-        return {r: (int(t["step"][r]), float(t["total"][r]), float(t["when"][r]))
-                for r in np.flatnonzero(t.seen).tolist()}
+        return self._totals.by_rank("step", "total", "when")
 
     def _track(self, beat: Heartbeat, extra: float, now: float,
                exact: float | None) -> _SlowRun:

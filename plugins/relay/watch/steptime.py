@@ -109,12 +109,11 @@ class StepTimes:
 
     def last_seen(self) -> dict[int, tuple[int, float]]:
         """Return rank -> its step and clock when last seen moving on."""
-        ranks = np.flatnonzero(self._last.seen).tolist()
-        return {r: (int(self._last["step"][r]), float(self._last["at"][r])) for r in ranks}
+        return self._last.by_rank("step", "at")
 
     def checkpointed(self) -> set[int]:
         """Return the ranks whose open interval saw a checkpoint."""
-        return set(np.flatnonzero(self._last["checkpointed"] & self._last.seen).tolist())
+        return set(self._last.by_rank("step", where=self._last["checkpointed"]))
 
     @property
     def step_time(self) -> float | None:
